@@ -1,0 +1,373 @@
+"""The MPI backend: host arrays through mpi4py's nonblocking collectives.
+
+Every method starts one (or a few) nonblocking MPI calls on the group's private
+communicator and returns a Work.  Arrays MPI cannot use as they are (non-contiguous
+views, float16/bfloat16 reductions, PREMUL_SUM scaling) go through a staging buffer
+whose result the Work writes back into the caller's array when it completes.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from mpi4py import MPI
+
+from ..arrays import SUPPORTED_DTYPES, family, movable
+from ..errors import located
+from ..ops import ReduceOp
+from ..work import Work
+from .base import Backend
+
+__all__ = ["MPIBackend"]
+
+_IN_PLACE = MPI.IN_PLACE
+_F32 = np.dtype(np.float32)
+_U8 = np.dtype(np.uint8)
+
+
+class _Plan:
+    """How one (dtype, ReduceOp) pair is reduced by MPI."""
+
+    __slots__ = ("mpi_op", "view", "upcast", "avg", "premul", "simple")
+
+    def __init__(self, mpi_op, view=None, upcast=None, avg=None, premul=False):
+        self.mpi_op = mpi_op
+        self.view = view        # reinterpret as this dtype (bool as uint8), no copy
+        self.upcast = upcast    # reduce a copy in this dtype (float16/bfloat16 in float32)
+        self.avg = avg          # None, or how to divide the sum by the group size
+        self.premul = premul    # scale a copy of the input by the op's factor first
+        self.simple = upcast is None and avg is None and not premul
+
+
+_MPI_OPS = {"SUM": MPI.SUM, "PRODUCT": MPI.PROD, "MIN": MPI.MIN, "MAX": MPI.MAX,
+            "BAND": MPI.BAND, "BOR": MPI.BOR, "BXOR": MPI.BXOR}
+_BITWISE = ("BAND", "BOR", "BXOR")
+# bool arrays are reduced as uint8 0/1 values: sum and max are "or", product and min "and".
+_BOOL_OPS = {"SUM": MPI.MAX, "PRODUCT": MPI.MIN, "MIN": MPI.MIN, "MAX": MPI.MAX,
+             "BAND": MPI.BAND, "BOR": MPI.BOR, "BXOR": MPI.BXOR}
+
+
+def _plan_for(dtype: np.dtype, name: str) -> _Plan | str:
+    """The plan, or the reason the pair is refused (one sentence)."""
+    fam = family(dtype)
+    if fam == "bool":
+        if name in _BOOL_OPS:
+            return _Plan(_BOOL_OPS[name], view=_U8)
+        return f"ReduceOp.{name} is not defined for bool arrays"
+    if fam in ("int", "uint"):
+        if name in _MPI_OPS:
+            return _Plan(_MPI_OPS[name])
+        if name == "AVG":
+            return _Plan(MPI.SUM, avg=fam)
+        return f"ReduceOp.{name} needs a floating point or complex dtype, got {dtype}"
+    if name in _BITWISE:
+        return f"ReduceOp.{name} needs an integer or bool dtype, got {dtype}"
+    if fam == "complex" and name in ("MIN", "MAX"):
+        return f"ReduceOp.{name} is not defined for complex arrays ({dtype})"
+    upcast = _F32 if fam == "half" else None
+    if name == "AVG":
+        return _Plan(MPI.SUM, upcast=upcast, avg="float")
+    if name == "PREMUL_SUM":
+        return _Plan(MPI.SUM, upcast=upcast, premul=True)
+    return _Plan(_MPI_OPS[name], upcast=upcast)
+
+
+# Built once: plans by op name, then by dtype.  Refusals are stored as strings.
+_PLANS: dict[str, dict[np.dtype, _Plan | str]] = {
+    name: {dt: _plan_for(dt, name) for dt in SUPPORTED_DTYPES} for name in _MPI_OPS
+}
+for _name in ("AVG", "PREMUL_SUM"):
+    _PLANS[_name] = {dt: _plan_for(dt, _name) for dt in SUPPORTED_DTYPES}
+
+
+def _avg_float(buf, n):
+    buf /= n
+
+
+def _avg_uint(buf, n):
+    buf //= n
+
+
+def _avg_int(buf, n):
+    # NCCL truncates toward zero; floor division rounds negative quotients down.
+    fix = (buf < 0) & (np.remainder(buf, n) != 0)
+    buf //= n
+    np.add(buf, fix, out=buf, casting="unsafe")
+
+
+_AVG = {"float": _avg_float, "uint": _avg_uint, "int": _avg_int}
+
+
+def _factor(op: ReduceOp):
+    f = op.factor
+    if hasattr(f, "shape"):
+        f = f.reshape(()).item() if hasattr(f, "reshape") else f.item()
+    return f
+
+
+def _mview(buf: np.ndarray, plan: _Plan) -> np.ndarray:
+    return buf if plan.view is None else buf.view(plan.view)
+
+
+def _counts_displs(counts: list[int]) -> tuple[list[int], list[int]]:
+    displs, total = [], 0
+    for c in counts:
+        displs.append(total)
+        total += c
+    return counts, displs
+
+
+def _pack(arrays: list, dtype: np.dtype) -> np.ndarray:
+    """Concatenate arrays, flattened, into one new buffer of ``dtype``."""
+    total = sum(a.size for a in arrays)
+    buf = np.empty(total, dtype)
+    pos = 0
+    for a in arrays:
+        buf[pos:pos + a.size] = a.reshape(-1)
+        pos += a.size
+    return buf
+
+
+def _unpack_into(outputs: list, buf: np.ndarray) -> None:
+    pos = 0
+    for o in outputs:
+        np.copyto(o, buf[pos:pos + o.size].reshape(o.shape), casting="unsafe")
+        pos += o.size
+
+
+def _contig(a: np.ndarray) -> np.ndarray:
+    return a if a.flags.c_contiguous else np.ascontiguousarray(a)
+
+
+def _recv_buffer(out: np.ndarray, dtype=None) -> np.ndarray:
+    """Where MPI writes a result for ``out``: ``out`` itself when it can."""
+    if dtype is None and out.flags.c_contiguous:
+        return out
+    return np.empty(out.shape, dtype or out.dtype)
+
+
+class MPIBackend(Backend):
+    """MPI collectives and point-to-point operations on host (numpy) arrays."""
+
+    name = "mpi"
+
+    def __init__(self, group):
+        super().__init__(group)
+        self.comm = group._comm
+        self.rank = group._rank
+        self.size = group._size
+
+    # -- helpers -----------------------------------------------------------------
+
+    def _plan(self, dtype: np.dtype, op, opname: str) -> _Plan:
+        try:
+            plan = _PLANS[op.name][dtype]
+        except (KeyError, AttributeError):
+            if not isinstance(op, ReduceOp):
+                raise located(TypeError, opname, f"op must be a ReduceOp, got {type(op).__name__}",
+                              self.group) from None
+            raise located(ValueError, opname, f"{op!r} cannot be used as a reduction",
+                          self.group) from None
+        if type(plan) is str:
+            raise located(TypeError, opname, plan, self.group)
+        if plan.premul:
+            if op.factor is None:
+                raise located(ValueError, opname, "PREMUL_SUM needs a factor: use "
+                              "spmd.make_premul_sum(factor)", self.group)
+            if isinstance(_factor(op), complex) and family(dtype) != "complex":
+                raise located(TypeError, opname, f"a complex PREMUL_SUM factor cannot scale "
+                              f"{dtype} arrays", self.group)
+        return plan
+
+    @staticmethod
+    def _stage(a: np.ndarray, plan: _Plan, op, may_modify: bool) -> np.ndarray:
+        """The buffer MPI reduces: ``a`` itself when possible, else a prepared copy."""
+        if plan.upcast is not None:
+            buf = a.astype(plan.upcast)
+        elif a.flags.c_contiguous and (may_modify or not plan.premul):
+            buf = a
+        else:
+            buf = np.array(a, order="C")
+        if plan.premul:
+            np.multiply(buf, _factor(op), out=buf, casting="unsafe")
+        return buf
+
+    def _finisher(self, out: np.ndarray, buf: np.ndarray, plan: _Plan):
+        """What completion does: divide for AVG, copy a staged result back into ``out``."""
+        avg = _AVG[plan.avg] if plan.avg else None
+        if buf is out and avg is None:
+            return None
+        n = self.size
+
+        def finish():
+            if avg is not None:
+                avg(buf, n)
+            if buf is not out:
+                np.copyto(out, buf, casting="unsafe")
+
+        return finish
+
+    def _work(self, reqs, op, outputs, finish=None, keep=None, status=None) -> Work:
+        return Work(reqs, op, self.group, outputs, finish, keep, status)
+
+    # -- reductions --------------------------------------------------------------
+
+    def all_reduce(self, a, op):
+        plan = self._plan(a.dtype, op, "all_reduce")
+        if plan.simple and a.flags.c_contiguous:
+            req = self.comm.Iallreduce(_IN_PLACE, a if plan.view is None else a.view(plan.view),
+                                       plan.mpi_op)
+            return Work([req], "all_reduce", self.group, [a], None, a)
+        buf = self._stage(a, plan, op, True)
+        req = self.comm.Iallreduce(_IN_PLACE, _mview(buf, plan), plan.mpi_op)
+        return self._work([req], "all_reduce", [a], self._finisher(a, buf, plan), buf)
+
+    def all_reduce_coalesced(self, tensors, op):
+        by_dtype: dict[np.dtype, list] = {}
+        for t in tensors:
+            by_dtype.setdefault(t.dtype, []).append(t)
+        plans = {dt: self._plan(dt, op, "all_reduce_coalesced") for dt in by_dtype}
+        reqs, finishes, keep = [], [], []
+        for dt, arrays in by_dtype.items():
+            plan = plans[dt]
+            buf = _pack(arrays, plan.upcast or dt)
+            if plan.premul:
+                np.multiply(buf, _factor(op), out=buf, casting="unsafe")
+            reqs.append(self.comm.Iallreduce(_IN_PLACE, _mview(buf, plan), plan.mpi_op))
+            keep.append(buf)
+            finishes.append((arrays, buf, _AVG[plan.avg] if plan.avg else None))
+        n = self.size
+
+        def finish():
+            for arrays, buf, avg in finishes:
+                if avg is not None:
+                    avg(buf, n)
+                _unpack_into(arrays, buf)
+
+        return self._work(reqs, "all_reduce_coalesced", list(tensors), finish, keep)
+
+    def reduce(self, a, root, op):
+        plan = self._plan(a.dtype, op, "reduce")
+        is_root = self.rank == root
+        buf = self._stage(a, plan, op, is_root)
+        if is_root:
+            req = self.comm.Ireduce(_IN_PLACE, _mview(buf, plan), plan.mpi_op, root)
+            return self._work([req], "reduce", [a], self._finisher(a, buf, plan), buf)
+        req = self.comm.Ireduce(_mview(buf, plan), None, plan.mpi_op, root)
+        return self._work([req], "reduce", [a], None, buf)
+
+    def reduce_scatter_tensor(self, out, a, op):
+        plan = self._plan(a.dtype, op, "reduce_scatter_tensor")
+        buf = self._stage(a, plan, op, False)
+        rbuf = _recv_buffer(out, plan.upcast)
+        req = self.comm.Ireduce_scatter_block(_mview(buf, plan), _mview(rbuf, plan), plan.mpi_op)
+        return self._work([req], "reduce_scatter_tensor", [out],
+                          self._finisher(out, rbuf, plan), (buf, rbuf))
+
+    def reduce_scatter(self, out, inputs, op):
+        plan = self._plan(out.dtype, op, "reduce_scatter")
+        buf = _pack(inputs, plan.upcast or out.dtype)
+        if plan.premul:
+            np.multiply(buf, _factor(op), out=buf, casting="unsafe")
+        rbuf = _recv_buffer(out, plan.upcast)
+        counts = [x.size for x in inputs]
+        req = self.comm.Ireduce_scatter(_mview(buf, plan), _mview(rbuf, plan), counts, plan.mpi_op)
+        return self._work([req], "reduce_scatter", [out], self._finisher(out, rbuf, plan),
+                          (buf, rbuf))
+
+    # -- data movement -----------------------------------------------------------
+
+    def broadcast(self, a, root):
+        buf = _contig(a)
+        req = self.comm.Ibcast(movable(buf), root)
+        finish = None if buf is a or self.rank == root else (lambda: np.copyto(a, buf))
+        return self._work([req], "broadcast", [a], finish, buf)
+
+    def all_gather(self, outputs, a):
+        src = movable(_contig(a))
+        counts = [o.size for o in outputs]
+        rbuf = np.empty(sum(counts), a.dtype)
+        if counts.count(counts[0]) == len(counts):
+            req = self.comm.Iallgather(src, movable(rbuf))
+        else:
+            req = self.comm.Iallgatherv(src, [movable(rbuf), _counts_displs(counts)])
+        return self._work([req], "all_gather", list(outputs),
+                          lambda: _unpack_into(outputs, rbuf), (src, rbuf))
+
+    def all_gather_into_tensor(self, out, a):
+        src = movable(_contig(a))
+        rbuf = _recv_buffer(out)
+        req = self.comm.Iallgather(src, movable(rbuf))
+        finish = None if rbuf is out else (lambda: np.copyto(out, rbuf))
+        return self._work([req], "all_gather_into_tensor", [out], finish, (src, rbuf))
+
+    def all_gather_coalesced(self, output_lists, inputs):
+        # Arrays of any dtypes travel together as bytes: one collective for the batch.
+        sbuf = _pack([x.reshape(-1).view(_U8) if x.flags.c_contiguous
+                      else np.ascontiguousarray(x).reshape(-1).view(_U8) for x in inputs], _U8)
+        rbuf = np.empty(sbuf.size * self.size, _U8)
+        req = self.comm.Iallgather(sbuf, rbuf)
+
+        def finish():
+            rows = rbuf.reshape(self.size, -1)
+            for outs, row in zip(output_lists, rows):
+                pos = 0
+                for o in outs:
+                    nbytes = o.size * o.itemsize
+                    np.copyto(o, row[pos:pos + nbytes].view(o.dtype).reshape(o.shape))
+                    pos += nbytes
+
+        flat = [o for outs in output_lists for o in outs]
+        return self._work([req], "all_gather_coalesced", flat, finish, (sbuf, rbuf))
+
+    def gather(self, a, outputs, root):
+        src = movable(_contig(a))
+        if self.rank != root:
+            req = self.comm.Igather(src, None, root)
+            return self._work([req], "gather", [], None, src)
+        rbuf = np.empty(a.size * self.size, a.dtype)
+        req = self.comm.Igather(src, movable(rbuf), root)
+        return self._work([req], "gather", list(outputs),
+                          lambda: _unpack_into(outputs, rbuf), (src, rbuf))
+
+    def scatter(self, out, inputs, root):
+        rbuf = _recv_buffer(out)
+        sbuf = _pack(inputs, out.dtype) if self.rank == root else None
+        req = self.comm.Iscatter(None if sbuf is None else movable(sbuf), movable(rbuf), root)
+        finish = None if rbuf is out else (lambda: np.copyto(out, rbuf))
+        return self._work([req], "scatter", [out], finish, (sbuf, rbuf))
+
+    def all_to_all(self, outputs, inputs):
+        sbuf = _pack(inputs, inputs[0].dtype if inputs else outputs[0].dtype)
+        rcounts = [o.size for o in outputs]
+        rbuf = np.empty(sum(rcounts), sbuf.dtype)
+        req = self.comm.Ialltoallv([movable(sbuf), _counts_displs([x.size for x in inputs])],
+                                   [movable(rbuf), _counts_displs(rcounts)])
+        return self._work([req], "all_to_all", list(outputs),
+                          lambda: _unpack_into(outputs, rbuf), (sbuf, rbuf))
+
+    def all_to_all_single(self, out, a, output_counts, input_counts):
+        src = movable(_contig(a))
+        rbuf = _recv_buffer(out)
+        if input_counts is None:
+            req = self.comm.Ialltoall(src, movable(rbuf))
+        else:
+            req = self.comm.Ialltoallv([src, _counts_displs(input_counts)],
+                                       [movable(rbuf), _counts_displs(output_counts)])
+        finish = None if rbuf is out else (lambda: np.copyto(out, rbuf))
+        return self._work([req], "all_to_all_single", [out], finish, (src, rbuf))
+
+    def barrier(self):
+        return self._work([self.comm.Ibarrier()], "barrier", [])
+
+    # -- point to point ----------------------------------------------------------
+
+    def send(self, a, peer, tag):
+        buf = movable(_contig(a))
+        return self._work([self.comm.Isend(buf, peer, tag)], "send", [a], None, buf)
+
+    def recv(self, a, peer, tag):
+        buf = _recv_buffer(a)
+        status = MPI.Status()
+        req = self.comm.Irecv(movable(buf), MPI.ANY_SOURCE if peer is None else peer, tag)
+        finish = None if buf is a else (lambda: np.copyto(a, buf))
+        return self._work([req], "recv", [a], finish, buf, status)

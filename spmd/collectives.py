@@ -1,0 +1,377 @@
+"""Public collectives, with torch.distributed's names, arguments and semantics.
+
+Each function checks its arguments on the calling rank (before anything is sent),
+then hands validated arrays to the group's backend for their device, which starts
+nonblocking work.  ``async_op=True`` returns the Work; otherwise the call waits and
+returns None.  A rank that is not in ``group`` gets a warning and None, as in torch.
+
+Every rank of the group must make the same collective calls in the same order, with
+matching roots, dtypes, reduce ops and sizes; what one rank cannot see locally (a
+peer passing another shape) is caught by debug mode, not here.
+"""
+
+from __future__ import annotations
+
+from .arrays import array_in, array_list, array_out, same_dtype, same_size
+from .errors import located
+from .group import resolve
+from .ops import ReduceOp
+
+__all__ = [
+    "broadcast",
+    "all_reduce",
+    "all_reduce_coalesced",
+    "reduce",
+    "all_gather",
+    "all_gather_into_tensor",
+    "all_gather_coalesced",
+    "gather",
+    "scatter",
+    "reduce_scatter",
+    "reduce_scatter_tensor",
+    "all_to_all",
+    "all_to_all_single",
+    "barrier",
+]
+
+_SUM = ReduceOp.SUM
+
+
+def _done(work, async_op: bool):
+    if async_op:
+        return work
+    work.wait()
+    return None
+
+
+def root_rank(pg, op: str, root, group_root, arg: str, default: int | None = None) -> int:
+    """The group rank of a root given as a global rank (``src``/``dst``) or as a group
+    rank (``group_src``/``group_dst``); at most one of them may be given, and with
+    neither the root is the global rank ``default`` where torch has one (gather,
+    scatter and the object collectives use global rank 0)."""
+    if group_root is not None:
+        if root is not None:
+            raise located(ValueError, op, f"give either {arg} or group_{arg}, not both "
+                          f"(got {arg}={root}, group_{arg}={group_root})", pg)
+        if isinstance(group_root, bool) or not isinstance(group_root, int):
+            raise located(TypeError, op, f"group_{arg} must be an int, got "
+                          f"{type(group_root).__name__}", pg)
+        if not 0 <= group_root < pg._size:
+            raise located(ValueError, op, f"group_{arg}={group_root} is out of range "
+                          f"[0, {pg._size})", pg)
+        return group_root
+    if root is None:
+        root = default
+    if root is None:
+        raise located(ValueError, op, f"{arg} (a global rank) or group_{arg} (a group rank) "
+                      "must be given", pg)
+    if isinstance(root, bool) or not isinstance(root, int):
+        raise located(TypeError, op, f"{arg} must be an int (a global rank), got "
+                      f"{type(root).__name__}", pg)
+    r = pg._group_rank(root)
+    if r < 0:
+        raise located(ValueError, op, f"{arg}={root} is not a member of the group "
+                      f"(global ranks {list(pg._ranks)})", pg)
+    return r
+
+
+def _split_counts(splits, n: int, rows: int, row_size: int, op: str, arg: str, pg) -> list[int]:
+    if not isinstance(splits, (list, tuple)):
+        raise located(TypeError, op, f"{arg} must be a list of ints, got {type(splits).__name__}", pg)
+    if len(splits) != n:
+        raise located(ValueError, op, f"{arg} has {len(splits)} entries, expected {n} "
+                      "(the group size)", pg)
+    for s in splits:
+        if isinstance(s, bool) or not isinstance(s, int) or s < 0:
+            raise located(ValueError, op, f"{arg} must hold non-negative ints, got {list(splits)}", pg)
+    if sum(splits) != rows:
+        raise located(ValueError, op, f"{arg} adds up to {sum(splits)}, expected {rows} "
+                      "(the array's first dimension)", pg)
+    return [s * row_size for s in splits]
+
+
+def broadcast(tensor, src=None, group=None, async_op=False, group_src=None):
+    """Copy ``tensor`` from rank ``src`` into ``tensor`` on every rank of the group."""
+    pg = resolve(group, "broadcast")
+    if pg is None:
+        return None
+    root = root_rank(pg, "broadcast", src, group_src, "src")
+    a = array_out(tensor, "broadcast", "tensor", pg)
+    return _done(pg._backend_for("cpu").broadcast(a, root), async_op)
+
+
+def all_reduce(tensor, op=_SUM, group=None, async_op=False):
+    """Reduce ``tensor`` across the group with ``op``; every rank gets the result in place."""
+    pg = resolve(group, "all_reduce")
+    if pg is None:
+        return None
+    a = array_out(tensor, "all_reduce", "tensor", pg)
+    work = pg._backend_for("cpu").all_reduce(a, op)
+    if async_op:
+        return work
+    work.wait()
+    return None
+
+
+def all_reduce_coalesced(tensors, op=_SUM, group=None, async_op=False):
+    """All-reduce every array of ``tensors`` in place, packed into one call per dtype."""
+    pg = resolve(group, "all_reduce_coalesced")
+    if pg is None:
+        return None
+    arrays = array_list(tensors, "all_reduce_coalesced", "tensors", pg, None, out=True)
+    if not arrays:
+        raise located(ValueError, "all_reduce_coalesced", "tensors is empty", pg)
+    return _done(pg._backend_for("cpu").all_reduce_coalesced(arrays, op), async_op)
+
+
+def reduce(tensor, dst=None, op=_SUM, group=None, async_op=False, group_dst=None):
+    """Reduce ``tensor`` across the group into ``tensor`` on rank ``dst`` only."""
+    pg = resolve(group, "reduce")
+    if pg is None:
+        return None
+    root = root_rank(pg, "reduce", dst, group_dst, "dst")
+    a = (array_out if pg._rank == root else array_in)(tensor, "reduce", "tensor", pg)
+    return _done(pg._backend_for("cpu").reduce(a, root, op), async_op)
+
+
+def all_gather(tensor_list, tensor, group=None, async_op=False):
+    """Gather every rank's ``tensor`` into ``tensor_list`` on every rank.
+
+    Sizes may differ between ranks: ``tensor_list[i]`` must have rank i's size.
+    """
+    pg = resolve(group, "all_gather")
+    if pg is None:
+        return None
+    a = array_in(tensor, "all_gather", "tensor", pg)
+    outs = array_list(tensor_list, "all_gather", "tensor_list", pg, pg._size, out=True)
+    same_dtype(outs, a, "all_gather", "tensor_list", "tensor", pg)
+    if outs[pg._rank].size != a.size:
+        raise located(ValueError, "all_gather", f"tensor_list[{pg._rank}] has "
+                      f"{outs[pg._rank].size} elements, expected {a.size} (the size of tensor "
+                      "on this rank)", pg)
+    return _done(pg._backend_for("cpu").all_gather(outs, a), async_op)
+
+
+def all_gather_into_tensor(output_tensor, input_tensor, group=None, async_op=False):
+    """Gather every rank's ``input_tensor`` into ``output_tensor``, in rank order.
+
+    The output is the inputs concatenated along dimension 0 (shape ``[n*d0, ...]``) or
+    stacked (``[n, d0, ...]``); any shape with ``n`` times the input's elements works.
+    """
+    pg = resolve(group, "all_gather_into_tensor")
+    if pg is None:
+        return None
+    a = array_in(input_tensor, "all_gather_into_tensor", "input_tensor", pg)
+    out = array_out(output_tensor, "all_gather_into_tensor", "output_tensor", pg)
+    if out.dtype != a.dtype:
+        raise located(TypeError, "all_gather_into_tensor", f"output_tensor has dtype {out.dtype}, "
+                      f"expected {a.dtype} (the dtype of input_tensor)", pg)
+    if out.size != pg._size * a.size:
+        raise located(ValueError, "all_gather_into_tensor", f"output_tensor has {out.size} "
+                      f"elements, expected world_size ({pg._size}) x input ({a.size}) = "
+                      f"{pg._size * a.size}", pg)
+    return _done(pg._backend_for("cpu").all_gather_into_tensor(out, a), async_op)
+
+
+def all_gather_coalesced(output_tensor_lists, input_tensor_list, group=None, async_op=False):
+    """All-gather a list of arrays in one call: ``output_tensor_lists[i][j]`` receives
+    rank i's ``input_tensor_list[j]``."""
+    op = "all_gather_coalesced"
+    pg = resolve(group, op)
+    if pg is None:
+        return None
+    ins = array_list(input_tensor_list, op, "input_tensor_list", pg, None, out=False)
+    if not isinstance(output_tensor_lists, (list, tuple)) or len(output_tensor_lists) != pg._size:
+        got = len(output_tensor_lists) if isinstance(output_tensor_lists, (list, tuple)) else \
+            type(output_tensor_lists).__name__
+        raise located(ValueError, op, f"output_tensor_lists must be a list of {pg._size} lists "
+                      f"(the group size), got {got}", pg)
+    outs = []
+    for i, lst in enumerate(output_tensor_lists):
+        arrays = array_list(lst, op, f"output_tensor_lists[{i}]", pg, len(ins), out=True)
+        for j, (o, x) in enumerate(zip(arrays, ins)):
+            if o.dtype != x.dtype or o.size != x.size:
+                raise located(ValueError, op, f"output_tensor_lists[{i}][{j}] is {o.dtype} with "
+                              f"{o.size} elements, expected {x.dtype} with {x.size} (like "
+                              f"input_tensor_list[{j}])", pg)
+        outs.append(arrays)
+    return _done(pg._backend_for("cpu").all_gather_coalesced(outs, ins), async_op)
+
+
+def gather(tensor, gather_list=None, dst=None, group=None, async_op=False, group_dst=None):
+    """Gather every rank's ``tensor`` into ``gather_list`` on rank ``dst``.
+
+    ``gather_list`` must hold one array per rank on ``dst`` and be None (or empty)
+    elsewhere.
+    """
+    pg = resolve(group, "gather")
+    if pg is None:
+        return None
+    root = root_rank(pg, "gather", dst, group_dst, "dst", default=0)
+    a = array_in(tensor, "gather", "tensor", pg)
+    outs = None
+    if pg._rank == root:
+        if gather_list is None:
+            raise located(ValueError, "gather", "gather_list is required on the destination rank", pg)
+        outs = array_list(gather_list, "gather", "gather_list", pg, pg._size, out=True)
+        same_dtype(outs, a, "gather", "gather_list", "tensor", pg)
+        same_size(outs, a, "gather", "gather_list", "tensor", pg)
+    elif gather_list:
+        raise located(ValueError, "gather", "gather_list must be None or empty on ranks other "
+                      f"than the destination (group rank {root})", pg)
+    return _done(pg._backend_for("cpu").gather(a, outs, root), async_op)
+
+
+def scatter(tensor, scatter_list=None, src=None, group=None, async_op=False, group_src=None):
+    """Send ``scatter_list[i]`` from rank ``src`` into ``tensor`` on group rank i.
+
+    ``scatter_list`` must hold one array per rank on ``src`` and be None (or empty)
+    elsewhere.
+    """
+    pg = resolve(group, "scatter")
+    if pg is None:
+        return None
+    root = root_rank(pg, "scatter", src, group_src, "src", default=0)
+    out = array_out(tensor, "scatter", "tensor", pg)
+    ins = None
+    if pg._rank == root:
+        if scatter_list is None:
+            raise located(ValueError, "scatter", "scatter_list is required on the source rank", pg)
+        ins = array_list(scatter_list, "scatter", "scatter_list", pg, pg._size, out=False)
+        same_dtype(ins, out, "scatter", "scatter_list", "tensor", pg)
+        same_size(ins, out, "scatter", "scatter_list", "tensor", pg)
+    elif scatter_list:
+        raise located(ValueError, "scatter", "scatter_list must be None or empty on ranks other "
+                      f"than the source (group rank {root})", pg)
+    return _done(pg._backend_for("cpu").scatter(out, ins, root), async_op)
+
+
+def reduce_scatter(output, input_list, op=_SUM, group=None, async_op=False):
+    """Reduce ``input_list[i]`` across the group into ``output`` on group rank i.
+
+    Sizes may differ by destination: ``input_list[i]`` must have the size of rank i's
+    ``output`` on every rank.
+    """
+    pg = resolve(group, "reduce_scatter")
+    if pg is None:
+        return None
+    out = array_out(output, "reduce_scatter", "output", pg)
+    ins = array_list(input_list, "reduce_scatter", "input_list", pg, pg._size, out=False)
+    same_dtype(ins, out, "reduce_scatter", "input_list", "output", pg)
+    if ins[pg._rank].size != out.size:
+        raise located(ValueError, "reduce_scatter", f"input_list[{pg._rank}] has "
+                      f"{ins[pg._rank].size} elements, expected {out.size} (the size of output)", pg)
+    return _done(pg._backend_for("cpu").reduce_scatter(out, ins, op), async_op)
+
+
+def reduce_scatter_tensor(output, input, op=_SUM, group=None, async_op=False):  # noqa: A002
+    """Reduce ``input`` across the group and scatter it: group rank i gets the i-th of
+    ``n`` equal chunks (along dimension 0) in ``output``."""
+    pg = resolve(group, "reduce_scatter_tensor")
+    if pg is None:
+        return None
+    out = array_out(output, "reduce_scatter_tensor", "output", pg)
+    a = array_in(input, "reduce_scatter_tensor", "input", pg)
+    if out.dtype != a.dtype:
+        raise located(TypeError, "reduce_scatter_tensor", f"output has dtype {out.dtype}, "
+                      f"expected {a.dtype} (the dtype of input)", pg)
+    if a.size != pg._size * out.size:
+        raise located(ValueError, "reduce_scatter_tensor", f"input has {a.size} elements, "
+                      f"expected world_size ({pg._size}) x output ({out.size}) = "
+                      f"{pg._size * out.size}", pg)
+    return _done(pg._backend_for("cpu").reduce_scatter_tensor(out, a, op), async_op)
+
+
+def all_to_all(output_tensor_list, input_tensor_list, group=None, async_op=False):
+    """Send ``input_tensor_list[i]`` to group rank i; receive rank i's into
+    ``output_tensor_list[i]``.  Sizes may differ per pair."""
+    pg = resolve(group, "all_to_all")
+    if pg is None:
+        return None
+    ins = array_list(input_tensor_list, "all_to_all", "input_tensor_list", pg, pg._size, out=False)
+    outs = array_list(output_tensor_list, "all_to_all", "output_tensor_list", pg, pg._size, out=True)
+    same_dtype(ins, outs[0], "all_to_all", "input_tensor_list", "output_tensor_list[0]", pg)
+    same_dtype(outs, outs[0], "all_to_all", "output_tensor_list", "output_tensor_list[0]", pg)
+    if ins[pg._rank].size != outs[pg._rank].size:
+        raise located(ValueError, "all_to_all", f"input_tensor_list[{pg._rank}] has "
+                      f"{ins[pg._rank].size} elements but output_tensor_list[{pg._rank}] has "
+                      f"{outs[pg._rank].size}; this rank sends the one to itself into the other", pg)
+    return _done(pg._backend_for("cpu").all_to_all(outs, ins), async_op)
+
+
+def all_to_all_single(output, input, output_split_sizes=None, input_split_sizes=None,  # noqa: A002
+                      group=None, async_op=False):
+    """Split ``input`` along dimension 0, send piece i to group rank i, and concatenate
+    what arrives into ``output``.
+
+    Without split sizes the first dimension is split into equal parts (it must be
+    divisible by the group size); with them, ``input_split_sizes[i]`` rows go to rank i
+    and ``output_split_sizes[i]`` rows come from it.
+    """
+    op = "all_to_all_single"
+    pg = resolve(group, op)
+    if pg is None:
+        return None
+    a = array_in(input, op, "input", pg)
+    out = array_out(output, op, "output", pg)
+    n = pg._size
+    if out.dtype != a.dtype:
+        raise located(TypeError, op, f"output has dtype {out.dtype}, expected {a.dtype} "
+                      "(the dtype of input)", pg)
+    if a.ndim == 0 or out.ndim == 0:
+        raise located(ValueError, op, "input and output need at least one dimension to split", pg)
+    in_row, out_row = _row_size(a), _row_size(out)
+    if in_row != out_row:
+        raise located(ValueError, op, f"rows of input have {in_row} elements but rows of output "
+                      f"have {out_row}; they must match", pg)
+    if output_split_sizes is None and input_split_sizes is None:
+        if a.shape[0] % n:
+            raise located(ValueError, op, f"input's first dimension ({a.shape[0]}) is not "
+                          f"divisible by the group size ({n}); pass split sizes", pg)
+        if out.size != a.size:
+            raise located(ValueError, op, f"output has {out.size} elements, expected {a.size} "
+                          "(like input, without split sizes)", pg)
+        in_counts = out_counts = None
+    else:
+        if input_split_sizes is None:
+            if a.shape[0] % n:
+                raise located(ValueError, op, f"input's first dimension ({a.shape[0]}) is not "
+                              f"divisible by the group size ({n}); pass input_split_sizes", pg)
+            input_split_sizes = [a.shape[0] // n] * n
+        if output_split_sizes is None:
+            if out.shape[0] % n:
+                raise located(ValueError, op, f"output's first dimension ({out.shape[0]}) is not "
+                              f"divisible by the group size ({n}); pass output_split_sizes", pg)
+            output_split_sizes = [out.shape[0] // n] * n
+        in_counts = _split_counts(input_split_sizes, n, a.shape[0], in_row, op,
+                                  "input_split_sizes", pg)
+        out_counts = _split_counts(output_split_sizes, n, out.shape[0], out_row, op,
+                                   "output_split_sizes", pg)
+        if in_counts[pg._rank] != out_counts[pg._rank]:
+            raise located(ValueError, op, f"input_split_sizes[{pg._rank}] "
+                          f"({input_split_sizes[pg._rank]}) != output_split_sizes[{pg._rank}] "
+                          f"({output_split_sizes[pg._rank]}): this rank sends that piece to itself", pg)
+    return _done(pg._backend_for("cpu").all_to_all_single(out, a, out_counts, in_counts), async_op)
+
+
+def _row_size(a) -> int:
+    size = 1
+    for d in a.shape[1:]:
+        size *= d
+    return size
+
+
+def barrier(group=None, async_op=False, device_ids=None, timeout=None):
+    """Block until every rank of the group has entered the barrier.
+
+    Args:
+        timeout: how long to wait (the group's timeout if None).
+    """
+    pg = resolve(group, "barrier")
+    if pg is None:
+        return None
+    work = pg._backend_for("cpu").barrier()
+    if async_op:
+        return work
+    work.wait(timeout)
+    return None

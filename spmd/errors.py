@@ -1,0 +1,54 @@
+"""The exception hierarchy.
+
+Plain ``TypeError``/``ValueError``/``RuntimeError`` are raised for mistakes a single
+rank can see in its own arguments or state.  ``DistError`` and its children are for
+what happens *between* ranks: timeouts, mismatched calls, broken groups, stores.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "DistError",
+    "DistBackendError",
+    "DistNetworkError",
+    "DistStoreError",
+    "DistTimeoutError",
+    "CollectiveMismatchError",
+    "GroupBrokenError",
+]
+
+
+class DistError(RuntimeError):
+    """Base class of every error that involves more than one rank."""
+
+
+class DistBackendError(DistError):
+    """The communication library (MPI, NCCL) reported an error."""
+
+
+class DistNetworkError(DistError):
+    """A connection to a peer or a server was lost or refused."""
+
+
+class DistStoreError(DistError):
+    """A key-value store operation failed or timed out."""
+
+
+class DistTimeoutError(DistError, TimeoutError):
+    """A collective or point-to-point operation did not finish before its deadline."""
+
+
+class CollectiveMismatchError(DistError):
+    """Ranks of a group entered different collectives (debug mode)."""
+
+
+class GroupBrokenError(DistError):
+    """A group is unusable after an earlier timeout or error on it."""
+
+
+def located(exc_type: type[Exception], op: str, msg: str, group) -> Exception:
+    """Build an error that names the op, the rank and the group, as every check does.
+
+    ``all_gather_into_tensor: output has 10 elements, expected 12 [rank 2, group tp:1]``
+    """
+    return exc_type(f"{op}: {msg} [rank {group._rank}, group {group._name}]")

@@ -1,0 +1,222 @@
+"""Collectives of picklable Python objects.
+
+Objects are pickled into one byte buffer per rank; sizes travel first, then the bytes
+in one nonblocking MPI call, so every wait honours the group's timeout.  Buffers over
+2 GiB use MPI-4 large counts (MPICH >= 4, Open MPI >= 5).
+
+Trust: receiving ranks unpickle what peers send, and unpickling can run arbitrary
+code.  Every rank of an MPI job is trusted; never use object collectives to talk to
+a program you do not trust.
+"""
+
+from __future__ import annotations
+
+import pickle
+import time
+
+import numpy as np
+from mpi4py import MPI
+
+from .errors import DistTimeoutError, located
+from .group import resolve
+from .p2p import OBJECT_TAG, peer_rank
+from .collectives import root_rank
+from .work import Work
+
+__all__ = [
+    "all_gather_object",
+    "gather_object",
+    "broadcast_object_list",
+    "scatter_object_list",
+    "send_object_list",
+    "recv_object_list",
+]
+
+_I64 = np.dtype(np.int64)
+_U8 = np.dtype(np.uint8)
+
+
+def _dumps(obj) -> np.ndarray:
+    return np.frombuffer(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL), _U8)
+
+
+def _loads(buf: np.ndarray):
+    return pickle.loads(memoryview(buf))
+
+
+def _wait(pg, op: str, req, keep=None, status=None) -> Work:
+    work = Work([req], op, pg, None, None, keep, status)
+    work.wait()
+    return work
+
+
+def _displs(sizes) -> tuple[list[int], list[int]]:
+    counts = [int(s) for s in sizes]
+    displs, total = [], 0
+    for c in counts:
+        displs.append(total)
+        total += c
+    return counts, displs
+
+
+def _check_list(obj_list, op: str, arg: str, pg, length: int | None = None) -> list:
+    if not isinstance(obj_list, list):
+        raise located(TypeError, op, f"{arg} must be a list, got {type(obj_list).__name__}", pg)
+    if length is not None and len(obj_list) != length:
+        raise located(ValueError, op, f"{arg} has {len(obj_list)} entries, expected {length} "
+                      "(the group size)", pg)
+    return obj_list
+
+
+def all_gather_object(object_list, obj, group=None) -> None:
+    """Gather every rank's ``obj`` into ``object_list`` (one entry per rank) on every rank."""
+    op = "all_gather_object"
+    pg = resolve(group, op)
+    if pg is None:
+        return None
+    _check_list(object_list, op, "object_list", pg, pg._size)
+    data = _dumps(obj)
+    sizes = np.empty(pg._size, _I64)
+    _wait(pg, op, pg._comm.Iallgather(np.array([data.size], _I64), sizes), sizes)
+    counts, displs = _displs(sizes)
+    rbuf = np.empty(sum(counts), _U8)
+    _wait(pg, op, pg._comm.Iallgatherv(data, [rbuf, (counts, displs)]), (data, rbuf))
+    for i, (c, d) in enumerate(zip(counts, displs)):
+        object_list[i] = _loads(rbuf[d:d + c])
+    return None
+
+
+def gather_object(obj, object_gather_list=None, dst=None, group=None, group_dst=None) -> None:
+    """Gather every rank's ``obj`` into ``object_gather_list`` on rank ``dst``."""
+    op = "gather_object"
+    pg = resolve(group, op)
+    if pg is None:
+        return None
+    root = root_rank(pg, op, dst, group_dst, "dst", default=0)
+    is_root = pg._rank == root
+    if is_root:
+        _check_list(object_gather_list, op, "object_gather_list", pg, pg._size)
+    data = _dumps(obj)
+    sizes = np.empty(pg._size, _I64) if is_root else None
+    _wait(pg, op, pg._comm.Igather(np.array([data.size], _I64), sizes, root), sizes)
+    if not is_root:
+        _wait(pg, op, pg._comm.Igatherv(data, None, root), data)
+        return None
+    counts, displs = _displs(sizes)
+    rbuf = np.empty(sum(counts), _U8)
+    _wait(pg, op, pg._comm.Igatherv(data, [rbuf, (counts, displs)], root), (data, rbuf))
+    for i, (c, d) in enumerate(zip(counts, displs)):
+        object_gather_list[i] = _loads(rbuf[d:d + c])
+    return None
+
+
+def broadcast_object_list(object_list, src=None, group=None, device=None, group_src=None) -> None:
+    """Replace the entries of ``object_list`` on every rank with those of rank ``src``.
+
+    The list must have the same length on every rank.
+    """
+    op = "broadcast_object_list"
+    pg = resolve(group, op)
+    if pg is None:
+        return None
+    root = root_rank(pg, op, src, group_src, "src", default=0)
+    _check_list(object_list, op, "object_list", pg)
+    is_root = pg._rank == root
+    data = _dumps(object_list) if is_root else None
+    size = np.array([data.size if is_root else 0], _I64)
+    _wait(pg, op, pg._comm.Ibcast(size, root), size)
+    if not is_root:
+        data = np.empty(int(size[0]), _U8)
+    _wait(pg, op, pg._comm.Ibcast(data, root), data)
+    if is_root:
+        return None
+    received = _loads(data)
+    if len(received) != len(object_list):
+        raise located(ValueError, op, f"object_list has {len(object_list)} entries but the "
+                      f"source sent {len(received)}; the list must have the same length on "
+                      "every rank", pg)
+    object_list[:] = received
+    return None
+
+
+def scatter_object_list(scatter_object_output_list, scatter_object_input_list=None, src=None,
+                        group=None, group_src=None) -> None:
+    """Send ``scatter_object_input_list[i]`` from rank ``src`` to group rank i, which stores
+    it in ``scatter_object_output_list[0]``."""
+    op = "scatter_object_list"
+    pg = resolve(group, op)
+    if pg is None:
+        return None
+    root = root_rank(pg, op, src, group_src, "src", default=0)
+    out = _check_list(scatter_object_output_list, op, "scatter_object_output_list", pg)
+    if not out:
+        raise located(ValueError, op, "scatter_object_output_list must have at least one entry", pg)
+    is_root = pg._rank == root
+    size = np.empty(1, _I64)
+    if is_root:
+        _check_list(scatter_object_input_list, op, "scatter_object_input_list", pg, pg._size)
+        pieces = [_dumps(o) for o in scatter_object_input_list]
+        sizes = np.array([p.size for p in pieces], _I64)
+        sbuf = np.concatenate(pieces) if pieces else np.empty(0, _U8)
+        _wait(pg, op, pg._comm.Iscatter(sizes, size, root), (sizes, size))
+        counts, displs = _displs(sizes)
+        rbuf = np.empty(int(size[0]), _U8)
+        _wait(pg, op, pg._comm.Iscatterv([sbuf, (counts, displs)], rbuf, root), (sbuf, rbuf))
+    else:
+        _wait(pg, op, pg._comm.Iscatter(None, size, root), size)
+        rbuf = np.empty(int(size[0]), _U8)
+        _wait(pg, op, pg._comm.Iscatterv(None, rbuf, root), rbuf)
+    out[0] = _loads(rbuf)
+    return None
+
+
+def send_object_list(object_list, dst=None, group=None, device=None, group_dst=None,
+                     use_batch=False) -> None:
+    """Send the objects of ``object_list`` to rank ``dst`` in one message.
+
+    ``device`` and ``use_batch`` are accepted for torch compatibility; objects always
+    travel through host memory in one message.
+    """
+    op = "send_object_list"
+    pg = resolve(group, op)
+    if pg is None:
+        return None
+    peer = peer_rank(pg, op, dst, group_dst, "dst")
+    _check_list(object_list, op, "object_list", pg)
+    data = _dumps(object_list)
+    _wait(pg, op, pg._comm.Isend(data, peer, OBJECT_TAG), data)
+    return None
+
+
+def recv_object_list(object_list, src=None, group=None, device=None, group_src=None,
+                     use_batch=False) -> int:
+    """Receive objects sent by :func:`send_object_list` into ``object_list`` (same length).
+
+    Returns:
+        The global rank of the sender (``src=None`` receives from any rank).
+    """
+    op = "recv_object_list"
+    pg = resolve(group, op)
+    if pg is None:
+        return -1
+    peer = peer_rank(pg, op, src, group_src, "src", any_source=True)
+    _check_list(object_list, op, "object_list", pg)
+    status = MPI.Status()
+    source = MPI.ANY_SOURCE if peer is None else peer
+    # A matched probe pairs the size with its own message, even with other threads.
+    start = time.monotonic()
+    while True:
+        msg = pg._comm.Improbe(source, OBJECT_TAG, status)
+        if msg is not None:
+            break
+        if time.monotonic() - start > pg._timeout:
+            raise DistTimeoutError(f"{op}: no message arrived within {pg._timeout:.1f} s "
+                                   f"[rank {pg._rank}, group {pg._name}]")
+    data = np.empty(status.Get_count(MPI.BYTE), _U8)
+    _wait(pg, op, msg.Irecv(data), data)
+    received = _loads(data)
+    if len(received) != len(object_list):
+        raise located(ValueError, op, f"object_list has {len(object_list)} entries but the "
+                      f"sender sent {len(received)}", pg)
+    object_list[:] = received
+    return pg._global_rank(status.Get_source())

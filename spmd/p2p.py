@@ -1,0 +1,156 @@
+"""Point-to-point operations: send/recv, their async forms, and batches of them."""
+
+from __future__ import annotations
+
+from mpi4py import MPI
+
+from .arrays import array_in, array_out
+from .errors import located
+from .group import resolve
+
+__all__ = ["send", "recv", "isend", "irecv", "P2POp", "batch_isend_irecv"]
+
+# The largest tag is kept for spmd's own object messages (send_object_list).
+OBJECT_TAG = MPI.COMM_WORLD.Get_attr(MPI.TAG_UB)
+
+
+def check_tag(tag, op: str, pg) -> int:
+    if isinstance(tag, bool) or not isinstance(tag, int):
+        raise located(TypeError, op, f"tag must be an int, got {type(tag).__name__}", pg)
+    if not 0 <= tag < OBJECT_TAG:
+        raise located(ValueError, op, f"tag={tag} is out of range [0, {OBJECT_TAG})", pg)
+    return tag
+
+
+def peer_rank(pg, op: str, peer, group_peer, arg: str, any_source: bool = False) -> int | None:
+    """Group rank of the peer given as a global rank or as ``group_<arg>``; None means
+    any source (receives only)."""
+    if group_peer is not None:
+        if peer is not None:
+            raise located(ValueError, op, f"give either {arg} or group_{arg}, not both "
+                          f"(got {arg}={peer}, group_{arg}={group_peer})", pg)
+        if isinstance(group_peer, bool) or not isinstance(group_peer, int):
+            raise located(TypeError, op, f"group_{arg} must be an int, got "
+                          f"{type(group_peer).__name__}", pg)
+        if not 0 <= group_peer < pg._size:
+            raise located(ValueError, op, f"group_{arg}={group_peer} is out of range "
+                          f"[0, {pg._size})", pg)
+        r = group_peer
+    elif peer is None:
+        if any_source:
+            return None
+        raise located(ValueError, op, f"{arg} (a global rank) or group_{arg} (a group rank) "
+                      "must be given", pg)
+    else:
+        if isinstance(peer, bool) or not isinstance(peer, int):
+            raise located(TypeError, op, f"{arg} must be an int (a global rank), got "
+                          f"{type(peer).__name__}", pg)
+        r = pg._group_rank(peer)
+        if r < 0:
+            raise located(ValueError, op, f"{arg}={peer} is not a member of the group "
+                          f"(global ranks {list(pg._ranks)})", pg)
+    if r == pg._rank:
+        raise located(ValueError, op, f"{arg} is this rank itself; send and receive need "
+                      "two different ranks", pg)
+    return r
+
+
+def isend(tensor, dst=None, group=None, tag=0, group_dst=None):
+    """Start sending ``tensor`` to rank ``dst``; return a Work."""
+    pg = resolve(group, "isend")
+    if pg is None:
+        return None
+    peer = peer_rank(pg, "isend", dst, group_dst, "dst")
+    a = array_in(tensor, "isend", "tensor", pg)
+    return pg._backend_for("cpu").send(a, peer, check_tag(tag, "isend", pg))
+
+
+def irecv(tensor, src=None, group=None, tag=0, group_src=None):
+    """Start receiving into ``tensor`` from rank ``src`` (any rank if None); return a Work
+    whose ``source_rank()`` tells the sender."""
+    pg = resolve(group, "irecv")
+    if pg is None:
+        return None
+    peer = peer_rank(pg, "irecv", src, group_src, "src", any_source=True)
+    a = array_out(tensor, "irecv", "tensor", pg)
+    return pg._backend_for("cpu").recv(a, peer, check_tag(tag, "irecv", pg))
+
+
+def send(tensor, dst=None, group=None, tag=0, group_dst=None) -> None:
+    """Send ``tensor`` to rank ``dst`` and wait until the buffer can be reused."""
+    pg = resolve(group, "send")
+    if pg is None:
+        return None
+    peer = peer_rank(pg, "send", dst, group_dst, "dst")
+    a = array_in(tensor, "send", "tensor", pg)
+    pg._backend_for("cpu").send(a, peer, check_tag(tag, "send", pg)).wait()
+    return None
+
+
+def recv(tensor, src=None, group=None, tag=0, group_src=None) -> int:
+    """Receive into ``tensor`` from rank ``src`` (any rank if None).
+
+    Returns:
+        The global rank of the sender (-1 on a rank outside ``group``).
+    """
+    pg = resolve(group, "recv")
+    if pg is None:
+        return -1
+    peer = peer_rank(pg, "recv", src, group_src, "src", any_source=True)
+    a = array_out(tensor, "recv", "tensor", pg)
+    work = pg._backend_for("cpu").recv(a, peer, check_tag(tag, "recv", pg))
+    return work.source_rank()
+
+
+class P2POp:
+    """One send or receive of a :func:`batch_isend_irecv` batch.
+
+    Args:
+        op: ``spmd.isend`` or ``spmd.irecv``.
+        tensor: the array to send or receive into.
+        peer: the other side's global rank (or ``group_peer``, its group rank).
+    """
+
+    __slots__ = ("op", "tensor", "peer", "group", "tag", "group_peer")
+
+    def __init__(self, op, tensor, peer=None, group=None, tag=0, group_peer=None):
+        if op not in (isend, irecv):
+            raise ValueError("P2POp: op must be spmd.isend or spmd.irecv, got "
+                             f"{getattr(op, '__name__', op)!r}")
+        self.op, self.tensor, self.peer, self.group = op, tensor, peer, group
+        self.tag, self.group_peer = tag, group_peer
+
+    def __repr__(self) -> str:
+        return f"P2POp({self.op.__name__}, peer={self.peer}, group_peer={self.group_peer}, tag={self.tag})"
+
+
+def batch_isend_irecv(p2p_op_list) -> list:
+    """Start every send and receive of the list; return their Works in the same order.
+
+    Every operation is checked before any is started, so a bad entry sends nothing.
+    """
+    if not isinstance(p2p_op_list, (list, tuple)) or not p2p_op_list:
+        raise ValueError("batch_isend_irecv: expected a non-empty list of P2POp")
+    started = []
+    for i, p in enumerate(p2p_op_list):
+        if not isinstance(p, P2POp):
+            raise TypeError(f"batch_isend_irecv: entry {i} is {type(p).__name__}, expected P2POp")
+        name = "isend" if p.op is isend else "irecv"
+        pg = resolve(p.group, "batch_isend_irecv")
+        if pg is None:
+            started.append(None)
+            continue
+        sending = p.op is isend
+        peer = peer_rank(pg, f"batch_isend_irecv[{i}] {name}", p.peer, p.group_peer, "peer")
+        check = array_in if sending else array_out
+        a = check(p.tensor, f"batch_isend_irecv[{i}] {name}", "tensor", pg)
+        started.append((pg, sending, a, peer, check_tag(p.tag, "batch_isend_irecv", pg)))
+    works = []
+    for item in started:
+        if item is None:
+            works.append(None)
+            continue
+        pg, sending, a, peer, tag = item
+        backend = pg._backend_for("cpu")
+        works.append(backend.send(a, peer, tag) if sending else backend.recv(a, peer, tag))
+    return works

@@ -1,0 +1,170 @@
+"""Work: the handle of a started operation, wrapping its nonblocking MPI requests."""
+
+from __future__ import annotations
+
+import os
+import time
+from datetime import timedelta
+from typing import Any, Callable
+
+from mpi4py import MPI
+
+from .errors import DistTimeoutError
+from .futures import Future
+
+__all__ = ["Work"]
+
+_testall = MPI.Request.Testall
+_monotonic = time.monotonic
+_yield = os.sched_yield
+
+# Set at init: True when this node runs more ranks than it has cores, so waiting
+# ranks give their core away between polls instead of spinning on it.
+_oversubscribed = False
+
+
+def set_oversubscribed(flag: bool) -> None:
+    global _oversubscribed
+    _oversubscribed = bool(flag)
+
+
+def _seconds(timeout) -> float:
+    if isinstance(timeout, timedelta):
+        timeout = timeout.total_seconds()
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
+        raise TypeError(f"timeout must be a timedelta or a number of seconds, got {type(timeout).__name__}")
+    if timeout < 0:
+        raise ValueError(f"timeout must not be negative, got {timeout}")
+    return float(timeout)
+
+
+class Work:
+    """Handle of an operation started by an ``async_op=True`` call or ``isend``/``irecv``.
+
+    The blocking form of every operation is the asynchronous one followed by
+    ``wait()``.  The arrays the operation reads and writes are kept alive by the Work
+    until it completes; results land in the caller's arrays when it completes.
+    """
+
+    __slots__ = ("_reqs", "_finish", "_outputs", "_keep", "_done", "_exc", "_future",
+                 "_op", "_group", "_status")
+
+    def __init__(self, reqs: list, op: str, group, outputs: list | None = None,
+                 finish: Callable[[], None] | None = None, keep: Any = None,
+                 status: MPI.Status | None = None):
+        self._reqs = reqs
+        self._op = op
+        self._group = group
+        self._outputs = outputs
+        self._finish = finish
+        self._keep = keep          # buffers MPI is reading or writing
+        self._status = status      # for receives: who sent it
+        self._done = False
+        self._exc: BaseException | None = None
+        self._future: Future | None = None
+
+    def _test(self) -> bool:
+        if self._status is not None:
+            return self._reqs[0].Test(self._status)
+        return _testall(self._reqs)
+
+    def _complete(self) -> None:
+        self._done = True
+        finish = self._finish
+        if finish is not None:
+            try:
+                finish()
+            except Exception as exc:  # noqa: BLE001 - reported through wait()/exception()
+                self._exc = exc
+        self._finish = None
+        self._keep = None
+        if self._future is not None:
+            if self._exc is None:
+                self._future.set_result(self._outputs)
+            else:
+                self._future.set_exception(self._exc)
+
+    def wait(self, timeout: timedelta | float | None = None) -> bool:
+        """Block until the operation completes; return True.
+
+        Args:
+            timeout: how long to wait (timedelta or seconds); the group's timeout if None.
+
+        Raises:
+            DistTimeoutError: the operation did not complete in time.
+        """
+        if not self._done:
+            if not self._test():
+                self._poll(self._group._timeout if timeout is None else _seconds(timeout))
+            self._complete()
+        if self._exc is not None:
+            raise self._exc
+        return True
+
+    def _poll(self, seconds: float) -> None:
+        start = _monotonic()
+        deadline = start + seconds
+        test = self._test
+        spins = 0
+        while not test():
+            spins += 1
+            if _oversubscribed:
+                _yield()
+            if not spins & 255 and _monotonic() > deadline:
+                waited = _monotonic() - start
+                raise DistTimeoutError(
+                    f"{self._op}: did not complete within {waited:.1f} s "
+                    f"[rank {self._group._rank}, group {self._group._name}]"
+                )
+
+    def synchronize(self) -> None:
+        """Block the host until the operation completes (same as ``wait`` for host arrays)."""
+        self.wait()
+
+    def is_completed(self) -> bool:
+        """Return True if the operation has completed; never blocks."""
+        if not self._done and self._test():
+            self._complete()
+        return self._done
+
+    def is_success(self) -> bool:
+        """Return True if the operation completed without error."""
+        return self.is_completed() and self._exc is None
+
+    def exception(self) -> BaseException | None:
+        """Return the error the operation ended with, or None."""
+        return self._exc
+
+    def result(self) -> list:
+        """Return the operation's output arrays (waiting for it first)."""
+        self.wait()
+        return self._outputs if self._outputs is not None else []
+
+    def source_rank(self) -> int:
+        """For a receive from any source: the global rank of the sender (waits first)."""
+        if self._status is None:
+            raise RuntimeError(f"{self._op}: source_rank() is only defined for receives")
+        self.wait()
+        return self._group._global_rank(self._status.Get_source())
+
+    def get_future(self) -> Future:
+        """Return a Future completed with the output arrays when this Work completes."""
+        if self._future is None:
+            self._future = Future(_wait_fn=self.wait, _poll_fn=self.is_completed)
+            if self._done:
+                if self._exc is None:
+                    self._future.set_result(self._outputs)
+                else:
+                    self._future.set_exception(self._exc)
+        return self._future
+
+    def __repr__(self) -> str:
+        state = "completed" if self._done else "pending"
+        return f"<Work {self._op} {state} group={self._group._name}>"
+
+
+def completed_work(op: str, group, outputs: list | None = None) -> Work:
+    """A Work for an operation that needed no communication (empty arrays, size 1)."""
+    work = Work([], op, group, outputs)
+    work._done = True
+    return work

@@ -1,0 +1,262 @@
+"""The default group: init/destroy, backends by device, and what the launcher gave us."""
+
+from __future__ import annotations
+
+import os
+import warnings
+from datetime import timedelta
+
+from mpi4py import MPI
+
+from . import work as _work
+from .group import DEFAULT_TIMEOUT, GroupMember, ProcessGroup, _state, default_group, resolve
+
+__all__ = [
+    "Backend",
+    "init_process_group",
+    "destroy_process_group",
+    "is_initialized",
+    "is_available",
+    "is_mpi_available",
+    "is_nccl_available",
+    "get_backend",
+    "get_rank",
+    "get_world_size",
+    "get_node_local_rank",
+]
+
+_DEVICES = ("cpu", "cuda")
+
+
+class Backend(str):
+    """A backend name, validated: ``"mpi"``, ``"nccl"`` or a per-device map such as
+    ``"cpu:mpi,cuda:nccl"``.
+
+    ``"gloo"`` is accepted as another name for MPI on host arrays, so code written for
+    torch's CPU backend ports unchanged.
+    """
+
+    UNDEFINED = "undefined"
+    MPI = "mpi"
+    NCCL = "nccl"
+    GLOO = "gloo"
+
+    def __new__(cls, name: str):
+        if not isinstance(name, str):
+            raise TypeError(f"Backend: expected a str, got {type(name).__name__}")
+        value = name.strip().lower()
+        cls.device_map(value)
+        return super().__new__(cls, value)
+
+    @staticmethod
+    def device_map(spec: str) -> dict[str, str]:
+        """``"cpu:mpi,cuda:nccl"`` -> ``{"cpu": "mpi", "cuda": "nccl"}``."""
+        spec = spec.strip().lower()
+        known = ("mpi", "nccl", "gloo")
+        if ":" not in spec:
+            if spec not in known:
+                raise ValueError(f"Backend: unknown backend {spec!r}; expected one of {known} "
+                                 "or a per-device map like 'cpu:mpi,cuda:nccl'")
+            if spec == "nccl":
+                return {"cuda": "nccl"}
+            if spec == "gloo":
+                return {"cpu": "mpi"}
+            return {"cpu": "mpi", "cuda": "mpi"}
+        out: dict[str, str] = {}
+        for part in spec.split(","):
+            device, sep, name = part.strip().partition(":")
+            if not sep or device not in _DEVICES or name not in known:
+                raise ValueError(f"Backend: cannot parse {part!r} in {spec!r}; expected "
+                                 f"device:backend with device in {_DEVICES} and backend in {known}")
+            if device in out:
+                raise ValueError(f"Backend: device {device!r} appears twice in {spec!r}")
+            out[device] = "mpi" if name == "gloo" else name
+        return out
+
+
+def _mpi_backend(group):
+    from .backends.mpi import MPIBackend
+    return MPIBackend(group)
+
+
+_state.backend_factories["mpi"] = _mpi_backend
+
+
+def is_available() -> bool:
+    """True: spmd runs wherever mpi4py imports."""
+    return True
+
+
+def is_mpi_available() -> bool:
+    return True
+
+
+def is_nccl_available() -> bool:
+    """True when a NCCL backend is registered (needs CuPy with NCCL)."""
+    return "nccl" in _state.backend_factories
+
+
+def is_initialized() -> bool:
+    """True between ``init_process_group()`` and ``destroy_process_group()``."""
+    return _state.world is not None
+
+
+def _node_topology(comm: MPI.Intracomm) -> tuple[int, int]:
+    node = comm.Split_type(MPI.COMM_TYPE_SHARED)
+    try:
+        return node.Get_rank(), node.Get_size()
+    finally:
+        node.Free()
+
+
+def _usable_cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # pragma: no cover - not Linux
+        return os.cpu_count() or 1
+
+
+def init_process_group(backend=None, init_method=None, timeout=None, world_size=-1, rank=-1,
+                       store=None, group_name="", pg_options=None, device_id=None) -> None:
+    """Initialise spmd: the default group (WORLD) over a private duplicate of COMM_WORLD.
+
+    Every rank of the MPI job must call it.  Ranks and the world size come from the MPI
+    launcher (``mpiexec``, ``srun``, or a plain ``python`` run as a world of one).
+
+    Args:
+        backend: ``None``/``"mpi"`` (MPI for every device), ``"nccl"``, ``"gloo"``
+            (an alias of MPI for host arrays) or a per-device map like
+            ``"cpu:mpi,cuda:nccl"``.
+        init_method: accepted for torch compatibility and ignored: MPI does the
+            rendezvous.  A value other than ``env://`` or ``mpi://`` warns.
+        timeout: default timeout of blocking operations (30 minutes if None).
+        world_size, rank: if given, must equal what MPI says.
+        store: a key-value store spmd may use during start-up.
+        group_name: name of the default group in messages ("WORLD" if empty).
+        device_id: the device this rank uses, for GPU backends.
+
+    Raises:
+        RuntimeError: spmd is already initialised, or a backend is not available.
+        ValueError: ``rank``/``world_size`` disagree with MPI, or bad backend string.
+    """
+    if _state.world is not None:
+        raise RuntimeError("init_process_group: trying to initialize the default process "
+                           "group twice; call destroy_process_group() first")
+    spec = "mpi" if backend is None else str(Backend(backend))
+    devices = Backend.device_map(spec)
+    for device, name in devices.items():
+        if name not in _state.backend_factories:
+            raise RuntimeError(f"init_process_group: backend {name!r} for {device} arrays is not "
+                               f"available in this installation (available: "
+                               f"{sorted(_state.backend_factories)})")
+    if init_method not in (None, "env://", "mpi://"):
+        warnings.warn(f"init_process_group: init_method={init_method!r} is ignored; the MPI "
+                      "launcher provides ranks and rendezvous", stacklevel=2)
+    world = MPI.COMM_WORLD
+    size, me = world.Get_size(), world.Get_rank()
+    if world_size not in (-1, None) and world_size != size:
+        raise ValueError(f"init_process_group: world_size={world_size} but MPI started {size} "
+                         f"ranks [rank {me}]")
+    if rank not in (-1, None) and rank != me:
+        raise ValueError(f"init_process_group: rank={rank} but MPI says this is rank {me} "
+                         f"(of {size})")
+    if timeout is None:
+        seconds = DEFAULT_TIMEOUT.total_seconds()
+    elif isinstance(timeout, timedelta) and timeout.total_seconds() > 0:
+        seconds = timeout.total_seconds()
+    else:
+        raise ValueError(f"init_process_group: timeout must be a positive timedelta, got {timeout!r}")
+    comm = world.Dup()
+    comm.Set_name(f"spmd:{group_name or 'WORLD'}")
+    _state.node_rank, _state.node_size = _node_topology(comm)
+    _work.set_oversubscribed(_state.node_size > _usable_cores())
+    _state.device_backends = devices
+    _state.store = store
+    _state.device_id = device_id
+    pg = ProcessGroup(comm, range(size), group_name or "WORLD", seconds, spec)
+    _state.world = pg
+    _state.groups = [pg]
+    GroupMember.WORLD = pg
+
+
+def destroy_process_group(group=None) -> None:
+    """Free ``group``'s communicator, or every group and the default one if None.
+
+    After ``destroy_process_group()`` spmd can be initialised again.  Every member must
+    call it; using a destroyed group raises RuntimeError.
+    """
+    if group is None:
+        if _state.world is None:
+            raise RuntimeError("destroy_process_group: the default process group is not "
+                               "initialized; call spmd.init_process_group() first")
+        for pg in reversed(_state.groups):
+            pg._free()
+        _state.groups = []
+        _state.world = None
+        _state.store = None
+        GroupMember.WORLD = None
+        return
+    pg = resolve(group, "destroy_process_group")
+    if pg is None:
+        return
+    if pg is _state.world:
+        destroy_process_group(None)
+        return
+    pg._free()
+    if pg in _state.groups:
+        _state.groups.remove(pg)
+
+
+def get_backend(group=None) -> str:
+    """The backend string of ``group`` (the default group if None)."""
+    pg = resolve(group, "get_backend")
+    if pg is None:
+        raise ValueError("get_backend: this rank is not a member of the group")
+    return Backend(pg._backend_name)
+
+
+def get_rank(group=None) -> int:
+    """This process's rank in ``group`` (global rank if None); -1 if not a member."""
+    pg = _state.world if group is None else group
+    if pg is None:
+        default_group("get_rank")
+    if pg is GroupMember.NON_GROUP_MEMBER:
+        return -1
+    return resolve(pg, "get_rank")._rank
+
+
+def get_world_size(group=None) -> int:
+    """The size of ``group`` (of the world if None); -1 if this rank is not a member."""
+    pg = _state.world if group is None else group
+    if pg is None:
+        default_group("get_world_size")
+    if pg is GroupMember.NON_GROUP_MEMBER:
+        return -1
+    return resolve(pg, "get_world_size")._size
+
+
+_LOCAL_RANK_VARS = ("LOCAL_RANK", "MPI_LOCALRANKID", "OMPI_COMM_WORLD_LOCAL_RANK",
+                    "PMI_LOCAL_RANK", "SLURM_LOCALID")
+
+
+def get_node_local_rank(fallback_rank: int | None = None) -> int:
+    """This process's rank among the ranks on its node.
+
+    After init it comes from MPI (``Split_type(COMM_TYPE_SHARED)``); before init from
+    the launcher's variables (LOCAL_RANK, MPI_LOCALRANKID, OMPI_COMM_WORLD_LOCAL_RANK,
+    PMI_LOCAL_RANK, SLURM_LOCALID), else ``fallback_rank``.
+
+    Raises:
+        RuntimeError: not initialised, no launcher variable and no fallback given.
+    """
+    if _state.world is not None:
+        return _state.node_rank
+    for var in _LOCAL_RANK_VARS:
+        value = os.environ.get(var)
+        if value is not None and value.isdigit():
+            return int(value)
+    if fallback_rank is not None:
+        return fallback_rank
+    raise RuntimeError("get_node_local_rank: spmd is not initialized and no launcher variable "
+                       f"({', '.join(_LOCAL_RANK_VARS)}) is set; call spmd.init_process_group() "
+                       "first or pass fallback_rank")

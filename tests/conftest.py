@@ -1,0 +1,60 @@
+"""Shared fixtures.  MPI tests run as ``mpiexec -n N python -m pytest --with-mpi``;
+every rank runs the same tests and asserts the same things."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import numpy as np
+import pytest
+
+try:
+    import ml_dtypes
+except ImportError:  # pragma: no cover
+    ml_dtypes = None
+
+
+# Per-test deadline for blocking ops: a rank whose peer failed an assertion raises
+# DistTimeoutError here instead of waiting for the group's 30-minute default.
+TEST_TIMEOUT = timedelta(seconds=60)
+
+
+@pytest.fixture(scope="session")
+def dist():
+    import spmd
+
+    if not spmd.is_initialized():
+        spmd.init_process_group(timeout=TEST_TIMEOUT)
+    yield spmd
+
+
+@pytest.fixture(autouse=True)
+def _lockstep(request):
+    """Keep ranks in step: every MPI test ends with a barrier, so a test that failed on
+    one rank cannot leave its collectives to be matched by the next test's."""
+    yield
+    if request.node.get_closest_marker("mpi") is None:
+        return
+    import spmd
+
+    if spmd.is_initialized():
+        spmd.barrier()
+
+
+@pytest.fixture(scope="session")
+def groups(dist):
+    """The groups collective tests run on: WORLD, and the even/odd ranks split in two
+    (disjoint groups of unequal size at odd world sizes, running concurrently)."""
+    n = dist.get_world_size()
+    halves = [list(range(0, n, 2))] + ([list(range(1, n, 2))] if n > 1 else [])
+    parity = dist.split_group(split_ranks=halves, group_desc="parity")
+    return {"world": dist.GroupMember.WORLD, "parity": parity}
+
+
+def all_dtypes() -> list[np.dtype]:
+    dts = [np.bool_, np.int8, np.int16, np.int32, np.int64, np.uint8, np.uint16, np.uint32,
+           np.uint64, np.float16, np.float32, np.float64, np.complex64, np.complex128]
+    out = [np.dtype(d) for d in dts]
+    if ml_dtypes is not None:
+        out.append(np.dtype(ml_dtypes.bfloat16))
+    return out
