@@ -114,14 +114,19 @@ def all_reduce(tensor, op=_SUM, group=None, async_op=False):
 
 
 def all_reduce_coalesced(tensors, op=_SUM, group=None, async_op=False):
-    """All-reduce every array of ``tensors`` in place, packed into one call per dtype."""
+    """All-reduce every array of ``tensors`` in place, packed into one call per dtype.
+
+    With ``async_op=True`` it returns a Future (as torch does) whose value is ``tensors``.
+    """
     pg = resolve(group, "all_reduce_coalesced")
     if pg is None:
         return None
     arrays = array_list(tensors, "all_reduce_coalesced", "tensors", pg, None, out=True)
     if not arrays:
         raise located(ValueError, "all_reduce_coalesced", "tensors is empty", pg)
-    return _done(pg._backend_for("cpu").all_reduce_coalesced(arrays, op), async_op)
+    work = pg._backend_for("cpu").all_reduce_coalesced(arrays, op)
+    # torch returns the Future here, not the Work: its value is the list of arrays.
+    return work.get_future() if async_op else _done(work, False)
 
 
 def reduce(tensor, dst=None, op=_SUM, group=None, async_op=False, group_dst=None):
@@ -175,7 +180,11 @@ def all_gather_into_tensor(output_tensor, input_tensor, group=None, async_op=Fal
 
 def all_gather_coalesced(output_tensor_lists, input_tensor_list, group=None, async_op=False):
     """All-gather a list of arrays in one call: ``output_tensor_lists[i][j]`` receives
-    rank i's ``input_tensor_list[j]``."""
+    rank i's ``input_tensor_list[j]``.
+
+    With ``async_op=True`` it returns a Future (as torch does) whose value is
+    ``output_tensor_lists``.
+    """
     op = "all_gather_coalesced"
     pg = resolve(group, op)
     if pg is None:
@@ -195,7 +204,9 @@ def all_gather_coalesced(output_tensor_lists, input_tensor_list, group=None, asy
                               f"{o.size} elements, expected {x.dtype} with {x.size} (like "
                               f"input_tensor_list[{j}])", pg)
         outs.append(arrays)
-    return _done(pg._backend_for("cpu").all_gather_coalesced(outs, ins), async_op)
+    work = pg._backend_for("cpu").all_gather_coalesced(outs, ins)
+    # torch returns the Future here: its value is output_tensor_lists.
+    return work.get_future() if async_op else _done(work, False)
 
 
 def gather(tensor, gather_list=None, dst=None, group=None, async_op=False, group_dst=None):

@@ -93,9 +93,10 @@ class Work:
         Raises:
             DistTimeoutError: the operation did not complete in time.
         """
+        seconds = self._group._timeout if timeout is None else _seconds(timeout)
         if not self._done:
             if not self._test():
-                self._poll(self._group._timeout if timeout is None else _seconds(timeout))
+                self._poll(seconds)
             self._complete()
         if self._exc is not None:
             raise self._exc
@@ -163,8 +164,3 @@ class Work:
         return f"<Work {self._op} {state} group={self._group._name}>"
 
 
-def completed_work(op: str, group, outputs: list | None = None) -> Work:
-    """A Work for an operation that needed no communication (empty arrays, size 1)."""
-    work = Work([], op, group, outputs)
-    work._done = True
-    return work

@@ -19,13 +19,18 @@ except ImportError:  # pragma: no cover
 TEST_TIMEOUT = timedelta(seconds=60)
 
 
-@pytest.fixture(scope="session")
-def dist():
+def _initialised():
     import spmd
 
     if not spmd.is_initialized():
         spmd.init_process_group(timeout=TEST_TIMEOUT)
-    yield spmd
+    return spmd
+
+
+@pytest.fixture
+def dist():
+    """spmd, initialised (tests that destroy the default group leave it initialised)."""
+    return _initialised()
 
 
 @pytest.fixture(autouse=True)
@@ -41,14 +46,17 @@ def _lockstep(request):
         spmd.barrier()
 
 
-@pytest.fixture(scope="session")
-def groups(dist):
+@pytest.fixture(scope="module")
+def groups():
     """The groups collective tests run on: WORLD, and the even/odd ranks split in two
     (disjoint groups of unequal size at odd world sizes, running concurrently)."""
+    dist = _initialised()
     n = dist.get_world_size()
     halves = [list(range(0, n, 2))] + ([list(range(1, n, 2))] if n > 1 else [])
     parity = dist.split_group(split_ranks=halves, group_desc="parity")
-    return {"world": dist.GroupMember.WORLD, "parity": parity}
+    yield {"world": dist.GroupMember.WORLD, "parity": parity}
+    if dist.is_initialized():
+        dist.destroy_process_group(parity)
 
 
 def all_dtypes() -> list[np.dtype]:

@@ -98,7 +98,13 @@ def test_all_gather_coalesced(dist, groups, async_op):
     ins = [make(me, shape, dt, salt=k) for k, (dt, shape) in enumerate(specs)]
     ins[0] = np.repeat(ins[0], 2)[::2]  # a strided input
     outs = [[np.zeros(shape, dt) for dt, shape in specs] for _ in members]
-    _finish(dist.all_gather_coalesced(outs, ins, group=pg, async_op=async_op), async_op)
+    result = dist.all_gather_coalesced(outs, ins, group=pg, async_op=async_op)
+    if async_op:  # a Future, as in torch, whose value is output_tensor_lists
+        assert isinstance(result, dist.Future)
+        value = result.wait()
+        assert all(a is b for va, oa in zip(value, outs) for a, b in zip(va, oa))
+    else:
+        assert result is None
     for i, r in enumerate(members):
         for k, (dt, shape) in enumerate(specs):
             _same(outs[i][k], make(r, shape, dt, salt=k))

@@ -147,8 +147,12 @@ def test_all_reduce_coalesced(dist, groups, opname, async_op):
         arrays.append(view)
         expects.append(reduce_ref([make(r, (2, 4), dt, opname, salt=9) for r in members],
                                   opname, dt))
-    _finish(dist.all_reduce_coalesced(arrays, op=_op(dist, opname), group=pg, async_op=async_op),
-            async_op)
+    result = dist.all_reduce_coalesced(arrays, op=_op(dist, opname), group=pg, async_op=async_op)
+    if async_op:  # a Future, as in torch, whose value is the list of arrays
+        assert isinstance(result, dist.Future)
+        assert all(a is b for a, b in zip(result.wait(), arrays))
+    else:
+        assert result is None
     for got, expect in zip(arrays, expects):
         assert_equal(np.asarray(got), expect, f"{opname} {got.dtype}")
     bad = [dt for dt in DTYPES if not supported(dt, opname)]

@@ -80,7 +80,12 @@ for _name in ("AVG", "PREMUL_SUM"):
 
 
 def _avg_float(buf, n):
-    buf /= n
+    if buf.dtype.kind == "c":
+        # numpy's complex / real is not correctly rounded; divide each component.
+        buf.real /= n
+        buf.imag /= n
+    else:
+        buf /= n
 
 
 def _avg_uint(buf, n):
@@ -316,8 +321,7 @@ class MPIBackend(Backend):
                     np.copyto(o, row[pos:pos + nbytes].view(o.dtype).reshape(o.shape))
                     pos += nbytes
 
-        flat = [o for outs in output_lists for o in outs]
-        return self._work([req], "all_gather_coalesced", flat, finish, (sbuf, rbuf))
+        return self._work([req], "all_gather_coalesced", output_lists, finish, (sbuf, rbuf))
 
     def gather(self, a, outputs, root):
         src = movable(_contig(a))
