@@ -18,6 +18,8 @@ import sys
 import numpy as np
 import pytest
 
+from _launch import clean_env, mpiexec, next_to_python
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 PROGRAM = os.path.join(HERE, "torch_diff", "program.py")
@@ -26,31 +28,12 @@ RUN_TIMEOUT = 180  # seconds, per launch
 torch = pytest.importorskip("torch", reason="torch is not installed: nothing to compare against")
 
 
-def _next_to_python(name: str) -> str | None:
-    path = os.path.join(os.path.dirname(sys.executable), name)
-    return path if os.path.isfile(path) and os.access(path, os.X_OK) else None
-
-
 def _torchrun() -> str | None:
-    return _next_to_python("torchrun") or shutil.which("torchrun")
-
-
-def _mpiexec() -> str | None:
-    env = os.environ.get("SPMD_MPIEXEC")
-    if env:
-        return env
-    return _next_to_python("mpiexec") or shutil.which("mpiexec")
+    return next_to_python("torchrun") or shutil.which("torchrun")
 
 
 def _env() -> dict:
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (ROOT, env.get("PYTHONPATH")) if p)
-    env.setdefault("OMP_NUM_THREADS", "1")
-    # a launcher must not think it runs under another one (pytest under mpiexec, SLURM)
-    for var in list(env):
-        if var.startswith(("PMI_", "PMIX_", "OMPI_", "HYDRA_", "MPI_LOCALRANKID")):
-            del env[var]
-    return env
+    return clean_env()
 
 
 def _launch(cmd: list[str], what: str) -> None:
@@ -96,16 +79,14 @@ def _diff(rank: int, ref: dict, got: dict) -> list[str]:
 @pytest.mark.timeout(400)
 @pytest.mark.parametrize("nprocs", [1, 2, 3, 4])
 def test_same_results_as_torch(nprocs, tmp_path):
-    torchrun, mpiexec = _torchrun(), _mpiexec()
+    torchrun = _torchrun()
     if torchrun is None:
         pytest.skip("torchrun not found next to the Python interpreter or on PATH")
-    if mpiexec is None:
-        pytest.skip("mpiexec not found ($SPMD_MPIEXEC, next to the Python interpreter, PATH)")
     tdir, sdir = tmp_path / "torch", tmp_path / "spmd"
     _launch([torchrun, "--standalone", f"--nproc-per-node={nprocs}", PROGRAM,
              "--impl", "torch", "--out", str(tdir)], f"torchrun ({nprocs} ranks)")
-    _launch([mpiexec, "-n", str(nprocs), sys.executable, PROGRAM,
-             "--impl", "spmd", "--out", str(sdir)], f"mpiexec ({nprocs} ranks)")
+    _launch(mpiexec(nprocs, sys.executable, PROGRAM, "--impl", "spmd", "--out", str(sdir)),
+            f"mpiexec ({nprocs} ranks)")
     errors = []
     for rank in range(nprocs):
         files = [d / f"rank{rank}.npz" for d in (tdir, sdir)]

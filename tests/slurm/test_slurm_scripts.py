@@ -32,6 +32,17 @@ JOB_TIMEOUT = float(os.environ.get("SPMD_SLURM_JOB_TIMEOUT", "120"))
 CMD_TIMEOUT = 30  # for sinfo/sbatch/squeue/scontrol themselves
 UP_STATES = {"idle", "mix", "mixed", "alloc", "allocated", "comp", "completing"}
 
+def _timeout_marks():
+    """Give job tests room beyond JOB_TIMEOUT under pytest-timeout (pyproject: 120 s)."""
+    try:
+        import pytest_timeout  # noqa: F401
+    except ImportError:
+        return []
+    return [pytest.mark.timeout(JOB_TIMEOUT + 60)]
+
+
+pytestmark = _timeout_marks()
+
 SBATCH_SCRIPTS = ["cpu.sbatch", "gpu.sbatch", "mpmd.sbatch", "hetjob.sbatch"]
 SHELL_SCRIPTS = ["setup_local_cluster.sh", "teardown_local_cluster.sh"]
 
@@ -50,9 +61,10 @@ MPMD_PROGRAMS = ("examples/mpmd_ocean.py", "examples/mpmd_atmos.py")
 MPMD_LINE = re.compile(r"^(?P<prog>ocean|atmos) rank (?P<rank>\d+)/(?P<size>\d+)\b")
 
 
-# --------------------------------------------------------------------------- helpers
+# ------------------------------------------------------------- helpers
 def _run(cmd, **kw):
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=CMD_TIMEOUT, **kw)
+    return subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=CMD_TIMEOUT,
+                          **kw)
 
 
 _CLUSTER_CACHE: dict = {}
@@ -62,19 +74,22 @@ def _probe_cluster():
     """(nodes_up, cpus_per_node, None) or (None, None, reason to skip)."""
     if "result" in _CLUSTER_CACHE:
         return _CLUSTER_CACHE["result"]
-    missing = [c for c in ("sbatch", "sinfo", "squeue", "scontrol", "scancel") if shutil.which(c) is None]
+    hint = "(start a local cluster with: sudo bash slurm/setup_local_cluster.sh)"
+    missing = [c for c in ("sbatch", "sinfo", "squeue", "scontrol", "scancel")
+               if shutil.which(c) is None]
     if missing:
-        result = (None, None, f"SLURM not available: {', '.join(missing)} not on PATH "
-                              "(start a local cluster with: sudo bash slurm/setup_local_cluster.sh)")
+        result = (None, None, f"SLURM not available: {', '.join(missing)} not on PATH {hint}")
     else:
         try:
             proc = _run(["sinfo", "-h", "-N", "-o", "%N %t %c"])
         except subprocess.TimeoutExpired:
             proc = None
         if proc is None or proc.returncode != 0:
-            err = "timed out" if proc is None else (proc.stderr.strip() or f"exit code {proc.returncode}")
-            result = (None, None, f"SLURM cluster not up: sinfo failed: {err} "
-                                  "(start one with: sudo bash slurm/setup_local_cluster.sh)")
+            if proc is None:
+                err = "timed out"
+            else:
+                err = proc.stderr.strip() or f"exit code {proc.returncode}"
+            result = (None, None, f"SLURM cluster not up: sinfo failed: {err} {hint}")
         else:
             nodes = {}
             for line in proc.stdout.splitlines():
@@ -82,8 +97,9 @@ def _probe_cluster():
                 if len(parts) == 3 and parts[1] in UP_STATES:
                     nodes[parts[0]] = int(parts[2]) if parts[2].isdigit() else 1
             if not nodes:
-                result = (None, None, "SLURM cluster not up: no node idle/allocated in sinfo:\n"
-                                      + proc.stdout.strip())
+                reason = ("SLURM cluster not up: no node idle/allocated in sinfo: "
+                          f"{proc.stdout.strip()!r} {hint}")
+                result = (None, None, reason)
             else:
                 result = (len(nodes), min(nodes.values()), None)
     _CLUSTER_CACHE["result"] = result
@@ -115,7 +131,7 @@ def _job_env():
     # mpmd.conf runs "python3" from PATH: the venv's bin first.
     env["PATH"] = os.path.dirname(py) + os.pathsep + env.get("PATH", "")
     # examples import spmd from the checkout even if it is not pip-installed.
-    env["PYTHONPATH"] = str(REPO) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH")) if p)
     return env
 
 
@@ -140,21 +156,27 @@ def submit_and_wait(script, outdir, *sbatch_opts, timeout=JOB_TIMEOUT):
     assert job_id.isdigit(), f"unexpected sbatch output {proc.stdout!r}"
 
     deadline = time.monotonic() + timeout
-    while True:
-        try:
-            q = _run(["squeue", "-h", "-j", job_id, "-o", "%T %r"])
-            queued = q.stdout.strip() if q.returncode == 0 else ""
-        except subprocess.TimeoutExpired:
-            queued = "?"
-        if not queued:
-            break
-        if time.monotonic() > deadline:
-            states, detail = _job_states(job_id)
-            subprocess.run(["scancel", job_id], capture_output=True, timeout=CMD_TIMEOUT)
-            out = _read_output(outdir, script, job_id)
-            pytest.fail(f"job {job_id} ({script}) not finished after {timeout:.0f}s, cancelled; "
-                        f"squeue: {queued!r}\n{detail}\n--- output ---\n{out}")
-        time.sleep(0.5)
+    finished = False
+    try:
+        while True:
+            try:
+                q = _run(["squeue", "-h", "-j", job_id, "-o", "%T %r"])
+                queued = q.stdout.strip() if q.returncode == 0 else ""
+            except subprocess.TimeoutExpired:
+                queued = "?"
+            if not queued:
+                finished = True
+                break
+            if time.monotonic() > deadline:
+                _, detail = _job_states(job_id)
+                pytest.fail(f"job {job_id} ({script}) not finished after {timeout:.0f}s, "
+                            f"cancelled; squeue: {queued!r}\n{detail}\n--- output ---\n"
+                            f"{_read_output(outdir, script, job_id, wait=False)}", pytrace=False)
+            time.sleep(0.5)
+    finally:
+        if not finished:  # our deadline, pytest-timeout, Ctrl-C: never leave the job behind
+            subprocess.run(["scancel", job_id], check=False, capture_output=True,
+                           timeout=CMD_TIMEOUT)
 
     out = _read_output(outdir, script, job_id)
     states, detail = _job_states(job_id)
@@ -164,9 +186,9 @@ def submit_and_wait(script, outdir, *sbatch_opts, timeout=JOB_TIMEOUT):
     return out, job_id
 
 
-def _read_output(outdir, script, job_id):
+def _read_output(outdir, script, job_id, wait=True):
     path = outdir / f"{Path(script).stem}-{job_id}.out"
-    for _ in range(20):  # the file may appear a moment after the job leaves squeue
+    for _ in range(20 if wait else 1):  # the file may appear a moment after the job ends
         if path.exists():
             return path.read_text(errors="replace")
         time.sleep(0.25)
@@ -209,12 +231,13 @@ def _require(*paths):
     return None
 
 
-# --------------------------------------------------------------------------- static checks (always run)
+# ------------------------------------------------------------- static checks (always run)
 @pytest.mark.parametrize("name", SBATCH_SCRIPTS + SHELL_SCRIPTS)
 def test_script_syntax(name):
     if shutil.which("bash") is None:
         pytest.skip("bash not on PATH")
-    proc = subprocess.run(["bash", "-n", str(SLURM_DIR / name)], capture_output=True, text=True, timeout=30)
+    proc = subprocess.run(["bash", "-n", str(SLURM_DIR / name)], check=False,
+                          capture_output=True, text=True, timeout=30)
     assert proc.returncode == 0, proc.stderr
 
 
@@ -222,7 +245,7 @@ def test_script_syntax(name):
 def test_sbatch_headers(name):
     text = (SLURM_DIR / name).read_text()
     assert text.startswith("#!/bin/bash")
-    headers = re.findall(r"^#SBATCH\s+(\S+)", text, flags=re.M)
+    headers = re.findall(r"^#SBATCH\s+(\S+)", text, flags=re.MULTILINE)
     for opt in ("--job-name", "--nodes", "--ntasks-per-node", "--time", "--output"):
         assert any(h.split("=")[0] == opt for h in headers), f"{name}: no #SBATCH {opt}"
     assert "srun --mpi=pmi2" in text, f"{name}: srun without --mpi=pmi2"
@@ -230,8 +253,8 @@ def test_sbatch_headers(name):
 
 def test_gpu_layout_one_task_per_gpu():
     text = (SLURM_DIR / "gpu.sbatch").read_text()
-    gpus = re.search(r"^#SBATCH\s+--gpus-per-node=(\d+)", text, flags=re.M)
-    tasks = re.search(r"^#SBATCH\s+--ntasks-per-node=(\d+)", text, flags=re.M)
+    gpus = re.search(r"^#SBATCH\s+--gpus-per-node=(\d+)", text, flags=re.MULTILINE)
+    tasks = re.search(r"^#SBATCH\s+--ntasks-per-node=(\d+)", text, flags=re.MULTILINE)
     assert gpus and tasks and gpus.group(1) == tasks.group(1)
 
 
@@ -242,7 +265,7 @@ def test_mpmd_conf_programs():
     assert lines[0][0] == "0-1" and lines[-1][0] == "*"
 
 
-# --------------------------------------------------------------------------- real jobs
+# ------------------------------------------------------------- real jobs
 @pytest.mark.parametrize("script, program, expected, ntasks", CPU_CASES)
 def test_cpu_job(cluster, outdir, script, program, expected, ntasks):
     if missing := _require(program):
@@ -253,7 +276,8 @@ def test_cpu_job(cluster, outdir, script, program, expected, ntasks):
     ranks = Counter(int(m["rank"]) for m in matches)
     sizes = {int(m["size"]) for m in matches}
     assert sizes == {ntasks}, f"job {job_id}: sizes {sizes} != {{{ntasks}}}\n{out}"
-    assert ranks == Counter(range(ntasks)), f"job {job_id}: expected each rank 0..{ntasks - 1} once\n{out}"
+    assert ranks == Counter(range(ntasks)), \
+        f"job {job_id}: expected each rank 0..{ntasks - 1} exactly once\n{out}"
 
 
 def test_mpmd_job(cluster, outdir):

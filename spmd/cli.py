@@ -1,0 +1,71 @@
+"""The ``spmd`` command: ``spmd info`` (what each rank runs on)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+__all__ = ["main"]
+
+
+def _rank_info() -> dict:
+    import mpi4py
+    import numpy as np
+    from mpi4py import MPI
+
+    from . import __version__
+    from .arrays import bfloat16
+    from .launch import launch_info
+    from .world import get_node_local_rank
+
+    levels = {MPI.THREAD_SINGLE: "single", MPI.THREAD_FUNNELED: "funneled",
+              MPI.THREAD_SERIALIZED: "serialized", MPI.THREAD_MULTIPLE: "multiple"}
+    launch = launch_info()
+    return {
+        "rank": MPI.COMM_WORLD.Get_rank(),
+        "host": launch.hostname,
+        "node_local_rank": get_node_local_rank(),
+        "launcher": launch.launcher,
+        "job_id": launch.job_id,
+        "mpi_library": MPI.Get_library_version().splitlines()[0].strip(),
+        "mpi_standard": "%d.%d" % MPI.Get_version(),
+        "thread_level": levels.get(MPI.Query_thread(), str(MPI.Query_thread())),
+        "spmd": __version__,
+        "mpi4py": mpi4py.__version__,
+        "numpy": np.__version__,
+        "bfloat16": "ml_dtypes" if bfloat16 is not None else "unavailable",
+    }
+
+
+def info(args) -> int:
+    """Print, on rank 0, one block per rank: MPI library, thread level, versions."""
+    import spmd
+
+    spmd.init_process_group()
+    try:
+        rows = [None] * spmd.get_world_size()
+        spmd.all_gather_object(rows, _rank_info())
+        if spmd.get_rank() == 0:
+            print(f"spmd info: {len(rows)} rank(s)")
+            for row in rows:
+                print(f"rank {row['rank']}:")
+                for key, value in row.items():
+                    if key != "rank":
+                        print(f"  {key:16s} {value}")
+            sys.stdout.flush()
+    finally:
+        spmd.destroy_process_group()
+    return 0
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="spmd", description="spmd command-line tools")
+    sub = parser.add_subparsers(dest="command", required=True)
+    p_info = sub.add_parser("info", help="print what every rank runs on (run under mpiexec)")
+    p_info.set_defaults(func=info)
+    args = parser.parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

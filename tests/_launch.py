@@ -1,0 +1,57 @@
+"""Starting MPI jobs from plain pytest tests, always under a wall-clock limit."""
+
+from __future__ import annotations
+
+import functools
+import os
+import shutil
+import subprocess
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+
+
+def next_to_python(name: str) -> str | None:
+    path = os.path.join(os.path.dirname(sys.executable), name)
+    return path if os.path.isfile(path) and os.access(path, os.X_OK) else None
+
+
+@functools.lru_cache(maxsize=None)
+def mpiexec_prefix() -> tuple[str, ...]:
+    """mpiexec from $SPMD_MPIEXEC, next to sys.executable, or PATH, with the flags Open MPI
+    needs to run more ranks than cores (and as root in containers)."""
+    exe = os.environ.get("SPMD_MPIEXEC") or next_to_python("mpiexec") or shutil.which("mpiexec")
+    if exe is None:
+        raise RuntimeError("no mpiexec found: set SPMD_MPIEXEC or install the 'mpich' extra")
+    try:
+        version = subprocess.run([exe, "--version"], capture_output=True, text=True,
+                                 timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        version = ""
+    if "Open MPI" in version or "OpenRTE" in version:
+        return (exe, "--oversubscribe", "--allow-run-as-root")
+    return (exe,)
+
+
+def mpiexec(n: int, *args: str) -> list[str]:
+    return [*mpiexec_prefix(), "-n", str(n), *args]
+
+
+def clean_env(**extra: str) -> dict:
+    """The environment for a child job: spmd importable, and no variables of the launcher
+    this test may itself run under (a child must not think it is part of that job)."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (ROOT, env.get("PYTHONPATH")) if p)
+    env.setdefault("OMP_NUM_THREADS", "1")
+    for var in list(env):
+        if var.startswith(("PMI_", "PMIX_", "OMPI_", "HYDRA_", "MPI_LOCALRANKID", "SLURM_")):
+            del env[var]
+    env.update(extra)
+    return env
+
+
+def run(cmd: list[str], timeout: float, **env: str) -> subprocess.CompletedProcess:
+    """Run ``cmd`` from the repository root; a job past ``timeout`` is killed and fails."""
+    return subprocess.run(cmd, cwd=ROOT, env=clean_env(**env), stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, text=True, timeout=timeout)
