@@ -23,6 +23,22 @@ _yield = os.sched_yield
 _oversubscribed = False
 
 
+# Side paths (comms logger, flight recorder, watchdog) see every Work when it starts
+# and when it completes.  With none registered the cost is one truth test per event.
+_observers: list = []
+
+
+def add_observer(observer) -> None:
+    """Register an object with ``started(work)`` and ``completed(work)`` methods."""
+    if observer not in _observers:
+        _observers.append(observer)
+
+
+def remove_observer(observer) -> None:
+    if observer in _observers:
+        _observers.remove(observer)
+
+
 def set_oversubscribed(flag: bool) -> None:
     global _oversubscribed
     _oversubscribed = bool(flag)
@@ -47,7 +63,7 @@ class Work:
     """
 
     __slots__ = ("_reqs", "_finish", "_outputs", "_keep", "_done", "_exc", "_future",
-                 "_op", "_group", "_status")
+                 "_op", "_group", "_status", "_meta", "__weakref__")
 
     def __init__(self, reqs: list, op: str, group, outputs: list | None = None,
                  finish: Callable[[], None] | None = None, keep: Any = None,
@@ -62,6 +78,10 @@ class Work:
         self._done = False
         self._exc: BaseException | None = None
         self._future: Future | None = None
+        self._meta = None          # for observers: whatever they attach to this Work
+        if _observers:
+            for obs in _observers:
+                obs.started(self)
 
     def _test(self) -> bool:
         if self._status is not None:
@@ -78,6 +98,9 @@ class Work:
                 self._exc = exc
         self._finish = None
         self._keep = None
+        if _observers:
+            for obs in _observers:
+                obs.completed(self)
         if self._future is not None:
             if self._exc is None:
                 self._future.set_result(self._outputs)
