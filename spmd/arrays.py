@@ -56,13 +56,42 @@ def _check_dtype(a: np.ndarray, op: str, arg: str, group) -> None:
 def _not_array(x, op: str, arg: str, group) -> TypeError:
     what = type(x).__name__
     hint = " (wrap it with numpy.asarray)" if isinstance(x, (list, tuple, int, float, complex)) else ""
-    return located(TypeError, op, f"{arg} must be a numpy array, got {what}{hint}", group)
+    return located(TypeError, op, f"{arg} must be a numpy array (or a torch CPU tensor), got "
+                   f"{what}{hint}", group)
+
+
+def _torch_cpu_view(x, op: str, arg: str, group) -> np.ndarray:
+    """A numpy array sharing a torch CPU tensor's memory, so results land in the tensor."""
+    if x.device.type != "cpu":
+        raise located(TypeError, op, f"{arg} is a torch tensor on {x.device}; this build of spmd "
+                      "moves host arrays only", group)
+    t = x.detach()
+    if str(t.dtype) == "torch.bfloat16":
+        if bfloat16 is None:
+            raise located(TypeError, op, f"{arg} is a bfloat16 tensor: install ml_dtypes", group)
+        return t.view(_torch_int16()).numpy().view(bfloat16)
+    return t.numpy()
+
+
+def _torch_int16():
+    import torch
+
+    return torch.int16
+
+
+def _host_array(x, op: str, arg: str, group) -> np.ndarray:
+    """The slow path of the checks: subclasses of ndarray, torch CPU tensors."""
+    if isinstance(x, _ndarray):
+        return x
+    if type(x).__module__.startswith("torch") and hasattr(x, "device"):
+        return _torch_cpu_view(x, op, arg, group)
+    raise _not_array(x, op, arg, group)
 
 
 def array_in(x, op: str, arg: str, group) -> np.ndarray:
     """Check an array the operation only reads."""
-    if type(x) is not _ndarray and not isinstance(x, _ndarray):
-        raise _not_array(x, op, arg, group)
+    if type(x) is not _ndarray:
+        x = _host_array(x, op, arg, group)
     if x.dtype not in _FAMILY:
         _check_dtype(x, op, arg, group)
     return x
@@ -70,8 +99,8 @@ def array_in(x, op: str, arg: str, group) -> np.ndarray:
 
 def array_out(x, op: str, arg: str, group) -> np.ndarray:
     """Check an array the operation writes."""
-    if type(x) is not _ndarray and not isinstance(x, _ndarray):
-        raise _not_array(x, op, arg, group)
+    if type(x) is not _ndarray:
+        x = _host_array(x, op, arg, group)
     if x.dtype not in _FAMILY:
         _check_dtype(x, op, arg, group)
     if not x.flags.writeable:
