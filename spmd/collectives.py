@@ -44,35 +44,58 @@ def _done(work, async_op: bool):
     return None
 
 
-def root_rank(pg, op: str, root, group_root, arg: str, default: int | None = None) -> int:
-    """The group rank of a root given as a global rank (``src``/``dst``) or as a group
-    rank (``group_src``/``group_dst``); at most one of them may be given, and with
-    neither the root is the global rank ``default`` where torch has one (gather,
-    scatter and the object collectives use global rank 0)."""
-    if group_root is not None:
-        if root is not None:
+def group_rank_of(pg, op: str, rank, group_rank, arg: str) -> int | None:
+    """The group rank named by a global rank (``src``/``dst``/``peer``) or by a group rank
+    (``group_src``/...): at most one may be given; None if neither is."""
+    if group_rank is not None:
+        if rank is not None:
             raise located(ValueError, op, f"give either {arg} or group_{arg}, not both "
-                          f"(got {arg}={root}, group_{arg}={group_root})", pg)
-        if isinstance(group_root, bool) or not isinstance(group_root, int):
+                          f"(got {arg}={rank}, group_{arg}={group_rank})", pg)
+        if isinstance(group_rank, bool) or not isinstance(group_rank, int):
             raise located(TypeError, op, f"group_{arg} must be an int, got "
-                          f"{type(group_root).__name__}", pg)
-        if not 0 <= group_root < pg._size:
-            raise located(ValueError, op, f"group_{arg}={group_root} is out of range "
+                          f"{type(group_rank).__name__}", pg)
+        if not 0 <= group_rank < pg._size:
+            raise located(ValueError, op, f"group_{arg}={group_rank} is out of range "
                           f"[0, {pg._size})", pg)
-        return group_root
-    if root is None:
-        root = default
-    if root is None:
-        raise located(ValueError, op, f"{arg} (a global rank) or group_{arg} (a group rank) "
-                      "must be given", pg)
-    if isinstance(root, bool) or not isinstance(root, int):
+        return group_rank
+    if rank is None:
+        return None
+    if isinstance(rank, bool) or not isinstance(rank, int):
         raise located(TypeError, op, f"{arg} must be an int (a global rank), got "
-                      f"{type(root).__name__}", pg)
-    r = pg._group_rank(root)
+                      f"{type(rank).__name__}", pg)
+    r = pg._group_rank(rank)
     if r < 0:
-        raise located(ValueError, op, f"{arg}={root} is not a member of the group "
+        raise located(ValueError, op, f"{arg}={rank} is not a member of the group "
                       f"(global ranks {list(pg._ranks)})", pg)
     return r
+
+
+def root_rank(pg, op: str, root, group_root, arg: str, default: int | None = None) -> int:
+    """The group rank of a collective's root; with neither form given, the global rank
+    ``default`` where torch has one (gather, scatter and the object collectives use
+    global rank 0)."""
+    if root is None and group_root is None:
+        root = default
+    r = group_rank_of(pg, op, root, group_root, arg)
+    if r is None:
+        raise located(ValueError, op, f"{arg} (a global rank) or group_{arg} (a group rank) "
+                      "must be given", pg)
+    return r
+
+
+def _root_list(arrays, ref, is_root: bool, op: str, arg: str, role: str, out: bool, pg):
+    """The per-rank list of gather/scatter: required on the root, None or empty elsewhere."""
+    if not is_root:
+        if arrays:
+            raise located(ValueError, op, f"{arg} must be None or empty on ranks other than the "
+                          f"{role}", pg)
+        return None
+    if arrays is None:
+        raise located(ValueError, op, f"{arg} is required on the {role} rank", pg)
+    checked = array_list(arrays, op, arg, pg, pg._size, out=out)
+    same_dtype(checked, ref, op, arg, "tensor", pg)
+    same_size(checked, ref, op, arg, "tensor", pg)
+    return checked
 
 
 def _split_counts(splits, n: int, rows: int, row_size: int, op: str, arg: str, pg) -> list[int]:
@@ -220,16 +243,8 @@ def gather(tensor, gather_list=None, dst=None, group=None, async_op=False, group
         return None
     root = root_rank(pg, "gather", dst, group_dst, "dst", default=0)
     a = array_in(tensor, "gather", "tensor", pg)
-    outs = None
-    if pg._rank == root:
-        if gather_list is None:
-            raise located(ValueError, "gather", "gather_list is required on the destination rank", pg)
-        outs = array_list(gather_list, "gather", "gather_list", pg, pg._size, out=True)
-        same_dtype(outs, a, "gather", "gather_list", "tensor", pg)
-        same_size(outs, a, "gather", "gather_list", "tensor", pg)
-    elif gather_list:
-        raise located(ValueError, "gather", "gather_list must be None or empty on ranks other "
-                      f"than the destination (group rank {root})", pg)
+    outs = _root_list(gather_list, a, pg._rank == root, "gather", "gather_list", "destination",
+                      True, pg)
     return _done(pg._backend_for("cpu").gather(a, outs, root), async_op)
 
 
@@ -244,16 +259,8 @@ def scatter(tensor, scatter_list=None, src=None, group=None, async_op=False, gro
         return None
     root = root_rank(pg, "scatter", src, group_src, "src", default=0)
     out = array_out(tensor, "scatter", "tensor", pg)
-    ins = None
-    if pg._rank == root:
-        if scatter_list is None:
-            raise located(ValueError, "scatter", "scatter_list is required on the source rank", pg)
-        ins = array_list(scatter_list, "scatter", "scatter_list", pg, pg._size, out=False)
-        same_dtype(ins, out, "scatter", "scatter_list", "tensor", pg)
-        same_size(ins, out, "scatter", "scatter_list", "tensor", pg)
-    elif scatter_list:
-        raise located(ValueError, "scatter", "scatter_list must be None or empty on ranks other "
-                      f"than the source (group rank {root})", pg)
+    ins = _root_list(scatter_list, out, pg._rank == root, "scatter", "scatter_list", "source",
+                     False, pg)
     return _done(pg._backend_for("cpu").scatter(out, ins, root), async_op)
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from mpi4py import MPI
 
 from .arrays import array_in, array_out
+from .collectives import group_rank_of
 from .errors import located
 from .group import resolve
 
@@ -25,30 +26,12 @@ def check_tag(tag, op: str, pg) -> int:
 def peer_rank(pg, op: str, peer, group_peer, arg: str, any_source: bool = False) -> int | None:
     """Group rank of the peer given as a global rank or as ``group_<arg>``; None means
     any source (receives only)."""
-    if group_peer is not None:
-        if peer is not None:
-            raise located(ValueError, op, f"give either {arg} or group_{arg}, not both "
-                          f"(got {arg}={peer}, group_{arg}={group_peer})", pg)
-        if isinstance(group_peer, bool) or not isinstance(group_peer, int):
-            raise located(TypeError, op, f"group_{arg} must be an int, got "
-                          f"{type(group_peer).__name__}", pg)
-        if not 0 <= group_peer < pg._size:
-            raise located(ValueError, op, f"group_{arg}={group_peer} is out of range "
-                          f"[0, {pg._size})", pg)
-        r = group_peer
-    elif peer is None:
+    r = group_rank_of(pg, op, peer, group_peer, arg)
+    if r is None:
         if any_source:
             return None
         raise located(ValueError, op, f"{arg} (a global rank) or group_{arg} (a group rank) "
                       "must be given", pg)
-    else:
-        if isinstance(peer, bool) or not isinstance(peer, int):
-            raise located(TypeError, op, f"{arg} must be an int (a global rank), got "
-                          f"{type(peer).__name__}", pg)
-        r = pg._group_rank(peer)
-        if r < 0:
-            raise located(ValueError, op, f"{arg}={peer} is not a member of the group "
-                          f"(global ranks {list(pg._ranks)})", pg)
     if r == pg._rank:
         raise located(ValueError, op, f"{arg} is this rank itself; send and receive need "
                       "two different ranks", pg)
