@@ -9,6 +9,7 @@ from datetime import timedelta
 from mpi4py import MPI
 
 from . import work as _work
+from ._bootstrap import check_same_installation
 from .group import DEFAULT_TIMEOUT, GroupMember, ProcessGroup, _state, default_group, resolve
 
 __all__ = [
@@ -109,6 +110,15 @@ def _node_topology(comm: MPI.Intracomm) -> tuple[int, int]:
         node.Free()
 
 
+def _installation() -> dict:
+    import mpi4py
+
+    from . import __version__
+
+    return {"spmd": __version__, "mpi4py": mpi4py.__version__,
+            "MPI": MPI.Get_library_version().splitlines()[0].strip()}
+
+
 def _usable_cores() -> int:
     try:
         return len(os.sched_getaffinity(0))
@@ -131,7 +141,9 @@ def init_process_group(backend=None, init_method=None, timeout=None, world_size=
             rendezvous.  A value other than ``env://`` or ``mpi://`` warns.
         timeout: default timeout of blocking operations (30 minutes if None).
         world_size, rank: if given, must equal what MPI says.
-        store: a key-value store spmd may use during start-up.
+        store: a key-value store (``spmd.store``) used for the start-up exchanges that
+            would otherwise go over MPI: the check that every rank runs the same spmd,
+            mpi4py and MPI library, and GPU communicator ids.
         group_name: name of the default group in messages ("WORLD" if empty).
         device_id: the device this rank uses, for GPU backends.
 
@@ -174,6 +186,11 @@ def init_process_group(backend=None, init_method=None, timeout=None, world_size=
     _state.store = store
     _state.device_id = device_id
     pg = ProcessGroup(comm, range(size), group_name or "WORLD", seconds, spec)
+    try:
+        check_same_installation(pg, store, _installation())
+    except BaseException:
+        comm.Free()
+        raise
     _state.world = pg
     _state.groups = [pg]
     GroupMember.WORLD = pg
