@@ -1,8 +1,10 @@
 """Collectives of picklable Python objects.
 
 Objects are pickled into one byte buffer per rank; sizes travel first, then the bytes
-in one nonblocking MPI call, so every wait honours the group's timeout.  Buffers over
-2 GiB use MPI-4 large counts (MPICH >= 4, Open MPI >= 5).
+in nonblocking MPI calls, so every wait honours the group's timeout.  Buffers too
+large for one MPI call (counts and displacements past 2**31-1 bytes, which MPI-3
+libraries such as Open MPI 4 refuse and some MPI-4 ones mishandle) travel in rounds
+of at most 1 GiB per rank, so objects of any size work on every MPI library.
 
 Trust: receiving ranks unpickle what peers send, and unpickling can run arbitrary
 code.  Every rank of an MPI job is trusted; never use object collectives to talk to
@@ -17,10 +19,10 @@ import time
 import numpy as np
 from mpi4py import MPI
 
+from .collectives import root_rank
 from .errors import DistTimeoutError, located
 from .group import resolve
 from .p2p import OBJECT_TAG, peer_rank
-from .collectives import root_rank
 from .work import Work
 
 __all__ = [
@@ -44,10 +46,62 @@ def _loads(buf: np.ndarray):
     return pickle.loads(memoryview(buf))
 
 
-def _wait(pg, op: str, req, keep=None, status=None) -> Work:
-    work = Work([req], op, pg, None, None, keep, status)
+# One MPI call carries at most _LIMIT bytes in all (counts and displacements are C ints
+# in MPI-3) and at most _CHUNK bytes per rank; larger transfers go in rounds.
+_LIMIT = 2**31 - 1
+_CHUNK = 1 << 30
+
+
+def _rounds(sizes: list[int]) -> tuple[int, int]:
+    """(number of rounds, bytes per rank per round) for buffers of ``sizes`` bytes."""
+    if sum(sizes) <= _LIMIT and max(sizes) <= _CHUNK:
+        return 1, max(max(sizes), 1)
+    per = max(1, min(_CHUNK, _LIMIT // len(sizes)))
+    return max(1, -(-max(sizes) // per)), per
+
+
+def _pieces(buf: np.ndarray) -> list[np.ndarray]:
+    """A buffer cut into pieces one MPI call can carry."""
+    per = min(_CHUNK, _LIMIT)
+    return [buf[i:i + per] for i in range(0, buf.size, per)] or [buf]
+
+
+def _wait(pg, op: str, reqs, keep=None, status=None) -> Work:
+    work = Work(reqs if isinstance(reqs, list) else [reqs], op, pg, None, None, keep, status)
     work.wait()
     return work
+
+
+def _gather_bytes(pg, op: str, data: np.ndarray, sizes: list[int], root: int | None):
+    """Every rank's ``data`` concatenated in rank order: on every rank (root None,
+    all-gather) or on ``root`` (gather; None elsewhere).  ``sizes`` are all ranks' sizes."""
+    nrounds, per = _rounds(sizes)
+    gets = root is None or pg._rank == root
+    _, offsets = _displs(sizes)
+    out = np.empty(sum(sizes), _U8) if gets else None
+    for k in range(nrounds):
+        counts = [min(per, max(0, s - k * per)) for s in sizes]
+        counts, displs = _displs(counts)
+        piece = data[k * per:k * per + counts[pg._rank]]
+        tmp = out if nrounds == 1 else (np.empty(sum(counts), _U8) if gets else None)
+        rspec = [tmp, (counts, displs)] if gets else None
+        if root is None:
+            req = pg._comm.Iallgatherv(piece, rspec)
+        else:
+            req = pg._comm.Igatherv(piece, rspec, root)
+        _wait(pg, op, req, (piece, tmp))
+        if gets and nrounds > 1:
+            for r, (c, d) in enumerate(zip(counts, displs)):
+                out[offsets[r] + k * per:offsets[r] + k * per + c] = tmp[d:d + c]
+    if not gets:
+        return None
+    return [out[o:o + s] for o, s in zip(offsets, sizes)]
+
+
+def _all_sizes(pg, op: str, data: np.ndarray) -> list[int]:
+    sizes = np.empty(pg._size, _I64)
+    _wait(pg, op, pg._comm.Iallgather(np.array([data.size], _I64), sizes), sizes)
+    return [int(x) for x in sizes]
 
 
 def _displs(sizes) -> tuple[list[int], list[int]]:
@@ -76,13 +130,8 @@ def all_gather_object(object_list, obj, group=None) -> None:
         return None
     _check_list(object_list, op, "object_list", pg, pg._size)
     data = _dumps(obj)
-    sizes = np.empty(pg._size, _I64)
-    _wait(pg, op, pg._comm.Iallgather(np.array([data.size], _I64), sizes), sizes)
-    counts, displs = _displs(sizes)
-    rbuf = np.empty(sum(counts), _U8)
-    _wait(pg, op, pg._comm.Iallgatherv(data, [rbuf, (counts, displs)]), (data, rbuf))
-    for i, (c, d) in enumerate(zip(counts, displs)):
-        object_list[i] = _loads(rbuf[d:d + c])
+    for i, buf in enumerate(_gather_bytes(pg, op, data, _all_sizes(pg, op, data), None)):
+        object_list[i] = _loads(buf)
     return None
 
 
@@ -97,16 +146,11 @@ def gather_object(obj, object_gather_list=None, dst=None, group=None, group_dst=
     if is_root:
         _check_list(object_gather_list, op, "object_gather_list", pg, pg._size)
     data = _dumps(obj)
-    sizes = np.empty(pg._size, _I64) if is_root else None
-    _wait(pg, op, pg._comm.Igather(np.array([data.size], _I64), sizes, root), sizes)
-    if not is_root:
-        _wait(pg, op, pg._comm.Igatherv(data, None, root), data)
-        return None
-    counts, displs = _displs(sizes)
-    rbuf = np.empty(sum(counts), _U8)
-    _wait(pg, op, pg._comm.Igatherv(data, [rbuf, (counts, displs)], root), (data, rbuf))
-    for i, (c, d) in enumerate(zip(counts, displs)):
-        object_gather_list[i] = _loads(rbuf[d:d + c])
+    # every rank learns every size: all of them need the number of rounds
+    bufs = _gather_bytes(pg, op, data, _all_sizes(pg, op, data), root)
+    if is_root:
+        for i, buf in enumerate(bufs):
+            object_gather_list[i] = _loads(buf)
     return None
 
 
@@ -127,7 +171,7 @@ def broadcast_object_list(object_list, src=None, group=None, device=None, group_
     _wait(pg, op, pg._comm.Ibcast(size, root), size)
     if not is_root:
         data = np.empty(int(size[0]), _U8)
-    _wait(pg, op, pg._comm.Ibcast(data, root), data)
+    _wait(pg, op, [pg._comm.Ibcast(p, root) for p in _pieces(data)], data)
     if is_root:
         return None
     received = _loads(data)
@@ -152,20 +196,29 @@ def scatter_object_list(scatter_object_output_list, scatter_object_input_list=No
     if not out:
         raise located(ValueError, op, "scatter_object_output_list must have at least one entry", pg)
     is_root = pg._rank == root
-    size = np.empty(1, _I64)
     if is_root:
         _check_list(scatter_object_input_list, op, "scatter_object_input_list", pg, pg._size)
         pieces = [_dumps(o) for o in scatter_object_input_list]
         sizes = np.array([p.size for p in pieces], _I64)
-        sbuf = np.concatenate(pieces) if pieces else np.empty(0, _U8)
-        _wait(pg, op, pg._comm.Iscatter(sizes, size, root), (sizes, size))
-        counts, displs = _displs(sizes)
-        rbuf = np.empty(int(size[0]), _U8)
-        _wait(pg, op, pg._comm.Iscatterv([sbuf, (counts, displs)], rbuf, root), (sbuf, rbuf))
+        sbuf = np.concatenate(pieces)
     else:
-        _wait(pg, op, pg._comm.Iscatter(None, size, root), size)
-        rbuf = np.empty(int(size[0]), _U8)
-        _wait(pg, op, pg._comm.Iscatterv(None, rbuf, root), rbuf)
+        sizes = np.empty(pg._size, _I64)
+        sbuf = None
+    # every rank learns every size: all of them need the number of rounds
+    _wait(pg, op, pg._comm.Ibcast(sizes, root), sizes)
+    sizes = [int(x) for x in sizes]
+    nrounds, per = _rounds(sizes)
+    _, offsets = _displs(sizes)
+    rbuf = np.empty(sizes[pg._rank], _U8)
+    for k in range(nrounds):
+        counts, displs = _displs([min(per, max(0, s - k * per)) for s in sizes])
+        sspec = None
+        if is_root:
+            send = sbuf if nrounds == 1 else np.concatenate(
+                [sbuf[o + k * per:o + k * per + c] for o, c in zip(offsets, counts)])
+            sspec = [send, (counts, displs)]
+        mine = rbuf[k * per:k * per + counts[pg._rank]]
+        _wait(pg, op, pg._comm.Iscatterv(sspec, mine, root), (sspec, mine))
     out[0] = _loads(rbuf)
     return None
 
@@ -184,7 +237,13 @@ def send_object_list(object_list, dst=None, group=None, device=None, group_dst=N
     peer = peer_rank(pg, op, dst, group_dst, "dst")
     _check_list(object_list, op, "object_list", pg)
     data = _dumps(object_list)
-    _wait(pg, op, pg._comm.Isend(data, peer, OBJECT_TAG), data)
+    # a header with the size, then the bytes in pieces one message can carry; MPI keeps
+    # messages between two ranks on one tag in order
+    header = np.array([data.size], _I64)
+    pieces = _pieces(data)
+    reqs = [pg._comm.Isend(header, peer, OBJECT_TAG)]
+    reqs += [pg._comm.Isend(p, peer, OBJECT_TAG) for p in pieces]
+    _wait(pg, op, reqs, (header, data))
     return None
 
 
@@ -212,11 +271,14 @@ def recv_object_list(object_list, src=None, group=None, device=None, group_src=N
         if time.monotonic() - start > pg._timeout:
             raise DistTimeoutError(f"{op}: no message arrived within {pg._timeout:.1f} s "
                                    f"[rank {pg._rank}, group {pg._name}]")
-    data = np.empty(status.Get_count(MPI.BYTE), _U8)
-    _wait(pg, op, msg.Irecv(data), data)
+    header = np.empty(1, _I64)
+    _wait(pg, op, msg.Irecv(header), header)
+    sender = status.Get_source()
+    data = np.empty(int(header[0]), _U8)
+    _wait(pg, op, [pg._comm.Irecv(p, sender, OBJECT_TAG) for p in _pieces(data)], data)
     received = _loads(data)
     if len(received) != len(object_list):
         raise located(ValueError, op, f"object_list has {len(object_list)} entries but the "
                       f"sender sent {len(received)}", pg)
     object_list[:] = received
-    return pg._global_rank(status.Get_source())
+    return pg._global_rank(sender)

@@ -22,9 +22,9 @@ if [ -z "$MPIEXEC" ]; then
     exit 2
 fi
 MPIFLAGS=()
-if "$MPIEXEC" --version 2>/dev/null | grep -q "Open MPI"; then
-    MPIFLAGS=(--oversubscribe --allow-run-as-root)
-fi
+case "$("$MPIEXEC" --version 2>/dev/null)" in   # Open MPI 4 says "OpenRTE", 5 "Open MPI"
+    *"Open MPI"*|*OpenRTE*) MPIFLAGS=(--oversubscribe --allow-run-as-root) ;;
+esac
 
 failed=()
 summary=()

@@ -83,3 +83,43 @@ def test_object_bad_input(dist):
         dist.scatter_object_list([], [1] * n)
     with pytest.raises(ValueError, match="not both"):
         dist.broadcast_object_list([1], src=0, group_src=0)
+
+
+@pytest.fixture
+def tiny_rounds(monkeypatch):
+    """Make every object transfer go in many small rounds, as objects past 2 GiB do."""
+    from spmd import objects
+
+    monkeypatch.setattr(objects, "_CHUNK", 5)
+    monkeypatch.setattr(objects, "_LIMIT", 23)
+
+
+@pytest.mark.parametrize("group_kind", ["world", "parity"])
+def test_object_collectives_in_rounds(dist, groups, group_kind, tiny_rounds):
+    pg = groups[group_kind]
+    members = dist.get_process_group_ranks(pg)
+    me = dist.get_rank()
+    out = [None] * len(members)
+    dist.all_gather_object(out, _obj(me), group=pg)
+    for o, r in zip(out, members):
+        _eq(o, _obj(r))
+    gathered = [None] * len(members) if pg.rank() == 0 else None
+    dist.gather_object(_obj(me), gathered, group_dst=0, group=pg)
+    if pg.rank() == 0:
+        for o, r in zip(gathered, members):
+            _eq(o, _obj(r))
+    objs = [_obj(me), "x" * 50] if pg.rank() == 0 else [None, None]
+    dist.broadcast_object_list(objs, group_src=0, group=pg)
+    _eq(objs[0], _obj(members[0]))
+    one = [None]
+    dist.scatter_object_list(one, [_obj(200 + j) for j in range(len(members))] if pg.rank() == 0
+                             else None, group_src=0, group=pg)
+    _eq(one[0], _obj(200 + pg.rank()))
+    if len(members) > 1:
+        if pg.rank() == 0:
+            dist.send_object_list([_obj(300), "y" * 40], group_dst=1, group=pg)
+        elif pg.rank() == 1:
+            got = [None, None]
+            assert dist.recv_object_list(got, group=pg) == members[0]
+            _eq(got[0], _obj(300))
+            assert got[1] == "y" * 40
