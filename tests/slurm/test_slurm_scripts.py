@@ -248,7 +248,8 @@ def test_sbatch_headers(name):
     headers = re.findall(r"^#SBATCH\s+(\S+)", text, flags=re.MULTILINE)
     for opt in ("--job-name", "--nodes", "--ntasks-per-node", "--time", "--output"):
         assert any(h.split("=")[0] == opt for h in headers), f"{name}: no #SBATCH {opt}"
-    assert "srun --mpi=pmi2" in text, f"{name}: srun without --mpi=pmi2"
+    assert 'srun --mpi="${SPMD_SRUN_MPI:-pmi2}"' in text, \
+        f"{name}: srun without --mpi (pmi2 by default, SPMD_SRUN_MPI to override)"
 
 
 def test_gpu_layout_one_task_per_gpu():
