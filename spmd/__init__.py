@@ -4,7 +4,9 @@ Importing spmd initialises MPI through mpi4py (thread level MULTIPLE); set
 ``mpi4py.rc`` options before the import to change that.
 """
 
-from . import futures
+from . import futures, mpmd, parallel_state, topology
+from . import coalescing, comms_log, persistent, trace
+from .coalescing import coalescing_manager
 from .collectives import (
     all_gather,
     all_gather_coalesced,
@@ -21,6 +23,13 @@ from .collectives import (
     reduce_scatter_tensor,
     scatter,
 )
+from .debug import (
+    DebugLevel,
+    get_debug_level,
+    monitored_barrier,
+    set_debug_level,
+    set_debug_level_from_env,
+)
 from .errors import (
     CollectiveMismatchError,
     DistBackendError,
@@ -30,6 +39,7 @@ from .errors import (
     DistTimeoutError,
     GroupBrokenError,
 )
+from .flight_recorder import dump_flight_recorder
 from .futures import Future
 from .group import (
     GroupMember,
@@ -42,6 +52,9 @@ from .group import (
     new_subgroups_by_enumeration,
     split_group,
 )
+from .launch import LaunchInfo, launch_info
+from .mesh import DeviceMesh, init_device_mesh
+from .mpmd import Link, Program, get_programs, init_program, new_link
 from .objects import (
     all_gather_object,
     broadcast_object_list,
@@ -52,6 +65,7 @@ from .objects import (
 )
 from .ops import ReduceOp, make_premul_sum
 from .p2p import P2POp, batch_isend_irecv, irecv, isend, recv, send
+from .topology import NodeTopology, bind_device, node_topology
 from .work import Work
 from .world import (
     Backend,
@@ -65,6 +79,7 @@ from .world import (
     is_initialized,
     is_mpi_available,
     is_nccl_available,
+    register_backend,
 )
 
 _make_nccl_premul_sum = make_premul_sum  # torch's spelling
@@ -74,6 +89,8 @@ __version__ = "0.1.0"
 __all__ = [
     "Backend",
     "CollectiveMismatchError",
+    "DebugLevel",
+    "DeviceMesh",
     "DistBackendError",
     "DistError",
     "DistNetworkError",
@@ -82,8 +99,12 @@ __all__ = [
     "Future",
     "GroupBrokenError",
     "GroupMember",
+    "LaunchInfo",
+    "Link",
+    "NodeTopology",
     "P2POp",
     "ProcessGroup",
+    "Program",
     "ReduceOp",
     "Work",
     "all_gather",
@@ -96,32 +117,49 @@ __all__ = [
     "all_to_all_single",
     "barrier",
     "batch_isend_irecv",
+    "bind_device",
     "broadcast",
     "broadcast_object_list",
+    "coalescing",
+    "coalescing_manager",
+    "comms_log",
     "destroy_process_group",
+    "dump_flight_recorder",
     "futures",
     "gather",
     "gather_object",
     "get_backend",
+    "get_debug_level",
     "get_global_rank",
     "get_group_rank",
     "get_node_local_rank",
     "get_process_group_ranks",
+    "get_programs",
     "get_rank",
     "get_world_size",
+    "init_device_mesh",
     "init_process_group",
+    "init_program",
     "irecv",
     "is_available",
     "is_initialized",
     "is_mpi_available",
     "is_nccl_available",
     "isend",
+    "launch_info",
     "make_premul_sum",
+    "monitored_barrier",
+    "mpmd",
     "new_group",
+    "new_link",
     "new_subgroups",
     "new_subgroups_by_enumeration",
+    "node_topology",
+    "parallel_state",
+    "persistent",
     "recv",
     "recv_object_list",
+    "register_backend",
     "reduce",
     "reduce_scatter",
     "reduce_scatter_tensor",
@@ -129,5 +167,9 @@ __all__ = [
     "scatter_object_list",
     "send",
     "send_object_list",
+    "set_debug_level",
+    "set_debug_level_from_env",
     "split_group",
+    "topology",
+    "trace",
 ]

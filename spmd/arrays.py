@@ -6,7 +6,7 @@ import numpy as np
 
 from .errors import located
 
-__all__ = ["SUPPORTED_DTYPES", "bfloat16"]
+__all__ = ["SUPPORTED_DTYPES", "bfloat16", "common_device", "device_of"]
 
 try:  # bfloat16 is optional: numpy has no native one
     from ml_dtypes import bfloat16 as _bf16
@@ -56,15 +56,13 @@ def _check_dtype(a: np.ndarray, op: str, arg: str, group) -> None:
 def _not_array(x, op: str, arg: str, group) -> TypeError:
     what = type(x).__name__
     hint = " (wrap it with numpy.asarray)" if isinstance(x, (list, tuple, int, float, complex)) else ""
-    return located(TypeError, op, f"{arg} must be a numpy array (or a torch CPU tensor), got "
-                   f"{what}{hint}", group)
+    return located(TypeError, op, f"{arg} must be a numpy array (or a cupy array, a torch tensor, "
+                   f"or an object exposing __cuda_array_interface__ or DLPack), got {what}{hint}",
+                   group)
 
 
 def _torch_cpu_view(x, op: str, arg: str, group) -> np.ndarray:
     """A numpy array sharing a torch CPU tensor's memory, so results land in the tensor."""
-    if x.device.type != "cpu":
-        raise located(TypeError, op, f"{arg} is a torch tensor on {x.device}; this build of spmd "
-                      "moves host arrays only", group)
     t = x.detach()
     if str(t.dtype) == "torch.bfloat16":
         if bfloat16 is None:
@@ -79,12 +77,90 @@ def _torch_int16():
     return torch.int16
 
 
-def _host_array(x, op: str, arg: str, group) -> np.ndarray:
-    """The slow path of the checks: subclasses of ndarray, torch CPU tensors."""
+# DLPack device types (dlpack.h): kDLCPU, kDLCUDA, kDLCUDAHost, kDLCUDAManaged.
+_DLPACK_DEVICES = {1: "cpu", 2: "cuda", 3: "cpu", 13: "cuda"}
+
+
+def device_of(x) -> str | None:
+    """``"cpu"`` or ``"cuda"`` for an array (or a raw argument); None for a non-array.
+
+    numpy arrays are answered by one type check; everything else is the slow path.
+    """
+    if type(x) is _ndarray:
+        return "cpu"
+    return _other_device(x)
+
+
+def _other_device(x) -> str | None:
+    if isinstance(x, _ndarray):
+        return "cpu"
+    module = type(x).__module__
+    if module.startswith("torch") and hasattr(x, "device"):
+        return x.device.type
+    if module.startswith("cupy") or hasattr(x, "__cuda_array_interface__"):
+        return "cuda"
+    dlpack_device = getattr(x, "__dlpack_device__", None)
+    if dlpack_device is not None:
+        try:
+            kind = int(dlpack_device()[0])
+        except Exception:  # noqa: BLE001 - a broken producer is not an array
+            return None
+        return _DLPACK_DEVICES.get(kind, f"dlpack device type {kind}")
+    return None
+
+
+def common_device(op: str, group, *named) -> str:
+    """The device of every array in ``named`` (pairs of argument name and array or list
+    of arrays); raw arguments are fine.  Non-arrays are skipped (their own checks report
+    them).
+
+    Raises:
+        TypeError: host and device arrays are mixed in one call.
+    """
+    first = None
+    for name, value in named:
+        items = enumerate(value) if isinstance(value, (list, tuple)) else ((None, value),)
+        for i, x in items:
+            dev = "cpu" if type(x) is _ndarray else _other_device(x)
+            if dev is None:
+                continue
+            label = name if i is None else f"{name}[{i}]"
+            if first is None:
+                first = (dev, label)
+            elif dev != first[0]:
+                raise located(TypeError, op, f"{label} is a {dev} array but {first[1]} is a "
+                              f"{first[0]} array; the arrays of one call must all be on the host "
+                              "or all on the GPU", group)
+    return "cpu" if first is None else first[0]
+
+
+def is_device_array(a) -> bool:
+    """True for what the checks return for GPU arguments (cupy arrays)."""
+    return type(a) is not _ndarray and not isinstance(a, _ndarray)
+
+
+def _host_array(x, op: str, arg: str, group):
+    """The slow path of the checks: subclasses of ndarray, torch tensors, cupy arrays,
+    ``__cuda_array_interface__`` and DLPack objects.  Host arrays come back as numpy
+    arrays sharing their memory, GPU arrays as cupy arrays sharing theirs."""
     if isinstance(x, _ndarray):
         return x
-    if type(x).__module__.startswith("torch") and hasattr(x, "device"):
-        return _torch_cpu_view(x, op, arg, group)
+    dev = _other_device(x)
+    if dev == "cpu":
+        if type(x).__module__.startswith("torch"):
+            return _torch_cpu_view(x, op, arg, group)
+        try:
+            return np.from_dlpack(x)
+        except Exception as exc:  # noqa: BLE001
+            raise located(TypeError, op, f"{arg}: numpy cannot import this DLPack object "
+                          f"({exc})", group) from None
+    if dev == "cuda":
+        from ._gpu import as_device_array
+
+        return as_device_array(x, op, arg, group)
+    if dev is not None:
+        raise located(TypeError, op, f"{arg} is on {dev}; spmd moves host (cpu) and CUDA "
+                      "arrays", group)
     raise _not_array(x, op, arg, group)
 
 
@@ -101,6 +177,10 @@ def array_out(x, op: str, arg: str, group) -> np.ndarray:
     """Check an array the operation writes."""
     if type(x) is not _ndarray:
         x = _host_array(x, op, arg, group)
+        if not isinstance(x, _ndarray):  # a GPU array (cupy has no writeable flag)
+            if x.dtype not in _FAMILY:
+                _check_dtype(x, op, arg, group)
+            return x
     if x.dtype not in _FAMILY:
         _check_dtype(x, op, arg, group)
     if not x.flags.writeable:

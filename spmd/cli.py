@@ -1,4 +1,5 @@
-"""The ``spmd`` command: ``spmd info`` (what each rank runs on)."""
+"""The ``spmd`` command: ``spmd info`` (what each rank runs on), ``spmd bench``
+(collective latency and bandwidth) and ``spmd trace-merge`` (one trace for a job)."""
 
 from __future__ import annotations
 
@@ -15,8 +16,12 @@ def _rank_info() -> dict:
 
     from . import __version__
     from .arrays import bfloat16
+    from .backends.shm import status as shm_status
+    from .group import GroupMember
     from .launch import launch_info
     from .world import get_node_local_rank
+
+    from ._gpu import gpu_info
 
     levels = {MPI.THREAD_SINGLE: "single", MPI.THREAD_FUNNELED: "funneled",
               MPI.THREAD_SERIALIZED: "serialized", MPI.THREAD_MULTIPLE: "multiple"}
@@ -34,11 +39,14 @@ def _rank_info() -> dict:
         "mpi4py": mpi4py.__version__,
         "numpy": np.__version__,
         "bfloat16": "ml_dtypes" if bfloat16 is not None else "unavailable",
+        "shm_engine": shm_status(GroupMember.WORLD),  # collective: every rank gets here
+        **gpu_info(),
     }
 
 
 def info(args) -> int:
-    """Print, on rank 0, one block per rank: MPI library, thread level, versions."""
+    """Print, on rank 0, one block per rank: MPI library, thread level, versions, and
+    for GPUs: whether MPI is GPU-aware (and how that was decided), CuPy, NCCL, the device."""
     import spmd
 
     spmd.init_process_group()
@@ -63,6 +71,14 @@ def main(argv=None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     p_info = sub.add_parser("info", help="print what every rank runs on (run under mpiexec)")
     p_info.set_defaults(func=info)
+    from . import bench, trace
+
+    p_bench = sub.add_parser("bench", help="collective latency and bandwidth vs raw mpi4py "
+                             "and torch gloo (run under mpiexec)")
+    bench.add_arguments(p_bench)
+    p_bench.set_defaults(func=bench.bench_command)
+    trace.add_merge_arguments(sub.add_parser("trace-merge", help="merge per-rank trace files "
+                                             "(SPMD_TRACE) into one"))
     args = parser.parse_args(argv)
     return args.func(args)
 

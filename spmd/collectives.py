@@ -12,7 +12,8 @@ peer passing another shape) is caught by debug mode, not here.
 
 from __future__ import annotations
 
-from .arrays import array_in, array_list, array_out, same_dtype, same_size
+from .arrays import (_ndarray, array_in, array_list, array_out, common_device, device_of,
+                     same_dtype, same_size)
 from .errors import located
 from .group import resolve
 from .ops import ReduceOp
@@ -120,7 +121,7 @@ def broadcast(tensor, src=None, group=None, async_op=False, group_src=None):
         return None
     root = root_rank(pg, "broadcast", src, group_src, "src")
     a = array_out(tensor, "broadcast", "tensor", pg)
-    return _done(pg._backend_for("cpu").broadcast(a, root), async_op)
+    return _done(pg._backend_for(device_of(a)).broadcast(a, root), async_op)
 
 
 def all_reduce(tensor, op=_SUM, group=None, async_op=False):
@@ -129,7 +130,7 @@ def all_reduce(tensor, op=_SUM, group=None, async_op=False):
     if pg is None:
         return None
     a = array_out(tensor, "all_reduce", "tensor", pg)
-    work = pg._backend_for("cpu").all_reduce(a, op)
+    work = pg._backend_for("cpu" if type(a) is _ndarray else device_of(a)).all_reduce(a, op)
     if async_op:
         return work
     work.wait()
@@ -144,10 +145,11 @@ def all_reduce_coalesced(tensors, op=_SUM, group=None, async_op=False):
     pg = resolve(group, "all_reduce_coalesced")
     if pg is None:
         return None
+    dev = common_device("all_reduce_coalesced", pg, ("tensors", tensors))
     arrays = array_list(tensors, "all_reduce_coalesced", "tensors", pg, None, out=True)
     if not arrays:
         raise located(ValueError, "all_reduce_coalesced", "tensors is empty", pg)
-    work = pg._backend_for("cpu").all_reduce_coalesced(arrays, op)
+    work = pg._backend_for(dev).all_reduce_coalesced(arrays, op)
     # torch returns the Future here, not the Work: its value is the list of arrays.
     return work.get_future() if async_op else _done(work, False)
 
@@ -159,7 +161,7 @@ def reduce(tensor, dst=None, op=_SUM, group=None, async_op=False, group_dst=None
         return None
     root = root_rank(pg, "reduce", dst, group_dst, "dst")
     a = (array_out if pg._rank == root else array_in)(tensor, "reduce", "tensor", pg)
-    return _done(pg._backend_for("cpu").reduce(a, root, op), async_op)
+    return _done(pg._backend_for(device_of(a)).reduce(a, root, op), async_op)
 
 
 def all_gather(tensor_list, tensor, group=None, async_op=False):
@@ -170,6 +172,7 @@ def all_gather(tensor_list, tensor, group=None, async_op=False):
     pg = resolve(group, "all_gather")
     if pg is None:
         return None
+    dev = common_device("all_gather", pg, ("tensor", tensor), ("tensor_list", tensor_list))
     a = array_in(tensor, "all_gather", "tensor", pg)
     outs = array_list(tensor_list, "all_gather", "tensor_list", pg, pg._size, out=True)
     same_dtype(outs, a, "all_gather", "tensor_list", "tensor", pg)
@@ -177,7 +180,7 @@ def all_gather(tensor_list, tensor, group=None, async_op=False):
         raise located(ValueError, "all_gather", f"tensor_list[{pg._rank}] has "
                       f"{outs[pg._rank].size} elements, expected {a.size} (the size of tensor "
                       "on this rank)", pg)
-    return _done(pg._backend_for("cpu").all_gather(outs, a), async_op)
+    return _done(pg._backend_for(dev).all_gather(outs, a), async_op)
 
 
 def all_gather_into_tensor(output_tensor, input_tensor, group=None, async_op=False):
@@ -189,6 +192,8 @@ def all_gather_into_tensor(output_tensor, input_tensor, group=None, async_op=Fal
     pg = resolve(group, "all_gather_into_tensor")
     if pg is None:
         return None
+    dev = common_device("all_gather_into_tensor", pg, ("output_tensor", output_tensor),
+                        ("input_tensor", input_tensor))
     a = array_in(input_tensor, "all_gather_into_tensor", "input_tensor", pg)
     out = array_out(output_tensor, "all_gather_into_tensor", "output_tensor", pg)
     if out.dtype != a.dtype:
@@ -198,7 +203,7 @@ def all_gather_into_tensor(output_tensor, input_tensor, group=None, async_op=Fal
         raise located(ValueError, "all_gather_into_tensor", f"output_tensor has {out.size} "
                       f"elements, expected world_size ({pg._size}) x input ({a.size}) = "
                       f"{pg._size * a.size}", pg)
-    return _done(pg._backend_for("cpu").all_gather_into_tensor(out, a), async_op)
+    return _done(pg._backend_for(dev).all_gather_into_tensor(out, a), async_op)
 
 
 def all_gather_coalesced(output_tensor_lists, input_tensor_list, group=None, async_op=False):
@@ -212,6 +217,9 @@ def all_gather_coalesced(output_tensor_lists, input_tensor_list, group=None, asy
     pg = resolve(group, op)
     if pg is None:
         return None
+    nested = output_tensor_lists if isinstance(output_tensor_lists, (list, tuple)) else ()
+    dev = common_device(op, pg, ("input_tensor_list", input_tensor_list),
+                        *((f"output_tensor_lists[{i}]", x) for i, x in enumerate(nested)))
     ins = array_list(input_tensor_list, op, "input_tensor_list", pg, None, out=False)
     if not isinstance(output_tensor_lists, (list, tuple)) or len(output_tensor_lists) != pg._size:
         got = len(output_tensor_lists) if isinstance(output_tensor_lists, (list, tuple)) else \
@@ -227,7 +235,7 @@ def all_gather_coalesced(output_tensor_lists, input_tensor_list, group=None, asy
                               f"{o.size} elements, expected {x.dtype} with {x.size} (like "
                               f"input_tensor_list[{j}])", pg)
         outs.append(arrays)
-    work = pg._backend_for("cpu").all_gather_coalesced(outs, ins)
+    work = pg._backend_for(dev).all_gather_coalesced(outs, ins)
     # torch returns the Future here: its value is output_tensor_lists.
     return work.get_future() if async_op else _done(work, False)
 
@@ -242,10 +250,11 @@ def gather(tensor, gather_list=None, dst=None, group=None, async_op=False, group
     if pg is None:
         return None
     root = root_rank(pg, "gather", dst, group_dst, "dst", default=0)
+    dev = common_device("gather", pg, ("tensor", tensor), ("gather_list", gather_list))
     a = array_in(tensor, "gather", "tensor", pg)
     outs = _root_list(gather_list, a, pg._rank == root, "gather", "gather_list", "destination",
                       True, pg)
-    return _done(pg._backend_for("cpu").gather(a, outs, root), async_op)
+    return _done(pg._backend_for(dev).gather(a, outs, root), async_op)
 
 
 def scatter(tensor, scatter_list=None, src=None, group=None, async_op=False, group_src=None):
@@ -258,10 +267,11 @@ def scatter(tensor, scatter_list=None, src=None, group=None, async_op=False, gro
     if pg is None:
         return None
     root = root_rank(pg, "scatter", src, group_src, "src", default=0)
+    dev = common_device("scatter", pg, ("tensor", tensor), ("scatter_list", scatter_list))
     out = array_out(tensor, "scatter", "tensor", pg)
     ins = _root_list(scatter_list, out, pg._rank == root, "scatter", "scatter_list", "source",
                      False, pg)
-    return _done(pg._backend_for("cpu").scatter(out, ins, root), async_op)
+    return _done(pg._backend_for(dev).scatter(out, ins, root), async_op)
 
 
 def reduce_scatter(output, input_list, op=_SUM, group=None, async_op=False):
@@ -273,13 +283,14 @@ def reduce_scatter(output, input_list, op=_SUM, group=None, async_op=False):
     pg = resolve(group, "reduce_scatter")
     if pg is None:
         return None
+    dev = common_device("reduce_scatter", pg, ("output", output), ("input_list", input_list))
     out = array_out(output, "reduce_scatter", "output", pg)
     ins = array_list(input_list, "reduce_scatter", "input_list", pg, pg._size, out=False)
     same_dtype(ins, out, "reduce_scatter", "input_list", "output", pg)
     if ins[pg._rank].size != out.size:
         raise located(ValueError, "reduce_scatter", f"input_list[{pg._rank}] has "
                       f"{ins[pg._rank].size} elements, expected {out.size} (the size of output)", pg)
-    return _done(pg._backend_for("cpu").reduce_scatter(out, ins, op), async_op)
+    return _done(pg._backend_for(dev).reduce_scatter(out, ins, op), async_op)
 
 
 def reduce_scatter_tensor(output, input, op=_SUM, group=None, async_op=False):  # noqa: A002
@@ -288,6 +299,7 @@ def reduce_scatter_tensor(output, input, op=_SUM, group=None, async_op=False):  
     pg = resolve(group, "reduce_scatter_tensor")
     if pg is None:
         return None
+    dev = common_device("reduce_scatter_tensor", pg, ("output", output), ("input", input))
     out = array_out(output, "reduce_scatter_tensor", "output", pg)
     a = array_in(input, "reduce_scatter_tensor", "input", pg)
     if out.dtype != a.dtype:
@@ -297,7 +309,7 @@ def reduce_scatter_tensor(output, input, op=_SUM, group=None, async_op=False):  
         raise located(ValueError, "reduce_scatter_tensor", f"input has {a.size} elements, "
                       f"expected world_size ({pg._size}) x output ({out.size}) = "
                       f"{pg._size * out.size}", pg)
-    return _done(pg._backend_for("cpu").reduce_scatter_tensor(out, a, op), async_op)
+    return _done(pg._backend_for(dev).reduce_scatter_tensor(out, a, op), async_op)
 
 
 def all_to_all(output_tensor_list, input_tensor_list, group=None, async_op=False):
@@ -306,6 +318,8 @@ def all_to_all(output_tensor_list, input_tensor_list, group=None, async_op=False
     pg = resolve(group, "all_to_all")
     if pg is None:
         return None
+    dev = common_device("all_to_all", pg, ("output_tensor_list", output_tensor_list),
+                        ("input_tensor_list", input_tensor_list))
     ins = array_list(input_tensor_list, "all_to_all", "input_tensor_list", pg, pg._size, out=False)
     outs = array_list(output_tensor_list, "all_to_all", "output_tensor_list", pg, pg._size, out=True)
     same_dtype(ins, outs[0], "all_to_all", "input_tensor_list", "output_tensor_list[0]", pg)
@@ -314,7 +328,7 @@ def all_to_all(output_tensor_list, input_tensor_list, group=None, async_op=False
         raise located(ValueError, "all_to_all", f"input_tensor_list[{pg._rank}] has "
                       f"{ins[pg._rank].size} elements but output_tensor_list[{pg._rank}] has "
                       f"{outs[pg._rank].size}; this rank sends the one to itself into the other", pg)
-    return _done(pg._backend_for("cpu").all_to_all(outs, ins), async_op)
+    return _done(pg._backend_for(dev).all_to_all(outs, ins), async_op)
 
 
 def all_to_all_single(output, input, output_split_sizes=None, input_split_sizes=None,  # noqa: A002
@@ -330,6 +344,7 @@ def all_to_all_single(output, input, output_split_sizes=None, input_split_sizes=
     pg = resolve(group, op)
     if pg is None:
         return None
+    dev = common_device(op, pg, ("output", output), ("input", input))
     a = array_in(input, op, "input", pg)
     out = array_out(output, op, "output", pg)
     n = pg._size
@@ -369,7 +384,7 @@ def all_to_all_single(output, input, output_split_sizes=None, input_split_sizes=
             raise located(ValueError, op, f"input_split_sizes[{pg._rank}] "
                           f"({input_split_sizes[pg._rank]}) != output_split_sizes[{pg._rank}] "
                           f"({output_split_sizes[pg._rank]}): this rank sends that piece to itself", pg)
-    return _done(pg._backend_for("cpu").all_to_all_single(out, a, out_counts, in_counts), async_op)
+    return _done(pg._backend_for(dev).all_to_all_single(out, a, out_counts, in_counts), async_op)
 
 
 def _row_size(a) -> int:
@@ -377,6 +392,19 @@ def _row_size(a) -> int:
     for d in a.shape[1:]:
         size *= d
     return size
+
+
+def _barrier_device(pg, device_ids) -> str:
+    """MPI's barrier when the group has a host backend (or device_ids is empty), else the
+    GPU backend's (a group made with backend="nccl" has only that)."""
+    if not device_ids and "cpu" in pg._backends:
+        return "cpu"
+    from .world import Backend
+
+    devices = Backend.device_map(pg._backend_name)
+    if "cpu" in devices and not device_ids:
+        return "cpu"
+    return "cuda" if "cuda" in devices else "cpu"
 
 
 def barrier(group=None, async_op=False, device_ids=None, timeout=None):
@@ -388,7 +416,7 @@ def barrier(group=None, async_op=False, device_ids=None, timeout=None):
     pg = resolve(group, "barrier")
     if pg is None:
         return None
-    work = pg._backend_for("cpu").barrier()
+    work = pg._backend_for(_barrier_device(pg, device_ids)).barrier()
     if async_op:
         return work
     work.wait(timeout)

@@ -46,6 +46,8 @@ class ProcessGroup:
         self._timeout = timeout
         self._backend_name = backend
         self._backends: dict = {}
+        self._error: str | None = None  # set when a timeout breaks the group (watchdog.py)
+        self._fr = None                 # the flight recorder's sequence numbers for it
 
     def rank(self) -> int:
         """This process's rank in the group."""
@@ -83,6 +85,11 @@ class ProcessGroup:
     def _check_alive(self, op: str) -> None:
         if self._comm is None:
             raise RuntimeError(f"{op}: group {self._name} was destroyed by destroy_process_group()")
+        if self._error is not None:
+            from .errors import GroupBrokenError
+            raise GroupBrokenError(f"{op}: group {self._name} is broken since {self._error}; "
+                                   "its ranks are out of step, so make a new group or restart "
+                                   f"the job [rank {self._rank}, group {self._name}]")
 
     def _group_rank(self, global_rank: int) -> int:
         return self._index.get(global_rank, -1)
@@ -135,18 +142,29 @@ class _State:
         self.world: ProcessGroup | None = None
         self.groups: list[ProcessGroup] = []
         self.backend_factories: dict = {}
+        # (backend name, device) -> factory, where one name has a class per device
+        # ("mpi" for cuda arrays is the GPU-aware/staging MPI backend).
+        self.device_factories: dict = {}
+        self.backend_devices: dict[str, tuple[str, ...]] = {}  # registered backends
         self.device_backends: dict[str, str] = {}
+        self.split_hooks: list = []  # hook(parent, child_or_None, color, key) per Split
         self.store = None
+        self.wrap_backend = None  # debug mode: wraps each new backend to check calls (debug.py)
         self.device_id = None
         self.node_rank = 0
         self.node_size = 1
 
     def make_backend(self, group: ProcessGroup, device: str):
-        name = self.device_backends.get(device)
+        from .world import Backend
+
+        name = Backend.device_map(group._backend_name).get(device)
         if name is None:
             raise RuntimeError(f"no backend handles {device} arrays in group {group._name} "
                                f"(backend {group._backend_name!r})")
-        backend = self.backend_factories[name](group)
+        factory = self.device_factories.get((name, device)) or self.backend_factories[name]
+        backend = factory(group)
+        if self.wrap_backend is not None:
+            backend = self.wrap_backend(backend)
         group._backends[device] = backend
         return backend
 
@@ -184,9 +202,11 @@ def resolve(group, op: str) -> ProcessGroup | None:
         pg = _state.world
         if pg is None:
             raise _not_initialized(op)
+        if pg._error is not None:
+            pg._check_alive(op)
         return pg
     if type(group) is ProcessGroup:
-        if group._comm is None:
+        if group._comm is None or group._error is not None:
             group._check_alive(op)
         return group
     if group is GroupMember.NON_GROUP_MEMBER:
@@ -196,6 +216,8 @@ def resolve(group, op: str) -> ProcessGroup | None:
                       "belong to the given group.", stacklevel=3)
         return None
     if isinstance(group, ProcessGroup):
+        if group._comm is None or group._error is not None:
+            group._check_alive(op)
         return group
     raise TypeError(f"{op}: group must be a ProcessGroup or None, got {type(group).__name__}")
 
@@ -287,11 +309,14 @@ def new_group(ranks=None, timeout=None, backend=None, pg_options=None,
 def _split(parent: ProcessGroup, color: int, key: int, name_of, timeout, backend, desc, op):
     """One ``Comm.Split`` of ``parent``: every member of parent must call it."""
     comm = parent._comm.Split(color, key)
-    if comm == MPI.COMM_NULL:
-        return None
-    members = [parent._ranks[r] for r in comm.allgather(parent._rank)]
-    return _register(comm, members, name_of(members), _timeout_seconds(timeout, op),
-                     _backend_name(backend, op), desc)
+    pg = None
+    if comm != MPI.COMM_NULL:
+        members = [parent._ranks[r] for r in comm.allgather(parent._rank)]
+        pg = _register(comm, members, name_of(members), _timeout_seconds(timeout, op),
+                       _backend_name(backend, op), desc)
+    for hook in _state.split_hooks:  # e.g. NCCL's commSplit, collective over parent
+        hook(parent, pg, color, key)
+    return pg
 
 
 def new_subgroups(group_size=None, group=None, timeout=None, backend=None,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from mpi4py import MPI
 
-from .arrays import array_in, array_out
+from .arrays import array_in, array_out, device_of
 from .collectives import group_rank_of
 from .errors import located
 from .group import resolve
@@ -45,7 +45,7 @@ def isend(tensor, dst=None, group=None, tag=0, group_dst=None):
         return None
     peer = peer_rank(pg, "isend", dst, group_dst, "dst")
     a = array_in(tensor, "isend", "tensor", pg)
-    return pg._backend_for("cpu").send(a, peer, check_tag(tag, "isend", pg))
+    return pg._backend_for(device_of(a)).send(a, peer, check_tag(tag, "isend", pg))
 
 
 def irecv(tensor, src=None, group=None, tag=0, group_src=None):
@@ -56,7 +56,7 @@ def irecv(tensor, src=None, group=None, tag=0, group_src=None):
         return None
     peer = peer_rank(pg, "irecv", src, group_src, "src", any_source=True)
     a = array_out(tensor, "irecv", "tensor", pg)
-    return pg._backend_for("cpu").recv(a, peer, check_tag(tag, "irecv", pg))
+    return pg._backend_for(device_of(a)).recv(a, peer, check_tag(tag, "irecv", pg))
 
 
 def send(tensor, dst=None, group=None, tag=0, group_dst=None) -> None:
@@ -66,7 +66,7 @@ def send(tensor, dst=None, group=None, tag=0, group_dst=None) -> None:
         return None
     peer = peer_rank(pg, "send", dst, group_dst, "dst")
     a = array_in(tensor, "send", "tensor", pg)
-    pg._backend_for("cpu").send(a, peer, check_tag(tag, "send", pg)).wait()
+    pg._backend_for(device_of(a)).send(a, peer, check_tag(tag, "send", pg)).wait()
     return None
 
 
@@ -81,7 +81,7 @@ def recv(tensor, src=None, group=None, tag=0, group_src=None) -> int:
         return -1
     peer = peer_rank(pg, "recv", src, group_src, "src", any_source=True)
     a = array_out(tensor, "recv", "tensor", pg)
-    work = pg._backend_for("cpu").recv(a, peer, check_tag(tag, "recv", pg))
+    work = pg._backend_for(device_of(a)).recv(a, peer, check_tag(tag, "recv", pg))
     return work.source_rank()
 
 
@@ -128,12 +128,15 @@ def batch_isend_irecv(p2p_op_list) -> list:
         check = array_in if sending else array_out
         a = check(p.tensor, f"batch_isend_irecv[{i}] {name}", "tensor", pg)
         started.append((pg, sending, a, peer, check_tag(p.tag, "batch_isend_irecv", pg)))
-    works = []
-    for item in started:
-        if item is None:
-            works.append(None)
-            continue
-        pg, sending, a, peer, tag = item
-        backend = pg._backend_for("cpu")
-        works.append(backend.send(a, peer, tag) if sending else backend.recv(a, peer, tag))
+    # One batch per backend: NCCL must see a group's sends and receives together.
+    works = [None] * len(started)
+    batches: dict = {}
+    for i, item in enumerate(started):
+        if item is not None:
+            pg, sending, a, peer, tag = item
+            backend = pg._backend_for(device_of(a))
+            batches.setdefault(id(backend), (backend, []))[1].append((i, sending, a, peer, tag))
+    for backend, items in batches.values():
+        for item, work in zip(items, backend.batch_p2p([it[1:] for it in items])):
+            works[item[0]] = work
     return works

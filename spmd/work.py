@@ -27,6 +27,10 @@ _oversubscribed = False
 # and when it completes.  With none registered the cost is one truth test per event.
 _observers: list = []
 
+# Set by spmd.watchdog at init: turns a timeout into a diagnosed DistTimeoutError
+# (where the other ranks are) and marks a timed-out collective's group broken.
+_on_timeout = None
+
 
 def add_observer(observer) -> None:
     """Register an object with ``started(work)`` and ``completed(work)`` methods."""
@@ -63,7 +67,7 @@ class Work:
     """
 
     __slots__ = ("_reqs", "_finish", "_outputs", "_keep", "_done", "_exc", "_future",
-                 "_op", "_group", "_status", "_meta", "__weakref__")
+                 "_op", "_group", "_status", "_meta", "_fr", "__weakref__")
 
     def __init__(self, reqs: list, op: str, group, outputs: list | None = None,
                  finish: Callable[[], None] | None = None, keep: Any = None,
@@ -84,9 +88,10 @@ class Work:
                 obs.started(self)
 
     def _test(self) -> bool:
-        if self._status is not None:
-            return self._reqs[0].Test(self._status)
-        return _testall(self._reqs)
+        reqs = self._reqs
+        if len(reqs) == 1:  # most ops: Test skips Testall's list conversion
+            return reqs[0].Test(self._status)
+        return _testall(reqs)
 
     def _complete(self) -> None:
         self._done = True
@@ -116,11 +121,17 @@ class Work:
         Raises:
             DistTimeoutError: the operation did not complete in time.
         """
-        seconds = self._group._timeout if timeout is None else _seconds(timeout)
+        seconds = None if timeout is None else _seconds(timeout)
         if not self._done:
-            if not self._test():
-                self._poll(seconds)
-            self._complete()
+            # Inlined _test(): this is every blocking call's path.
+            reqs = self._reqs
+            if not (reqs[0].Test(self._status) if len(reqs) == 1 else _testall(reqs)):
+                self._poll(self._group._timeout if seconds is None else seconds)
+            if self._finish is None and not _observers and self._future is None:
+                self._done = True  # _complete() with nothing to run
+                self._keep = None
+            else:
+                self._complete()
         if self._exc is not None:
             raise self._exc
         return True
@@ -128,7 +139,8 @@ class Work:
     def _poll(self, seconds: float) -> None:
         start = _monotonic()
         deadline = start + seconds
-        test = self._test
+        reqs = self._reqs
+        test = reqs[0].Test if len(reqs) == 1 and self._status is None else self._test
         spins = 0
         while not test():
             spins += 1
@@ -136,10 +148,13 @@ class Work:
                 _yield()
             if not spins & 255 and _monotonic() > deadline:
                 waited = _monotonic() - start
-                raise DistTimeoutError(
+                exc = DistTimeoutError(
                     f"{self._op}: did not complete within {waited:.1f} s "
                     f"[rank {self._group._rank}, group {self._group._name}]"
                 )
+                if _on_timeout is not None:
+                    exc = _on_timeout(self, waited, exc)
+                raise exc
 
     def synchronize(self) -> None:
         """Block the host until the operation completes (same as ``wait`` for host arrays)."""

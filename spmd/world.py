@@ -8,8 +8,11 @@ from datetime import timedelta
 
 from mpi4py import MPI
 
+from . import watchdog as _watchdog
 from . import work as _work
 from ._bootstrap import check_same_installation
+from .launch import check_world_size
+from .topology import node_layout
 from .group import DEFAULT_TIMEOUT, GroupMember, ProcessGroup, _state, default_group, resolve
 
 __all__ = [
@@ -20,6 +23,7 @@ __all__ = [
     "is_available",
     "is_mpi_available",
     "is_nccl_available",
+    "register_backend",
     "get_backend",
     "get_rank",
     "get_world_size",
@@ -53,7 +57,7 @@ class Backend(str):
     def device_map(spec: str) -> dict[str, str]:
         """``"cpu:mpi,cuda:nccl"`` -> ``{"cpu": "mpi", "cuda": "nccl"}``."""
         spec = spec.strip().lower()
-        known = ("mpi", "nccl", "gloo")
+        known = ("mpi", "nccl", "gloo", *_state.backend_devices)
         if ":" not in spec:
             if spec not in known:
                 raise ValueError(f"Backend: unknown backend {spec!r}; expected one of {known} "
@@ -62,6 +66,8 @@ class Backend(str):
                 return {"cuda": "nccl"}
             if spec == "gloo":
                 return {"cpu": "mpi"}
+            if spec in _state.backend_devices:
+                return {device: spec for device in _state.backend_devices[spec]}
             return {"cpu": "mpi", "cuda": "mpi"}
         out: dict[str, str] = {}
         for part in spec.split(","):
@@ -80,7 +86,64 @@ def _mpi_backend(group):
     return MPIBackend(group)
 
 
+def _cuda_mpi_backend(group):
+    from .backends.cuda_mpi import CudaMPIBackend
+    return CudaMPIBackend(group)
+
+
+def _nccl_backend(group):
+    from .backends.nccl import NCCLBackend
+    return NCCLBackend(group)
+
+
 _state.backend_factories["mpi"] = _mpi_backend
+_state.device_factories[("mpi", "cuda")] = _cuda_mpi_backend
+_state.backend_factories["nccl"] = _nccl_backend
+
+
+def register_backend(name: str, factory, devices=None) -> None:
+    """Make ``name`` usable in backend strings: ``init_process_group(backend=name)``,
+    ``"cpu:mpi,cuda:<name>"``, ``new_group(backend=...)``.
+
+    Args:
+        name: the backend's name (case-insensitive); it must not be taken.
+        factory: ``factory(group) -> spmd.backends.base.Backend``, called once per group
+            and device the first time an array of that device meets the group; the
+            group's MPI communicator is ``group.comm``.
+        devices: the devices it serves, from ``("cpu", "cuda")`` (both if None).
+
+    Raises:
+        ValueError: the name is taken or malformed, or a device is unknown.
+        TypeError: ``factory`` is not callable.
+    """
+    if not isinstance(name, str) or not name.strip().isidentifier():
+        raise ValueError(f"register_backend: name must be an identifier, got {name!r}")
+    key = name.strip().lower()
+    if key in ("mpi", "nccl", "gloo", "undefined") or key in _state.backend_factories:
+        raise ValueError(f"register_backend: backend {key!r} is already registered")
+    if not callable(factory):
+        raise TypeError(f"register_backend: factory must be callable, got {type(factory).__name__}")
+    devs = _DEVICES if devices is None else tuple(str(d).lower() for d in devices)
+    if not devs or any(d not in _DEVICES for d in devs):
+        raise ValueError(f"register_backend: devices must be a non-empty subset of {_DEVICES}, "
+                         f"got {devices!r}")
+    _state.backend_factories[key] = factory
+    _state.backend_devices[key] = devs
+    setattr(Backend, key.upper(), key)
+
+
+Backend.register_backend = staticmethod(register_backend)
+
+
+def _unavailable(name: str) -> str | None:
+    """Why backend ``name`` cannot run here (None when it can)."""
+    if name not in _state.backend_factories:
+        return "it is not registered"
+    if name == "nccl":
+        from ._gpu import nccl_problem
+
+        return nccl_problem()
+    return None
 
 
 def is_available() -> bool:
@@ -93,21 +156,13 @@ def is_mpi_available() -> bool:
 
 
 def is_nccl_available() -> bool:
-    """True when a NCCL backend is registered (needs CuPy with NCCL)."""
-    return "nccl" in _state.backend_factories
+    """True when the NCCL backend can run: CuPy imports and loads its NCCL library."""
+    return _unavailable("nccl") is None
 
 
 def is_initialized() -> bool:
     """True between ``init_process_group()`` and ``destroy_process_group()``."""
     return _state.world is not None
-
-
-def _node_topology(comm: MPI.Intracomm) -> tuple[int, int]:
-    node = comm.Split_type(MPI.COMM_TYPE_SHARED)
-    try:
-        return node.Get_rank(), node.Get_size()
-    finally:
-        node.Free()
 
 
 def _installation() -> dict:
@@ -134,18 +189,30 @@ def init_process_group(backend=None, init_method=None, timeout=None, world_size=
     launcher (``mpiexec``, ``srun``, or a plain ``python`` run as a world of one).
 
     Args:
-        backend: ``None``/``"mpi"`` (MPI for every device), ``"nccl"``, ``"gloo"``
-            (an alias of MPI for host arrays) or a per-device map like
-            ``"cpu:mpi,cuda:nccl"``.
+        backend: ``"mpi"`` (MPI for every device: GPU arrays go through GPU-aware
+            MPI or host staging), ``"nccl"`` (GPU arrays only), ``"gloo"`` (an alias
+            of MPI for host arrays), a per-device map like ``"cpu:mpi,cuda:nccl"``,
+            or a name given to :func:`register_backend`.  ``None`` means
+            ``"cpu:mpi,cuda:nccl"`` when CuPy's NCCL can run here, else ``"mpi"``.
         init_method: accepted for torch compatibility and ignored: MPI does the
             rendezvous.  A value other than ``env://`` or ``mpi://`` warns.
-        timeout: default timeout of blocking operations (30 minutes if None).
+        timeout: default timeout of blocking operations (30 minutes if None).  Past it
+            a wait raises DistTimeoutError naming the ranks that did not reach the op.
         world_size, rank: if given, must equal what MPI says.
         store: a key-value store (``spmd.store``) used for the start-up exchanges that
             would otherwise go over MPI: the check that every rank runs the same spmd,
             mpi4py and MPI library, and GPU communicator ids.
         group_name: name of the default group in messages ("WORLD" if empty).
-        device_id: the device this rank uses, for GPU backends.
+        pg_options: a dict of reliability settings (``spmd.watchdog.Config``):
+            ``debug`` ("OFF"/"INFO"/"DETAIL"), ``abort_on_exception``, ``dump_dir``,
+            ``flight_recorder_size``, ``watchdog``, ``watchdog_interval``,
+            ``heartbeat_timeout``, ``query_timeout``; unset ones come from the
+            ``SPMD_*`` environment variables.
+        device_id: the CUDA device this rank uses (an int, ``"cuda:N"``, a
+            ``torch.device``); GPU arrays on another device raise ValueError.  With the
+            NCCL backend the communicator is created here (eagerly) instead of at the
+            first GPU collective, and groups split from WORLD get theirs by
+            ``ncclCommSplit`` where NCCL and CuPy have it.
 
     Raises:
         RuntimeError: spmd is already initialised, or a backend is not available.
@@ -154,18 +221,28 @@ def init_process_group(backend=None, init_method=None, timeout=None, world_size=
     if _state.world is not None:
         raise RuntimeError("init_process_group: trying to initialize the default process "
                            "group twice; call destroy_process_group() first")
-    spec = "mpi" if backend is None else str(Backend(backend))
+    if backend is None:
+        # c10d's default: MPI for host arrays, NCCL for GPU arrays when it can run here.
+        spec = "cpu:mpi,cuda:nccl" if is_nccl_available() else "mpi"
+    else:
+        spec = str(Backend(backend))
     devices = Backend.device_map(spec)
     for device, name in devices.items():
-        if name not in _state.backend_factories:
+        why = _unavailable(name)
+        if why is not None:
             raise RuntimeError(f"init_process_group: backend {name!r} for {device} arrays is not "
-                               f"available in this installation (available: "
+                               f"available in this installation: {why} (registered: "
                                f"{sorted(_state.backend_factories)})")
+    if device_id is not None:
+        from ._gpu import device_index
+
+        device_index(device_id)  # a ValueError for a bad one, before anything is created
     if init_method not in (None, "env://", "mpi://"):
         warnings.warn(f"init_process_group: init_method={init_method!r} is ignored; the MPI "
                       "launcher provides ranks and rendezvous", stacklevel=2)
     world = MPI.COMM_WORLD
     size, me = world.Get_size(), world.Get_rank()
+    check_world_size(size)
     if world_size not in (-1, None) and world_size != size:
         raise ValueError(f"init_process_group: world_size={world_size} but MPI started {size} "
                          f"ranks [rank {me}]")
@@ -178,10 +255,11 @@ def init_process_group(backend=None, init_method=None, timeout=None, world_size=
         seconds = timeout.total_seconds()
     else:
         raise ValueError(f"init_process_group: timeout must be a positive timedelta, got {timeout!r}")
+    reliability = _watchdog.parse_options(pg_options)
     comm = world.Dup()
     comm.Set_name(f"spmd:{group_name or 'WORLD'}")
-    _state.node_rank, _state.node_size = _node_topology(comm)
-    _work.set_oversubscribed(_state.node_size > _usable_cores())
+    _state.node_rank, _state.node_size, host_size = node_layout(comm)
+    _work.set_oversubscribed(host_size > _usable_cores())
     _state.device_backends = devices
     _state.store = store
     _state.device_id = device_id
@@ -194,6 +272,9 @@ def init_process_group(backend=None, init_method=None, timeout=None, world_size=
     _state.world = pg
     _state.groups = [pg]
     GroupMember.WORLD = pg
+    _watchdog.start(pg, reliability)
+    if device_id is not None and devices.get("cuda") == "nccl":
+        pg._backend_for("cuda").connect("init_process_group")  # eager, as c10d does
 
 
 def destroy_process_group(group=None) -> None:
@@ -206,6 +287,7 @@ def destroy_process_group(group=None) -> None:
         if _state.world is None:
             raise RuntimeError("destroy_process_group: the default process group is not "
                                "initialized; call spmd.init_process_group() first")
+        _watchdog.stop()
         for pg in reversed(_state.groups):
             pg._free()
         _state.groups = []
@@ -213,7 +295,9 @@ def destroy_process_group(group=None) -> None:
         _state.store = None
         GroupMember.WORLD = None
         return
-    pg = resolve(group, "destroy_process_group")
+    # resolve() refuses a group broken by a timeout; destroying it must still work.
+    live = isinstance(group, ProcessGroup) and group._comm is not None
+    pg = group if live else resolve(group, "destroy_process_group")
     if pg is None:
         return
     if pg is _state.world:

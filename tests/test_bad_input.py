@@ -27,7 +27,7 @@ def _still_in_step(dist):
 
 def test_wrong_types(dist):
     w = _where(dist)
-    with pytest.raises(TypeError, match=rf"all_reduce: tensor must be a numpy array \(or a torch CPU tensor\), got list \(wrap it with numpy.asarray\) {w}"):
+    with pytest.raises(TypeError, match=rf"all_reduce: tensor must be a numpy array \(or a cupy array, .*\), got list \(wrap it with numpy.asarray\) {w}"):
         dist.all_reduce([1.0, 2.0])
     with pytest.raises(TypeError, match=r"all_reduce: tensor has unsupported dtype object"):
         dist.all_reduce(np.array([1, "a"], dtype=object))

@@ -66,7 +66,7 @@ def test_wait_timeout_raises_dist_timeout(dist):
     buf = np.zeros(1)
     work = dist.irecv(buf, tag=4242)
     t0 = time.monotonic()
-    with pytest.raises(dist.DistTimeoutError, match=r"irecv|recv: did not complete within 0\.\d s"):
+    with pytest.raises(dist.DistTimeoutError, match=r"recv: .*did not complete within 0\.\d s"):
         work.wait(timeout=0.3)
     assert 0.25 < time.monotonic() - t0 < 5
     assert not work.is_completed()

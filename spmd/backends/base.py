@@ -70,3 +70,9 @@ class Backend(abc.ABC):
 
     @abc.abstractmethod
     def recv(self, tensor, peer, tag): ...
+
+    def batch_p2p(self, ops):
+        """Start a batch of ``(sending, tensor, peer, tag)``; return their Works in order.
+        Backends that must launch a batch together (NCCL) override it."""
+        return [self.send(a, peer, tag) if sending else self.recv(a, peer, tag)
+                for sending, a, peer, tag in ops]

@@ -11,15 +11,18 @@ from __future__ import annotations
 import numpy as np
 from mpi4py import MPI
 
-from ..arrays import SUPPORTED_DTYPES, family, movable
+from ..arrays import MOVE_AS, SUPPORTED_DTYPES, family, movable
+from ..coalescing import pack_buckets
 from ..errors import located
 from ..ops import ReduceOp
 from ..work import Work
 from .base import Backend
+from .shm import engine_for
 
 __all__ = ["MPIBackend"]
 
 _IN_PLACE = MPI.IN_PLACE
+_ANY_SOURCE = MPI.ANY_SOURCE
 _F32 = np.dtype(np.float32)
 _U8 = np.dtype(np.uint8)
 
@@ -160,6 +163,11 @@ class MPIBackend(Backend):
         self.comm = group._comm
         self.rank = group._rank
         self.size = group._size
+        self._shm = engine_for(self)  # node-local shared-memory engine, or None
+
+    def shutdown(self) -> None:
+        if self._shm is not None:
+            self._shm.shutdown()
 
     # -- helpers -----------------------------------------------------------------
 
@@ -217,40 +225,66 @@ class MPIBackend(Backend):
     # -- reductions --------------------------------------------------------------
 
     def all_reduce(self, a, op):
-        plan = self._plan(a.dtype, op, "all_reduce")
-        if plan.simple and a.flags.c_contiguous:
+        if self._shm is not None and a.nbytes >= self._shm.all_reduce_from:
+            return self._shm.all_reduce(a, op)
+        # The common case (a plain op on a contiguous array) takes two dict lookups;
+        # anything else, refusals included, goes through the checked path below.
+        try:
+            plan = _PLANS[op.name][a.dtype]
+        except (KeyError, AttributeError):
+            plan = None
+        if type(plan) is _Plan and plan.simple and a.flags.c_contiguous:
             req = self.comm.Iallreduce(_IN_PLACE, a if plan.view is None else a.view(plan.view),
                                        plan.mpi_op)
             return Work([req], "all_reduce", self.group, [a], None, a)
+        plan = self._plan(a.dtype, op, "all_reduce")
         buf = self._stage(a, plan, op, True)
         req = self.comm.Iallreduce(_IN_PLACE, _mview(buf, plan), plan.mpi_op)
         return self._work([req], "all_reduce", [a], self._finisher(a, buf, plan), buf)
 
     def all_reduce_coalesced(self, tensors, op):
-        by_dtype: dict[np.dtype, list] = {}
-        for t in tensors:
-            by_dtype.setdefault(t.dtype, []).append(t)
+        dt = tensors[0].dtype
+        if all(t.dtype is dt for t in tensors):  # one dtype (the usual case): no grouping
+            by_dtype: dict[np.dtype, list] = {dt: tensors}
+        else:
+            by_dtype = {}
+            for t in tensors:
+                by_dtype.setdefault(t.dtype, []).append(t)
         plans = {dt: self._plan(dt, op, "all_reduce_coalesced") for dt in by_dtype}
-        reqs, finishes, keep = [], [], []
+        reqs, packed = [], []
         for dt, arrays in by_dtype.items():
             plan = plans[dt]
-            buf = _pack(arrays, plan.upcast or dt)
-            if plan.premul:
-                np.multiply(buf, _factor(op), out=buf, casting="unsafe")
-            reqs.append(self.comm.Iallreduce(_IN_PLACE, _mview(buf, plan), plan.mpi_op))
-            keep.append(buf)
-            finishes.append((arrays, buf, _AVG[plan.avg] if plan.avg else None))
+            # One collective per bucket of at most the fusion threshold's bytes.
+            for p in pack_buckets(arrays, plan.upcast or dt, plan.upcast is None
+                                  and not plan.premul):
+                if plan.premul:
+                    np.multiply(p.buf, _factor(op), out=p.buf, casting="unsafe")
+                reqs.append(self.comm.Iallreduce(_IN_PLACE, _mview(p.buf, plan), plan.mpi_op))
+                packed.append((p, _AVG[plan.avg] if plan.avg else None))
         n = self.size
 
         def finish():
-            for arrays, buf, avg in finishes:
+            for p, avg in packed:
                 if avg is not None:
-                    avg(buf, n)
-                _unpack_into(arrays, buf)
+                    avg(p.buf, n)
+                p.unpack()
 
-        return self._work(reqs, "all_reduce_coalesced", list(tensors), finish, keep)
+        return Work(reqs, "all_reduce_coalesced", self.group, list(tensors), finish, packed)
 
     def reduce(self, a, root, op):
+        if self._shm is not None and a.nbytes >= self._shm.reduce_from:
+            return self._shm.reduce(a, root, op)
+        try:
+            plan = _PLANS[op.name][a.dtype]
+        except (KeyError, AttributeError):
+            plan = None
+        if type(plan) is _Plan and plan.simple and a.flags.c_contiguous:
+            m = a if plan.view is None else a.view(plan.view)
+            if self.rank == root:
+                req = self.comm.Ireduce(_IN_PLACE, m, plan.mpi_op, root)
+            else:
+                req = self.comm.Ireduce(m, None, plan.mpi_op, root)
+            return Work([req], "reduce", self.group, [a], None, a)
         plan = self._plan(a.dtype, op, "reduce")
         is_root = self.rank == root
         buf = self._stage(a, plan, op, is_root)
@@ -261,6 +295,19 @@ class MPIBackend(Backend):
         return self._work([req], "reduce", [a], None, buf)
 
     def reduce_scatter_tensor(self, out, a, op):
+        if self._shm is not None and a.nbytes >= self._shm.reduce_scatter_from:
+            return self._shm.reduce_scatter_tensor(out, a, op)
+        try:
+            plan = _PLANS[op.name][a.dtype]
+        except (KeyError, AttributeError):
+            plan = None
+        if type(plan) is _Plan and plan.simple and a.flags.c_contiguous \
+                and out.flags.c_contiguous:
+            view = plan.view
+            req = self.comm.Ireduce_scatter_block(a if view is None else a.view(view),
+                                                  out if view is None else out.view(view),
+                                                  plan.mpi_op)
+            return Work([req], "reduce_scatter_tensor", self.group, [out], None, (a, out))
         plan = self._plan(a.dtype, op, "reduce_scatter_tensor")
         buf = self._stage(a, plan, op, False)
         rbuf = _recv_buffer(out, plan.upcast)
@@ -282,12 +329,20 @@ class MPIBackend(Backend):
     # -- data movement -----------------------------------------------------------
 
     def broadcast(self, a, root):
+        if self._shm is not None and a.nbytes >= self._shm.broadcast_from:
+            return self._shm.broadcast(a, root)
+        if a.flags.c_contiguous:  # the common case: MPI moves the array itself
+            view = MOVE_AS[a.dtype]
+            req = self.comm.Ibcast(a if view is None else a.view(view), root)
+            return Work([req], "broadcast", self.group, [a], None, a)
         buf = _contig(a)
         req = self.comm.Ibcast(movable(buf), root)
         finish = None if buf is a or self.rank == root else (lambda: np.copyto(a, buf))
         return self._work([req], "broadcast", [a], finish, buf)
 
     def all_gather(self, outputs, a):
+        if self._shm is not None and self._shm.gathers(sum(o.nbytes for o in outputs)):
+            return self._shm.all_gather(outputs, a)
         src = movable(_contig(a))
         counts = [o.size for o in outputs]
         rbuf = np.empty(sum(counts), a.dtype)
@@ -299,6 +354,15 @@ class MPIBackend(Backend):
                           lambda: _unpack_into(outputs, rbuf), (src, rbuf))
 
     def all_gather_into_tensor(self, out, a):
+        if self._shm is not None and self._shm.gathers(out.nbytes):
+            return self._shm.all_gather_into_tensor(out, a)
+        if a.flags.c_contiguous and out.flags.c_contiguous:
+            view = MOVE_AS[a.dtype]
+            if view is None:
+                req = self.comm.Iallgather(a, out)
+            else:
+                req = self.comm.Iallgather(a.view(view), out.view(view))
+            return Work([req], "all_gather_into_tensor", self.group, [out], None, (a, out))
         src = movable(_contig(a))
         rbuf = _recv_buffer(out)
         req = self.comm.Iallgather(src, movable(rbuf))
@@ -350,6 +414,13 @@ class MPIBackend(Backend):
                           lambda: _unpack_into(outputs, rbuf), (sbuf, rbuf))
 
     def all_to_all_single(self, out, a, output_counts, input_counts):
+        if input_counts is None and a.flags.c_contiguous and out.flags.c_contiguous:
+            view = MOVE_AS[a.dtype]
+            if view is None:
+                req = self.comm.Ialltoall(a, out)
+            else:
+                req = self.comm.Ialltoall(a.view(view), out.view(view))
+            return Work([req], "all_to_all_single", self.group, [out], None, (a, out))
         src = movable(_contig(a))
         rbuf = _recv_buffer(out)
         if input_counts is None:
@@ -361,15 +432,25 @@ class MPIBackend(Backend):
         return self._work([req], "all_to_all_single", [out], finish, (src, rbuf))
 
     def barrier(self):
-        return self._work([self.comm.Ibarrier()], "barrier", [])
+        return Work([self.comm.Ibarrier()], "barrier", self.group, [])
 
     # -- point to point ----------------------------------------------------------
 
     def send(self, a, peer, tag):
+        if a.flags.c_contiguous:
+            view = MOVE_AS[a.dtype]
+            req = self.comm.Isend(a if view is None else a.view(view), peer, tag)
+            return Work([req], "send", self.group, [a], None, a)
         buf = movable(_contig(a))
         return self._work([self.comm.Isend(buf, peer, tag)], "send", [a], None, buf)
 
     def recv(self, a, peer, tag):
+        if a.flags.c_contiguous:
+            view = MOVE_AS[a.dtype]
+            status = MPI.Status()
+            req = self.comm.Irecv(a if view is None else a.view(view),
+                                  _ANY_SOURCE if peer is None else peer, tag)
+            return Work([req], "recv", self.group, [a], None, a, status)
         buf = _recv_buffer(a)
         status = MPI.Status()
         req = self.comm.Irecv(movable(buf), MPI.ANY_SOURCE if peer is None else peer, tag)

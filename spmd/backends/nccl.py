@@ -1,0 +1,740 @@
+"""NCCL for GPU arrays, through CuPy's ``cupy.cuda.nccl``, bootstrapped over MPI.
+
+A group's NCCL communicator is created at the group's first GPU operation (or at
+``init_process_group(device_id=...)``): group rank 0 asks NCCL for a unique id, the id
+travels over the group's MPI communicator (or the init store), and every member calls
+``NcclCommunicator(size, id, rank)``.  Groups split from a group that already has a
+communicator get theirs from ``ncclCommSplit`` where CuPy (>= 14) and NCCL (>= 2.18)
+have it.
+
+Streams: each communicator has its own CUDA stream.  An operation makes that stream
+wait for an event recorded on the caller's current stream (so the inputs are ready),
+enqueues the NCCL calls (and any packing, scaling or copying back) on it, and records
+an end event.  ``Work.wait()`` makes the caller's current stream wait for the end event
+without blocking the host, as in c10d; ``Work.synchronize()`` blocks the host.  The
+arrays of an operation are kept alive until its end event has passed.
+
+What NCCL cannot do raises TypeError before anything is enqueued (say so in the docs):
+bitwise reductions, reductions of int16/uint16 (NCCL has no such types), MIN/MAX/
+PRODUCT of complex arrays (they travel as pairs of reals).  Data movement works for
+every dtype (bytes are bytes).  Use ``backend="cpu:mpi,cuda:mpi"`` for those.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import os
+import time
+import weakref
+
+import numpy as np
+
+from .. import _gpu
+from .._bootstrap import broadcast_value
+from ..arrays import bfloat16, family
+from ..errors import DistBackendError, DistTimeoutError, GroupBrokenError, located
+from ..ops import ReduceOp
+from ..work import Work, _seconds
+from ._nccl_plans import (
+    NCCL_TYPES,
+    NOCOLOR,
+    PLANS,
+    USE_MPI,
+    plan_for,
+    uid_for_cupy,
+    uid_to_bytes,
+)
+from .base import Backend
+from .mpi import _factor
+
+__all__ = ["NCCL_TYPES", "NCCLBackend", "NcclWork", "plan_for", "uid_for_cupy", "uid_to_bytes"]
+
+# -- Work ---------------------------------------------------------------------------
+
+class NcclWork(Work):
+    """A started NCCL operation: an end event on the communicator's stream."""
+
+    __slots__ = ("_blocking", "_event", "_owner", "_peer")
+
+    def __init__(self, owner, event, op: str, outputs, keep, blocking=False, peer=None):
+        self._event = event
+        self._owner = owner
+        self._blocking = blocking  # barrier: waiting blocks the host
+        self._peer = peer          # receives: the group rank received from
+        super().__init__([], op, owner.group, outputs, None, keep)
+
+    def _test(self) -> bool:
+        self._owner.check(self._op)
+        return bool(self._event.done)
+
+    def is_completed(self) -> bool:
+        """True once the GPU has passed the operation's end event; never blocks."""
+        if not self._done and self._test():
+            self._complete()
+        return self._done
+
+    def wait(self, timeout=None) -> bool:
+        """Make the caller's current stream wait for the operation (the host does not
+        wait), as c10d's NCCL Work does.  With ``timeout`` (and for barrier) the host
+        waits too, at most that long.
+
+        Raises:
+            DistTimeoutError: the host waited longer than ``timeout``.
+            DistBackendError: NCCL reported an error (the communicator is aborted).
+        """
+        if self._blocking or timeout is not None:
+            self.synchronize(timeout)
+            return True
+        if not self._done:
+            self._owner.check(self._op)
+            self._owner.stream_wait(self._event)
+            future = self._future
+            if future is not None and not future._done:
+                future.set_result(self._outputs)  # ready for use on the current stream
+        if self._exc is not None:
+            raise self._exc
+        return True
+
+    def _complete(self) -> None:
+        future = self._future
+        if future is not None and future._done:  # already set by wait()
+            self._future = None
+        super()._complete()
+        self._future = future
+
+    def synchronize(self, timeout=None) -> None:
+        """Block the host until the operation has completed on the GPU."""
+        seconds = self._group._timeout if timeout is None else _seconds(timeout)
+        if not self._done:
+            self._owner.host_wait(self, seconds)
+            self._complete()
+        if self._exc is not None:
+            raise self._exc
+
+    def source_rank(self) -> int:
+        if self._peer is None:
+            raise RuntimeError(f"{self._op}: source_rank() is only defined for receives")
+        return self._group._global_rank(self._peer)
+
+
+# -- the backend ----------------------------------------------------------------------
+
+def _contig(cp, a):
+    if a.flags.c_contiguous:
+        return a
+    if bfloat16 is not None and a.dtype == bfloat16:
+        return cp.ascontiguousarray(a.view(np.uint16)).view(bfloat16)
+    return cp.ascontiguousarray(a)
+
+
+def _bits(a):
+    """Same-width unsigned view for copies (CuPy may lack bfloat16 kernels)."""
+    return a.view(np.uint16) if bfloat16 is not None and a.dtype == bfloat16 else a
+
+
+def _copy_into(cp, out, src) -> None:
+    """``out[...] = src`` (same dtype and size), unless they are the same array."""
+    if src is out:
+        return
+    if src.shape != out.shape:
+        src = src.reshape(out.shape)
+    cp.copyto(_bits(out), _bits(src))
+
+
+def _flat_bytes(cp, a):
+    """A contiguous array's bytes (a copy only when ``a`` is not contiguous)."""
+    return _contig(cp, a).reshape(-1).view(np.uint8)
+
+
+def _typed(buf_u8, like):
+    return buf_u8.view(like.dtype).reshape(like.shape)
+
+
+class NCCLBackend(Backend):
+    """NCCL collectives and point-to-point operations on cupy arrays."""
+
+    name = "nccl"
+
+    def __init__(self, group):
+        super().__init__(group)
+        self._cp = _gpu.need_cupy("spmd", "the NCCL backend", group)
+        self._nccl = _gpu.nccl_or_none()
+        if self._nccl is None:
+            raise RuntimeError(f"the NCCL backend cannot run here: {_gpu.nccl_problem()} "
+                               f"[rank {group._rank}, group {group._name}]")
+        self._comm = None
+        self._stream = None
+        self._device = None
+        self._broken: str | None = None
+        self._inflight: collections.deque = collections.deque()
+        self._resolved: dict = {}
+        self.created_by = None  # "unique id" or "commSplit", for tests and spmd info
+        if _split_hook not in _state().split_hooks:
+            _state().split_hooks.append(_split_hook)
+
+    # -- communicator ---------------------------------------------------------------
+
+    def connect(self, op: str = "connect"):
+        """Create the communicator now (collective over the group); return it."""
+        if self._comm is not None:
+            return self._comm
+        self._check_broken(op)
+        cp, pg = self._cp, self.group
+        device = _gpu.bound_device()
+        with cp.cuda.Device(device):
+            pending = getattr(pg, "_nccl_split", None)
+            if pending is not None:
+                pg._nccl_split = None
+                comm, self.created_by = pending, "commSplit"
+            else:
+                comm, self.created_by = self._from_unique_id(op), "unique id"
+            self._stream = cp.cuda.Stream(non_blocking=True)
+        self._device = device
+        self._comm = comm
+        return comm
+
+    def _from_unique_id(self, op: str):
+        nccl, pg = self._nccl, self.group
+        value = None
+        if pg._rank == 0:
+            try:
+                value = uid_to_bytes(nccl.get_unique_id())
+            except Exception as exc:  # noqa: BLE001 - the others must hear about it too
+                value = b"error:" + f"{type(exc).__name__}: {exc}".encode()
+        raw = broadcast_value(pg, _state().store, "nccl-unique-id", value)
+        if raw.startswith(b"error:"):
+            raise located(DistBackendError, op, f"ncclGetUniqueId failed on group rank 0: "
+                          f"{raw[6:].decode()}", pg)
+        try:
+            return nccl.NcclCommunicator(pg._size, uid_for_cupy(raw, self._cp.__version__),
+                                         pg._rank)
+        except Exception as exc:
+            raise located(DistBackendError, op, f"ncclCommInitRank failed: {exc}", pg) from exc
+
+    def can_split(self) -> bool:
+        if not hasattr(self._nccl.NcclCommunicator, "commSplit"):
+            return False
+        try:
+            return int(self._nccl.get_version()) >= 21800
+        except Exception:  # noqa: BLE001
+            return False
+
+    def shutdown(self) -> None:
+        comm, self._comm = self._comm, None
+        if comm is None:
+            return
+        if self._broken is None:
+            try:
+                self._stream.synchronize()
+            finally:
+                comm.destroy()
+        self._inflight.clear()
+
+    # -- errors ---------------------------------------------------------------------
+
+    def _check_broken(self, op: str) -> None:
+        if self._broken is not None:
+            raise located(GroupBrokenError, op, f"the group's NCCL communicator was aborted "
+                          f"after {self._broken}; destroy the group and make a new one",
+                          self.group)
+
+    def _abort(self, why: str) -> None:
+        self._broken = why
+        comm = self._comm
+        if comm is not None:
+            with contextlib.suppress(Exception):
+                comm.abort()
+
+    def check(self, op: str) -> None:
+        """Raise if the communicator was aborted or NCCL reports an asynchronous error."""
+        self._check_broken(op)
+        comm = self._comm
+        if comm is None:
+            return
+        try:
+            comm.check_async_error()
+        except Exception as exc:
+            self._abort(f"an asynchronous NCCL error in {op}")
+            raise located(DistBackendError, op, f"NCCL reported an asynchronous error: {exc}; "
+                          "the communicator was aborted", self.group) from exc
+
+    def stream_wait(self, event) -> None:
+        self._cp.cuda.get_current_stream().wait_event(event)
+
+    def host_wait(self, work: NcclWork, seconds: float) -> None:
+        start = time.monotonic()
+        deadline = start + seconds
+        event, spins = work._event, 0
+        while not event.done:
+            spins += 1
+            if not spins & 63:
+                self.check(work._op)
+                now = time.monotonic()
+                if now > deadline:
+                    self._abort(f"{work._op} timed out")
+                    raise located(DistTimeoutError, work._op, f"did not complete within "
+                                  f"{now - start:.1f} s; the NCCL communicator was aborted",
+                                  self.group)
+            if spins > 4096:
+                time.sleep(50e-6)
+            else:
+                os.sched_yield()
+        self.check(work._op)
+
+    def _reap(self) -> None:
+        """Release the arrays of operations whose end event has passed."""
+        inflight = self._inflight
+        while inflight and inflight[0][0].done:
+            _, _, ref = inflight.popleft()
+            work = ref()
+            if work is not None and not work._done:
+                work._complete()
+
+    # -- launching ------------------------------------------------------------------
+
+    def _plan(self, dtype, op, opname: str):
+        """(plan, NCCL datatype, NCCL op, divide after) for a reduction, or raise."""
+        try:
+            plan = PLANS[op.name][dtype]
+        except (KeyError, AttributeError):
+            if not isinstance(op, ReduceOp):
+                raise located(TypeError, opname, f"op must be a ReduceOp, got {type(op).__name__}",
+                              self.group) from None
+            raise located(ValueError, opname, f"{op!r} cannot be used as a reduction",
+                          self.group) from None
+        if type(plan) is str:
+            raise located(TypeError, opname, plan, self.group)
+        if plan.premul:
+            if op.factor is None:
+                raise located(ValueError, opname, "PREMUL_SUM needs a factor: use "
+                              "spmd.make_premul_sum(factor)", self.group)
+            if isinstance(_factor(op), complex) and family(dtype) != "complex":
+                raise located(TypeError, opname, f"a complex PREMUL_SUM factor cannot scale "
+                              f"{dtype} arrays", self.group)
+        got = self._resolved.get(id(plan))
+        if got is None:
+            nccl = self._nccl
+            ntype = getattr(nccl, plan.nccl_type, None)
+            if ntype is None:
+                raise located(TypeError, opname, f"this NCCL build has no {plan.nccl_type} "
+                              f"for {dtype} arrays; {USE_MPI}", self.group)
+            nop, divide = getattr(nccl, plan.nccl_op), plan.avg
+            if plan.avg == "float" and hasattr(nccl, "NCCL_AVG"):
+                nop, divide = nccl.NCCL_AVG, None
+            got = self._resolved[id(plan)] = (plan, ntype, nop, divide)
+        return got
+
+    def _launch(self, op: str, body):
+        """Run ``body(comm, stream_ptr)`` on the communicator's stream after the caller's
+        current stream; return (end event, what body keeps alive)."""
+        comm = self.connect(op)
+        self._check_broken(op)
+        self._reap()
+        cp = self._cp
+        with cp.cuda.Device(self._device):
+            ready = cp.cuda.Event(block=False, disable_timing=True)
+            ready.record(cp.cuda.get_current_stream())
+            stream = self._stream
+            stream.wait_event(ready)
+            try:
+                with stream:
+                    kept = body(comm, stream.ptr)
+            except self._nccl.NcclError as exc:
+                self._abort(f"an NCCL error in {op}")
+                raise located(DistBackendError, op, f"NCCL error: {exc}; the communicator was "
+                              "aborted", self.group) from exc
+            end = cp.cuda.Event(block=False, disable_timing=True)
+            end.record(stream)
+        return end, kept
+
+    def _work(self, op, body, outputs, keep, blocking=False, peer=None) -> NcclWork:
+        end, kept = self._launch(op, body)
+        work = NcclWork(self, end, op, outputs, (keep, kept), blocking, peer)
+        self._inflight.append((end, (keep, kept), weakref.ref(work)))
+        return work
+
+    @contextlib.contextmanager
+    def _grouped(self):
+        self._nccl.groupStart()
+        try:
+            yield
+        finally:
+            self._nccl.groupEnd()
+
+    def _scaled(self, a, plan, op):
+        """The buffer NCCL reduces: ``a`` itself when it can, else a contiguous copy
+        (scaled by the PREMUL_SUM factor when there is one)."""
+        cp = self._cp
+        if plan.premul:
+            buf = cp.array(a, order="C")
+            cp.multiply(buf, _factor(op), out=buf, casting="unsafe")
+            return buf
+        return _contig(cp, a)
+
+    def _divide(self, buf, divide) -> None:
+        if divide is None or not buf.size:
+            return
+        n = self.group._size
+        if divide == "float":
+            buf /= n
+        elif divide == "uint":
+            buf //= n
+        else:  # truncate toward zero, as NCCL and the MPI backend do
+            fix = (buf < 0) & (buf % n != 0)
+            buf //= n
+            buf += fix
+
+    # -- reductions --------------------------------------------------------------------
+
+    def all_reduce(self, a, op):
+        plan, t, o, divide = self._plan(a.dtype, op, "all_reduce")
+
+        def body(comm, s):
+            buf = self._scaled(a, plan, op)
+            if buf.size:
+                comm.allReduce(buf.data.ptr, buf.data.ptr, buf.size * plan.count_factor, t, o, s)
+            self._divide(buf, divide)
+            _copy_into(self._cp, a, buf)
+            return buf
+
+        return self._work("all_reduce", body, [a], a)
+
+    def all_reduce_coalesced(self, tensors, op):
+        cp = self._cp
+        by_dtype: dict = {}
+        for x in tensors:
+            by_dtype.setdefault(x.dtype, []).append(x)
+        plans = {dt: self._plan(dt, op, "all_reduce_coalesced") for dt in by_dtype}
+
+        def body(comm, s):
+            kept = []
+            for dt, arrays in by_dtype.items():
+                plan, t, o, divide = plans[dt]
+                buf = cp.concatenate([_flat_bytes(cp, x) for x in arrays]).view(dt)
+                if plan.premul:
+                    cp.multiply(buf, _factor(op), out=buf, casting="unsafe")
+                if buf.size:
+                    comm.allReduce(buf.data.ptr, buf.data.ptr, buf.size * plan.count_factor,
+                                   t, o, s)
+                self._divide(buf, divide)
+                pos = 0
+                for x in arrays:
+                    _copy_into(cp, x, buf[pos:pos + x.size])
+                    pos += x.size
+                kept.append(buf)
+            return kept
+
+        return self._work("all_reduce_coalesced", body, list(tensors), list(tensors))
+
+    def reduce(self, a, root, op):
+        plan, t, o, divide = self._plan(a.dtype, op, "reduce")
+        is_root = self.group._rank == root
+
+        def body(comm, s):
+            buf = self._scaled(a, plan, op)
+            if buf.size:
+                comm.reduce(buf.data.ptr, buf.data.ptr, buf.size * plan.count_factor, t, o,
+                            root, s)
+            if is_root:
+                self._divide(buf, divide)
+                _copy_into(self._cp, a, buf)
+            return buf
+
+        return self._work("reduce", body, [a], a)
+
+    def reduce_scatter_tensor(self, out, a, op):
+        plan, t, o, divide = self._plan(a.dtype, op, "reduce_scatter_tensor")
+        cp = self._cp
+
+        def body(comm, s):
+            buf = self._scaled(a, plan, op)
+            rbuf = out if out.flags.c_contiguous else cp.empty(out.shape, out.dtype)
+            if out.size:
+                comm.reduceScatter(buf.data.ptr, rbuf.data.ptr, out.size * plan.count_factor,
+                                   t, o, s)
+            self._divide(rbuf, divide)
+            _copy_into(cp, out, rbuf)
+            return buf, rbuf
+
+        return self._work("reduce_scatter_tensor", body, [out], (out, a))
+
+    def reduce_scatter(self, out, inputs, op):
+        plan, t, o, divide = self._plan(out.dtype, op, "reduce_scatter")
+        cp, me = self._cp, self.group._rank
+        sizes = [x.size for x in inputs]
+
+        def body(comm, s):
+            rbuf = cp.empty(out.nbytes, np.uint8).view(out.dtype)
+            if sizes.count(sizes[0]) == len(sizes):
+                buf = cp.concatenate([_flat_bytes(cp, x) for x in inputs]).view(out.dtype)
+                if plan.premul:
+                    cp.multiply(buf, _factor(op), out=buf, casting="unsafe")
+                if out.size:
+                    comm.reduceScatter(buf.data.ptr, rbuf.data.ptr,
+                                       out.size * plan.count_factor, t, o, s)
+                kept = [buf]
+            else:  # uneven: one reduce per destination, launched together
+                kept = [self._scaled(x, plan, op) for x in inputs]
+                with self._grouped():
+                    for r, buf in enumerate(kept):
+                        if buf.size:
+                            dst = rbuf if r == me else buf
+                            comm.reduce(buf.data.ptr, dst.data.ptr, buf.size * plan.count_factor,
+                                        t, o, r, s)
+            self._divide(rbuf, divide)
+            _copy_into(cp, out, rbuf)
+            return kept, rbuf
+
+        return self._work("reduce_scatter", body, [out], (out, list(inputs)))
+
+    # -- data movement -----------------------------------------------------------------
+
+    def broadcast(self, a, root):
+        cp, u8 = self._cp, self._nccl.NCCL_UINT8
+
+        def body(comm, s):
+            buf = _contig(cp, a)
+            if a.nbytes:
+                comm.broadcast(buf.data.ptr, buf.data.ptr, a.nbytes, u8, root, s)
+            if self.group._rank != root:
+                _copy_into(cp, a, buf)
+            return buf
+
+        return self._work("broadcast", body, [a], a)
+
+    def all_gather_into_tensor(self, out, a):
+        cp, u8 = self._cp, self._nccl.NCCL_UINT8
+
+        def body(comm, s):
+            src = _contig(cp, a)
+            dst = out if out.flags.c_contiguous else cp.empty(out.shape, out.dtype)
+            if a.nbytes:
+                comm.allGather(src.data.ptr, dst.data.ptr, a.nbytes, u8, s)
+            _copy_into(cp, out, dst)
+            return src, dst
+
+        return self._work("all_gather_into_tensor", body, [out], (out, a))
+
+    def all_gather(self, outputs, a):
+        cp, u8, me = self._cp, self._nccl.NCCL_UINT8, self.group._rank
+        nbytes = [o.nbytes for o in outputs]
+
+        def body(comm, s):
+            src = _flat_bytes(cp, a)
+            if nbytes.count(nbytes[0]) == len(nbytes):
+                rbuf = cp.empty(len(nbytes) * a.nbytes, np.uint8)
+                if a.nbytes:
+                    comm.allGather(src.data.ptr, rbuf.data.ptr, a.nbytes, u8, s)
+                pieces = [rbuf[i * a.nbytes:(i + 1) * a.nbytes] for i in range(len(nbytes))]
+            else:  # uneven: every rank broadcasts its piece, launched together
+                pieces = [src if r == me else cp.empty(n, np.uint8) for r, n in enumerate(nbytes)]
+                with self._grouped():
+                    for r, piece in enumerate(pieces):
+                        if nbytes[r]:
+                            comm.broadcast(src.data.ptr, piece.data.ptr, nbytes[r], u8, r, s)
+            for o, piece in zip(outputs, pieces):
+                _copy_into(cp, o, _typed(piece, o))
+            return src, pieces
+
+        return self._work("all_gather", body, list(outputs), (list(outputs), a))
+
+    def all_gather_coalesced(self, output_lists, inputs):
+        cp, u8 = self._cp, self._nccl.NCCL_UINT8
+        n = self.group._size
+
+        def body(comm, s):
+            parts = [_flat_bytes(cp, x) for x in inputs]
+            sbuf = cp.concatenate(parts) if parts else cp.empty(0, np.uint8)
+            rbuf = cp.empty(n * sbuf.size, np.uint8)
+            if sbuf.size:
+                comm.allGather(sbuf.data.ptr, rbuf.data.ptr, sbuf.size, u8, s)
+            for i, outs in enumerate(output_lists):
+                pos = i * sbuf.size
+                for o in outs:
+                    _copy_into(cp, o, _typed(rbuf[pos:pos + o.nbytes], o))
+                    pos += o.nbytes
+            return sbuf, rbuf
+
+        return self._work("all_gather_coalesced", body, output_lists, (output_lists, inputs))
+
+    def gather(self, a, outputs, root):
+        cp, u8, me = self._cp, self._nccl.NCCL_UINT8, self.group._rank
+
+        def body(comm, s):
+            src = _flat_bytes(cp, a)
+            if me != root:
+                if a.nbytes:
+                    with self._grouped():
+                        comm.send(src.data.ptr, a.nbytes, u8, root, s)
+                return src
+            pieces = [src if r == me else cp.empty(o.nbytes, np.uint8)
+                      for r, o in enumerate(outputs)]
+            with self._grouped():
+                for r, piece in enumerate(pieces):
+                    if r != me and piece.size:
+                        comm.recv(piece.data.ptr, piece.size, u8, r, s)
+            for o, piece in zip(outputs, pieces):
+                _copy_into(cp, o, _typed(piece, o))
+            return src, pieces
+
+        return self._work("gather", body, list(outputs or []), (outputs, a))
+
+    def scatter(self, out, inputs, root):
+        cp, u8, me = self._cp, self._nccl.NCCL_UINT8, self.group._rank
+
+        def body(comm, s):
+            if me != root:
+                rbuf = cp.empty(out.nbytes, np.uint8)
+                if out.nbytes:
+                    with self._grouped():
+                        comm.recv(rbuf.data.ptr, out.nbytes, u8, root, s)
+                _copy_into(cp, out, _typed(rbuf, out))
+                return rbuf
+            srcs = [_flat_bytes(cp, x) for x in inputs]
+            with self._grouped():
+                for r, src in enumerate(srcs):
+                    if r != me and src.size:
+                        comm.send(src.data.ptr, src.size, u8, r, s)
+            _copy_into(cp, out, _typed(srcs[me], out))
+            return srcs
+
+        return self._work("scatter", body, [out], (out, inputs))
+
+    def all_to_all(self, outputs, inputs):
+        cp, u8, me = self._cp, self._nccl.NCCL_UINT8, self.group._rank
+
+        def body(comm, s):
+            srcs = [_flat_bytes(cp, x) for x in inputs]
+            dsts = [srcs[r] if r == me else cp.empty(o.nbytes, np.uint8)
+                    for r, o in enumerate(outputs)]
+            with self._grouped():
+                for r in range(len(srcs)):
+                    if r == me:
+                        continue
+                    if srcs[r].size:
+                        comm.send(srcs[r].data.ptr, srcs[r].size, u8, r, s)
+                    if dsts[r].size:
+                        comm.recv(dsts[r].data.ptr, dsts[r].size, u8, r, s)
+            for o, d in zip(outputs, dsts):
+                _copy_into(cp, o, _typed(d, o))
+            return srcs, dsts
+
+        return self._work("all_to_all", body, list(outputs), (list(outputs), list(inputs)))
+
+    def all_to_all_single(self, out, a, output_counts, input_counts):
+        cp, u8, me, n = self._cp, self._nccl.NCCL_UINT8, self.group._rank, self.group._size
+        item = a.itemsize
+        if input_counts is None:
+            input_counts = [a.size // n] * n
+            output_counts = [out.size // n] * n
+        in_off = np.concatenate([[0], np.cumsum(input_counts)]) * item
+        out_off = np.concatenate([[0], np.cumsum(output_counts)]) * item
+
+        def body(comm, s):
+            src = _flat_bytes(cp, a)
+            dst = out if out.flags.c_contiguous else cp.empty(out.shape, out.dtype)
+            dst_u8 = dst.reshape(-1).view(np.uint8)
+            with self._grouped():
+                for r in range(n):
+                    if r == me:
+                        continue
+                    if input_counts[r]:
+                        comm.send(src.data.ptr + int(in_off[r]), input_counts[r] * item, u8, r, s)
+                    if output_counts[r]:
+                        comm.recv(dst_u8.data.ptr + int(out_off[r]), output_counts[r] * item,
+                                  u8, r, s)
+            if input_counts[me]:
+                dst_u8[int(out_off[me]):int(out_off[me + 1])] = src[int(in_off[me]):int(in_off[me + 1])]
+            _copy_into(cp, out, dst)
+            return src, dst
+
+        return self._work("all_to_all_single", body, [out], (out, a))
+
+    def barrier(self):
+        cp, nccl = self._cp, self._nccl
+
+        def body(comm, s):
+            buf = cp.zeros(1, np.int32)
+            comm.allReduce(buf.data.ptr, buf.data.ptr, 1, nccl.NCCL_INT32, nccl.NCCL_SUM, s)
+            return buf
+
+        return self._work("barrier", body, [], None, blocking=True)
+
+    # -- point to point (tags are ignored: NCCL matches by order) -----------------------
+
+    def _p2p_body(self, ops):
+        cp, u8 = self._cp, self._nccl.NCCL_UINT8
+
+        def body(comm, s):
+            bufs = [_flat_bytes(cp, a) if sending else
+                    (a if a.flags.c_contiguous else cp.empty(a.shape, a.dtype)).reshape(-1).view(np.uint8)
+                    for sending, a, _, _ in ops]
+            with self._grouped():
+                for (sending, a, peer, _), buf in zip(ops, bufs):
+                    if buf.size:
+                        (comm.send if sending else comm.recv)(buf.data.ptr, buf.size, u8, peer, s)
+            for (sending, a, _, _), buf in zip(ops, bufs):
+                if not sending:
+                    _copy_into(cp, a, _typed(buf, a))
+            return bufs
+
+        return body
+
+    def _check_peers(self, ops, op: str) -> None:
+        for sending, _, peer, _ in ops:
+            if peer is None:
+                raise located(ValueError, op, "NCCL receives need a source rank (src=None, "
+                              "any source, is MPI-only)", self.group)
+
+    def send(self, a, peer, tag):
+        return self._work("send", self._p2p_body([(True, a, peer, tag)]), [a], a)
+
+    def recv(self, a, peer, tag):
+        self._check_peers([(False, a, peer, tag)], "recv")
+        return self._work("recv", self._p2p_body([(False, a, peer, tag)]), [a], a, peer=peer)
+
+    def batch_p2p(self, ops):
+        self._check_peers(ops, "batch_isend_irecv")
+        end, kept = self._launch("batch_isend_irecv", self._p2p_body(ops))
+        works = []
+        for sending, a, peer, _ in ops:
+            work = NcclWork(self, end, "send" if sending else "recv", [a], (a, kept),
+                            peer=None if sending else peer)
+            self._inflight.append((end, (a, kept), weakref.ref(work)))
+            works.append(work)
+        return works
+
+
+def _state():
+    from ..group import _state as state
+
+    return state
+
+
+def _split_hook(parent, child, color: int, key: int) -> None:
+    """After ``Comm.Split`` of a group whose NCCL communicator exists, split that too
+    (``ncclCommSplit`` is collective over the parent: every member calls it)."""
+    backend = parent._backends.get("cuda")
+    if not isinstance(backend, NCCLBackend) or backend._comm is None or backend._broken:
+        return
+    if not backend.can_split():
+        return
+    cp = backend._cp
+    nccl_color = color if child is not None and color >= 0 else NOCOLOR
+    with cp.cuda.Device(backend._device):
+        try:
+            new = backend._comm.commSplit(nccl_color, key)
+        except Exception as exc:
+            raise located(DistBackendError, "split", f"ncclCommSplit failed: {exc}",
+                          parent) from exc
+    if child is None:
+        if new is not None:
+            new.destroy()
+        return
+    from ..world import Backend as BackendName
+
+    if BackendName.device_map(child._backend_name).get("cuda") == "nccl":
+        child._nccl_split = new
+    else:
+        new.destroy()

@@ -1,0 +1,606 @@
+"""Node-local shared-memory collectives for host arrays, hierarchical across nodes.
+
+Inside a node, ranks exchange data through one MPI-3 shared window per group
+(``_shm_window``) instead of MPI messages:
+
+- one-shot all_reduce (small and medium arrays): every rank copies its input into its
+  slot; every rank reduces all slots, in local-rank order, into its output.
+- two-shot all_reduce (large arrays): the array goes through the window in chunks of
+  one slot; each rank copies the parts of a chunk other ranks own into its slot, reduces
+  the part it owns from every rank's slot, and every rank copies all reduced parts out.
+- across nodes: the reduced part is all-reduced by MPI among the ranks with the same
+  local rank (one per node) before it is copied out: a hierarchical all_reduce.
+- broadcast, all_gather, all_gather_into_tensor, reduce_scatter_tensor and reduce run
+  on one node through the same slots.
+
+Inside a node every element is reduced in local-rank order (rank 0's value first),
+whichever path and whichever rank computes it, and each reduced element is computed
+once and copied, so every rank gets the same bits.  Across nodes the node sums are
+combined by MPI's all_reduce, whose result is the same on every rank (MPICH's is; the
+MPI standard advises it).  Chunks cycle through a ring of slots, so the window does
+not grow with the message.
+
+The MPI backend hands an op to the engine when its size passes the engine's threshold
+for that op (the ``*_from`` attributes; the all-gathers also have an upper bound):
+sizes where the engine measured faster than the MPI library (see AUTO_FROM).
+``SPMD_SHM=0`` turns the engine off, ``SPMD_SHM=force`` uses it at every size.  Where
+the window cannot be allocated the group quietly uses MPI; ``spmd info`` says why.
+
+An engine op returns a Work whose test runs the op's next steps: each step either runs
+or finds that a peer has not caught up, so waits honour deadlines, ``async_op=True``
+returns at once, and the ops of one group run in the order they were started.  An op
+moves while its rank starts, tests or waits on engine ops (of any group).  Unlike an
+MPI request, it does not move while its rank waits only on MPI requests: a rank that
+blocks in a receive whose sender waits in an engine op of theirs must test its engine
+Works first.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import deque
+
+import numpy as np
+from mpi4py import MPI
+
+from .. import work as _work
+from ..errors import GroupBrokenError
+from ..work import Work, _seconds
+from ._shm_reduce import Reduction, accumulate, finalize
+from ._shm_window import nap as _nap
+from ._shm_window import open_window
+
+__all__ = ["SHM_ENV", "ShmEngine", "engine_for", "shm_mode", "status"]
+
+SHM_ENV = "SPMD_SHM"
+_NEVER = 1 << 62
+
+# -- measured constants --------------------------------------------------------------
+# Bytes per slot and slots per rank: a rank's segment is SLOTS x SLOT_BYTES (+4 KiB).
+# 64 MiB float32 all_reduce, 2 ranks on 2 cores (load 4.5, medians of 7): slots of 1, 2,
+# 4, 8 MiB took 28, 38, 41, 40 ms (MPI 62).  4 ranks on the same 2 cores, where every
+# wait costs a trip through the scheduler: 1, 2, 4, 8 MiB took 163, 76, 67, 63 ms
+# (MPI 170).  Hence bigger slots (fewer waits) when ranks outnumber cores.
+SLOT_BYTES = 1 << 20
+SLOT_BYTES_OVERSUBSCRIBED = 4 << 20
+SLOTS = 3                # the fewest the release marks allow; 4 measured no faster
+# One-shot all_reduce/reduce while every rank reads at most this many bytes (local
+# ranks x message) and the message fits one slot: 2 MiB messages at 2 ranks, 1 MiB at 4.
+ONE_SHOT_READ = 4 << 20
+# Sizes (bytes: the array for all_reduce, reduce and broadcast, the input of
+# reduce_scatter_tensor, the output of the all-gathers) from which the engine takes an op
+# in SPMD_SHM=auto mode.  Measured with benchmarks/shm_allreduce.py (float32, medians,
+# load average 4-6 on the 2-core test machine, so +-30% is noise):
+# - 2 ranks on 2 cores: all_reduce 0.9x MPI's speed at 16 KiB, 1.4x at 32 KiB, 1.9x
+#   at 64 KiB, 3-4x from 256 KiB to 4 MiB, 1.0x at 16 MiB, 2.4x at 64 MiB; reduce 1.2x
+#   at 16 KiB, 4.7x at 64 KiB, 6-15x above; reduce_scatter_tensor 1.1x at 64 KiB,
+#   1.2-3.8x above; all-gathers 1.9-2.6x from 256 KiB to 2 MiB but 0.7-0.9x from 4 MiB
+#   (MPI copies large messages once, the window twice); broadcast 0.3-0.7x everywhere.
+# - 4 ranks on 2 cores (oversubscribed): MPI's small-message times swing between 0.05
+#   and 1.6 ms from run to run, the engine's stay near 0.3-0.6 ms; from 64 KiB the
+#   engine was 1.2-11x faster for all_reduce, 2.5-7x for broadcast, the all-gathers and
+#   reduce_scatter_tensor, and from 256 KiB 2.5-6x for reduce.
+AUTO_FROM = {"all_reduce_from": 32 << 10, "reduce_from": 64 << 10,
+             "reduce_scatter_from": 64 << 10, "broadcast_from": _NEVER,
+             "all_gather_from": 256 << 10}
+AUTO_FROM_OVERSUBSCRIBED = {"all_reduce_from": 64 << 10, "reduce_from": 256 << 10,
+                            "reduce_scatter_from": 64 << 10, "broadcast_from": 64 << 10,
+                            "all_gather_from": 64 << 10}
+# The all-gathers go back to MPI from this output size (unless ranks outnumber cores).
+ALL_GATHER_TO = 4 << 20
+# Smallest all_reduce the engine takes in auto mode when the group spans several nodes.
+# Pseudo-nodes (2 x 2 ranks on the 2-core host) measured 0.5-0.8x MPI's speed from
+# 64 KiB to 16 MiB and 1.2-1.3x at 64 MiB; real multi-node runs are not measured here.
+HIER_FROM = 32 << 20
+_ALIGN = 64              # bytes: parts of a chunk owned by different ranks start on cache lines
+_U8 = np.dtype(np.uint8)
+
+_MODES = {"": "auto", "1": "auto", "auto": "auto", "on": "auto", "true": "auto",
+          "yes": "auto", "0": "off", "off": "off", "false": "off", "no": "off",
+          "force": "force", "always": "force"}
+
+
+def shm_mode(environ=None) -> str:
+    """``"auto"``, ``"off"`` or ``"force"`` from ``SPMD_SHM`` (auto when unset).
+
+    Raises:
+        ValueError: the variable has a value this function does not know.
+    """
+    env = os.environ if environ is None else environ
+    value = env.get(SHM_ENV, "").strip().lower()
+    try:
+        return _MODES[value]
+    except KeyError:
+        raise ValueError(f"{SHM_ENV}={value!r}: expected 0 (off), 1 or auto (where it is "
+                         "faster than MPI) or force (at every size)") from None
+
+
+def engine_for(backend) -> ShmEngine | None:
+    """The engine for an MPI backend's group, or None where it cannot help."""
+    mode = shm_mode()
+    if mode == "off" or (mode == "auto" and backend.size < 2):
+        return None
+    return ShmEngine(backend, mode)
+
+
+def _cuts(count: int, parts: int, step: int) -> list[int]:
+    """Boundaries of ``parts`` near-equal parts of ``count`` items, on multiples of ``step``."""
+    units = -(-count // step)
+    base, extra = divmod(units, parts)
+    cuts, pos = [0], 0
+    for j in range(parts):
+        pos += base + (j < extra)
+        cuts.append(min(count, pos * step))
+    return cuts
+
+
+def _flat(a: np.ndarray) -> np.ndarray:
+    """A contiguous 1-D array with ``a``'s items: a view when ``a`` is contiguous."""
+    return a.reshape(-1) if a.flags.c_contiguous else np.ascontiguousarray(a).reshape(-1)
+
+
+def _same_start(x: np.ndarray, y: np.ndarray) -> bool:
+    return x.__array_interface__["data"][0] == y.__array_interface__["data"][0]
+
+
+# -- Work ----------------------------------------------------------------------------
+
+class _Task:
+    """One started engine op: its steps (a generator) and what it waits for next."""
+
+    __slots__ = ("done", "engine", "steps", "wait")
+
+    def __init__(self, engine, steps):
+        self.engine = engine
+        self.steps = steps
+        self.wait = None      # a step count every peer must reach, or an MPI request
+        self.done = False
+
+
+class _ShmWork(Work):
+    """A Work with no MPI request: testing it runs the engine's next steps.
+
+    ``wait`` drives the steps through ``Work._poll`` (deadline, diagnosis, backing off
+    when ranks outnumber cores), then lets ``Work.wait`` complete it.
+    """
+
+    __slots__ = ("_task",)
+
+    def __init__(self, task: _Task, op: str, group, outputs, finish=None, keep=None):
+        self._task = task
+        super().__init__([], op, group, outputs, finish, keep)
+
+    def _test(self) -> bool:
+        task = self._task
+        return task.done or task.engine.progress(task)
+
+    def wait(self, timeout=None) -> bool:
+        if not self._done and not self._test():
+            self._poll(self._group._timeout if timeout is None else _seconds(timeout))
+        return super().wait(timeout)
+
+
+# -- the engine ----------------------------------------------------------------------
+
+_busy: set = set()  # engines with ops in their queues
+
+class ShmEngine:
+    """One group's shared-memory engine: its window (made on first use) and op queue.
+
+    Every rank of the group makes the same calls, so all of them take the same path
+    for every op; the window is set up collectively by the first op that needs it.
+    """
+
+    def __init__(self, backend, mode: str):
+        self._backend = backend
+        self._group = backend.group
+        self.mode = mode
+        self.slot_bytes = SLOT_BYTES_OVERSUBSCRIBED if _work._oversubscribed else SLOT_BYTES
+        self.nslots = SLOTS
+        self.one_shot_max = None  # bytes; ONE_SHOT_READ / local ranks unless set
+        sizes = AUTO_FROM_OVERSUBSCRIBED if _work._oversubscribed else AUTO_FROM
+        for name, size in sizes.items():
+            setattr(self, name, 1 if mode == "force" else size)
+        self.all_gather_to = ALL_GATHER_TO if mode == "auto" and not _work._oversubscribed \
+            else _NEVER
+        self._win = None
+        self._reason = None      # why the engine is unavailable, once known
+        self._failed = None      # an error that left a step half done
+        self._queue: deque[_Task] = deque()
+        self._next_slot = 0
+        self._release: list[int] = []
+        self._reductions: dict = {}  # plan -> Reduction, for plans without a factor
+
+    def gathers(self, nbytes: int) -> bool:
+        """True if an all-gather with ``nbytes`` of output runs here."""
+        return self.all_gather_from <= nbytes < self.all_gather_to
+
+    # -- set-up --------------------------------------------------------------------
+
+    def _ready(self, kind: str) -> bool:
+        """Set the window up on first use; True if ``kind`` (a ``*_from`` name) runs here."""
+        if self._win is None and self._reason is None:
+            self._setup()
+        if self._failed is not None:
+            raise GroupBrokenError(f"shared-memory engine of group {self._group._name} failed "
+                                   f"earlier: {self._failed!r} [rank {self._group._rank}]")
+        return getattr(self, kind) < _NEVER
+
+    def _setup(self) -> None:
+        if self.nslots < 3:  # see the release marks of the algorithms
+            raise ValueError(f"the engine needs 3 or more slots, got {self.nslots}")
+        # The set-up is collective and blocking: meet first where a deadline applies, so
+        # that a rank whose peers never come gets DistTimeoutError instead of a hang.
+        Work([self._group._comm.Ibarrier()], "shared-memory engine set-up", self._group).wait()
+        win, reason = open_window(self._group._comm, self.slot_bytes, self.nslots)
+        if win is None:
+            self._reason = reason
+            for name in AUTO_FROM:
+                setattr(self, name, _NEVER)
+            return
+        self._win = win
+        self._release = [0] * self.nslots
+        if self.one_shot_max is None:
+            self.one_shot_max = ONE_SHOT_READ // win.local_size
+        if self.mode == "auto" and win.local_size < 2:
+            self._reason = "no two ranks of the group share a node"
+            for name in AUTO_FROM:
+                setattr(self, name, _NEVER)
+        elif win.num_nodes > 1:
+            # Across nodes only all_reduce runs here (hierarchically); the rest is MPI's.
+            all_reduce_from = 1 if self.mode == "force" else HIER_FROM
+            for name in AUTO_FROM:
+                setattr(self, name, _NEVER)
+            self.all_reduce_from = all_reduce_from
+
+    def shutdown(self) -> None:
+        """Free the window (every rank of the group calls it, when the group is destroyed)."""
+        win, self._win = self._win, None
+        self._queue.clear()
+        _busy.discard(self)
+        if win is not None:
+            win.free()
+
+    def describe(self) -> str:
+        """One line for ``spmd info``: on/off, layout, thresholds, or why it is unavailable.
+        Sets the window up: every rank of the group must call it."""
+        self._ready("all_reduce_from")
+        if self._win is None or self.all_reduce_from >= _NEVER:
+            return f"unavailable, MPI is used: {self._reason}"
+        w = self._win
+        where = (f"{w.local_size} rank(s) per node" if w.num_nodes == 1 else
+                 f"{w.num_nodes} nodes x {w.local_size} ranks, hierarchical all_reduce")
+        return (f"{self.mode}: {where}; window {self.nslots} x {self.slot_bytes >> 10} KiB "
+                f"per rank; all_reduce from {self.all_reduce_from} B, one-shot up to "
+                f"{min(self.one_shot_max, self.slot_bytes)} B")
+
+    # -- driving ops -----------------------------------------------------------------
+
+    def _start(self, steps, op: str, outputs, finish=None, keep=None) -> Work:
+        task = _Task(self, steps)
+        self._queue.append(task)
+        _busy.add(self)
+        work = _ShmWork(task, op, self._group, outputs, finish, keep)
+        self.progress(task)
+        return work
+
+    def progress(self, task: _Task) -> bool:
+        """Run queued steps until one must wait; True once ``task`` is done.
+
+        While ``task`` waits, the other groups' engines get their turn too, so a rank
+        waiting here does not stall peers that wait for it in another group's op (as
+        MPI progresses every request in any call).
+        """
+        if not self._advance() and len(_busy) > 1 and not task.done:
+            for engine in list(_busy):
+                if engine is not self:
+                    engine._advance()
+        return task.done
+
+    def _advance(self) -> bool:
+        """Run this engine's queued steps, oldest op first; False when one must wait."""
+        queue = self._queue
+        reached = self._win.reached
+        while queue:
+            head = queue[0]
+            wait = head.wait
+            if wait is not None:
+                if type(wait) is int:
+                    if not reached(wait):
+                        return False
+                elif not wait.Test():
+                    if _work._oversubscribed:
+                        _nap()  # as the window's waits do: let the peers have the core
+                    return False
+            try:
+                head.wait = next(head.steps)
+            except StopIteration:
+                head.done = True
+                queue.popleft()
+            except BaseException as exc:
+                # Peers may be waiting for a step this rank will never publish.
+                self._failed = exc
+                head.done = True
+                queue.popleft()
+                _busy.discard(self)
+                raise
+        _busy.discard(self)
+        return True
+
+    def _reduction(self, plan, op) -> Reduction:
+        if plan.premul:  # the factor is the op's: read it at every call
+            return Reduction(plan, op, self._group._size)
+        red = self._reductions.get(plan)
+        if red is None:
+            red = self._reductions[plan] = Reduction(plan, op, self._group._size)
+        return red
+
+    def _slot(self) -> tuple[int, int]:
+        """The next slot of the ring, and the step count after which it may be rewritten."""
+        k = self._next_slot % self.nslots
+        self._next_slot += 1
+        return k, self._release[k]
+
+    # -- ops (same arguments as the MPI backend's; arguments already validated) ------
+
+    def all_reduce(self, a, op):
+        backend = self._backend
+        plan = backend._plan(a.dtype, op, "all_reduce")
+        if not self._ready("all_reduce_from"):
+            return backend.all_reduce(a, op)
+        red = self._reduction(plan, op)
+        arr = a if plan.view is None else a.view(plan.view)
+        w = self._win
+        if w.num_nodes == 1 and a.nbytes <= min(self.one_shot_max, self.slot_bytes):
+            return self._start(self._one_shot(arr, red, None), "all_reduce", [a], None, a)
+        flat = _flat(arr)
+        finish = None if a.flags.c_contiguous else (lambda: np.copyto(arr, flat.reshape(arr.shape)))
+        return self._start(self._two_shot(flat, red, None), "all_reduce", [a], finish, a)
+
+    def reduce(self, a, root, op):
+        backend = self._backend
+        plan = backend._plan(a.dtype, op, "reduce")
+        if not self._ready("reduce_from"):
+            return backend.reduce(a, root, op)
+        red = self._reduction(plan, op)
+        arr = a if plan.view is None else a.view(plan.view)
+        if a.nbytes <= min(self.one_shot_max, self.slot_bytes):
+            return self._start(self._one_shot(arr, red, root), "reduce", [a], None, a)
+        flat = _flat(arr)
+        staged = self._group._rank == root and not a.flags.c_contiguous
+        finish = (lambda: np.copyto(arr, flat.reshape(arr.shape))) if staged else None
+        return self._start(self._two_shot(flat, red, root), "reduce", [a], finish, a)
+
+    def reduce_scatter_tensor(self, out, a, op):
+        backend = self._backend
+        plan = backend._plan(a.dtype, op, "reduce_scatter_tensor")
+        if not self._ready("reduce_scatter_from"):
+            return backend.reduce_scatter_tensor(out, a, op)
+        red = self._reduction(plan, op)
+        view = plan.view
+        fin = _flat(a if view is None else a.view(view))
+        o = out if view is None else out.view(view)
+        fout = o.reshape(-1) if o.flags.c_contiguous else np.empty(o.size, o.dtype)
+        finish = None if o.flags.c_contiguous else \
+            (lambda: np.copyto(o, fout.reshape(o.shape)))
+        return self._start(self._reduce_scatter(fin, fout, red), "reduce_scatter_tensor",
+                           [out], finish, (a, out))
+
+    def broadcast(self, a, root):
+        if not self._ready("broadcast_from"):
+            return self._backend.broadcast(a, root)
+        is_root = self._group._rank == root
+        if a.flags.c_contiguous:
+            flat, finish = a.reshape(-1).view(_U8), None
+        elif is_root:
+            flat, finish = np.ascontiguousarray(a).reshape(-1).view(_U8), None
+        else:
+            buf = np.empty(a.shape, a.dtype)
+            flat, finish = buf.reshape(-1).view(_U8), (lambda: np.copyto(a, buf))
+        return self._start(self._broadcast(flat, root), "broadcast", [a], finish, a)
+
+    def all_gather_into_tensor(self, out, a):
+        if not self._ready("all_gather_from"):
+            return self._backend.all_gather_into_tensor(out, a)
+        fin = _flat(a).view(_U8)
+        if out.flags.c_contiguous:
+            whole, finish = out.reshape(-1).view(_U8), None
+        else:
+            buf = np.empty(out.shape, out.dtype)
+            whole, finish = buf.reshape(-1).view(_U8), (lambda: np.copyto(out, buf))
+        m = fin.size
+        fouts = [whole[j * m:(j + 1) * m] for j in range(self._group._size)]
+        return self._start(self._all_gather(fin, fouts), "all_gather_into_tensor", [out],
+                           finish, (a, out))
+
+    def all_gather(self, outputs, a):
+        if not self._ready("all_gather_from"):
+            return self._backend.all_gather(outputs, a)
+        fin = _flat(a).view(_U8)
+        fouts, staged = [], []
+        for o in outputs:
+            if o.flags.c_contiguous:
+                fouts.append(o.reshape(-1).view(_U8))
+            else:
+                buf = np.empty(o.shape, o.dtype)
+                staged.append((o, buf))
+                fouts.append(buf.reshape(-1).view(_U8))
+
+        def finish():
+            for o, buf in staged:
+                np.copyto(o, buf)
+
+        return self._start(self._all_gather(fin, fouts), "all_gather", list(outputs),
+                           finish if staged else None, (a, outputs))
+
+    # -- algorithms: generators that yield what the next step waits for ---------------
+
+    # Every algorithm waits once per chunk.  A slot is free again once every peer has
+    # published the step after the one in which it last read the slot: its release mark
+    # is this rank's next publish (seq + 1), so freeing costs no step of its own.  With
+    # three or more slots, the chunk that reuses a slot comes after that publish.
+
+    def _one_shot(self, a, red: Reduction, root):
+        """Every rank (or only ``root``) reduces every rank's copy of ``a`` (one slot)."""
+        w = self._win
+        me, q = w.local_rank, w.local_size
+        k, free_after = self._slot()
+        yield free_after
+        dt, n = a.dtype, a.size
+        if a.flags.c_contiguous:
+            a = a.reshape(-1)
+            srcs = [w.view(i, k, dt, n) for i in range(q)]
+        else:
+            srcs = [w.view(i, k, dt, n).reshape(a.shape) for i in range(q)]
+        np.copyto(srcs[me], a)
+        yield w.publish()
+        if root is None or me == root:
+            if red.direct:
+                accumulate(red, a, srcs, None)
+            else:
+                acc, tmp = red.scratch(n, dt)
+                acc = a if acc is None else acc.reshape(a.shape)
+                accumulate(red, acc, srcs, None if tmp is None else tmp.reshape(a.shape))
+                finalize(red, acc, a)
+        self._release[k] = w.seq + 1
+
+    def _two_shot(self, flat, red: Reduction, root):
+        """Reduce-scatter through the slots (all-reduced across nodes by MPI), then every
+        rank (or only ``root``) copies the reduced parts out; software-pipelined, so one
+        wait covers chunk i's copy-in and chunk i-1's reduction:
+
+            copy-in(i) | finish(i-1) | publish, wait | copy-out(i-1) | reduce(i)
+        """
+        w = self._win
+        me, q, cross = w.local_rank, w.local_size, w.cross
+        dt = flat.dtype
+        per = self.slot_bytes // dt.itemsize
+        step = max(1, _ALIGN // dt.itemsize)
+        part = -(-per // (q * step)) * step
+        # Two accumulators: chunk i-1's may still be in MPI's hands while chunk i reduces.
+        acc0, tmp = red.scratch(part, dt)
+        acc1 = None if acc0 is None else np.empty_like(acc0)
+        copy_out = root is None or me == root
+        prev = None  # chunk i-1: (first item, cuts, slot, accumulator, its slot part, request)
+        for c, lo in enumerate(range(0, flat.size, per)):
+            n = min(per, flat.size - lo)
+            cut = _cuts(n, q, step)
+            k, free_after = self._slot()
+            yield free_after
+            mine = w.view(me, k, dt, n)
+            for j in range(q):
+                if j != me:
+                    mine[cut[j]:cut[j + 1]] = flat[lo + cut[j]:lo + cut[j + 1]]
+            if prev is not None and cross is not None:
+                yield prev[5]
+                finalize(red, prev[3], prev[4])
+            yield w.publish()
+            if prev is not None:
+                if copy_out:
+                    self._copy_out(flat, prev)
+                self._release[prev[2]] = w.seq + 1
+            s0, s1 = cut[me], cut[me + 1]
+            srcs = [flat[lo + s0:lo + s1] if i == me else w.view(i, k, dt, n)[s0:s1]
+                    for i in range(q)]
+            dst = mine[s0:s1]
+            acc = dst if acc0 is None else (acc1 if c & 1 else acc0)[:s1 - s0]
+            accumulate(red, acc, srcs, None if tmp is None else tmp[:s1 - s0])
+            req = None
+            if cross is not None:
+                req = cross.Iallreduce(MPI.IN_PLACE, acc, red.mpi_op)
+            else:
+                finalize(red, acc, dst)
+            prev = (lo, cut, k, acc, dst, req)
+        if prev is not None:
+            if cross is not None:
+                yield prev[5]
+                finalize(red, prev[3], prev[4])
+            yield w.publish()
+            if copy_out:
+                self._copy_out(flat, prev)
+            self._release[prev[2]] = w.seq + 1
+
+    def _copy_out(self, flat, chunk) -> None:
+        """Copy every rank's reduced part of a chunk from its slot into ``flat``."""
+        lo, cut, k = chunk[0], chunk[1], chunk[2]
+        w = self._win
+        for j in range(w.local_size):
+            flat[lo + cut[j]:lo + cut[j + 1]] = w.view(j, k, flat.dtype, cut[-1])[cut[j]:cut[j + 1]]
+
+    def _reduce_scatter(self, fin, fout, red: Reduction):
+        """Chunk by chunk: each rank copies the blocks others own into its slot and
+        reduces its own block from every slot into ``fout``."""
+        w = self._win
+        me, q = w.local_rank, w.local_size
+        dt, m = fin.dtype, fout.size
+        per = max(1, self.slot_bytes // dt.itemsize // q)
+        # An output inside the input (in place) would be overwritten before it is read.
+        keep_own = np.may_share_memory(fin, fout)
+        acc_buf, tmp_buf = red.scratch(min(per, m), dt)
+        for lo in range(0, m, per):
+            n = min(per, m - lo)
+            k, free_after = self._slot()
+            yield free_after
+            mine = w.view(me, k, dt, q * n)
+            for j in range(q):
+                if j != me or keep_own:
+                    mine[j * n:(j + 1) * n] = fin[j * m + lo:j * m + lo + n]
+            yield w.publish()
+            srcs = [fin[me * m + lo:me * m + lo + n] if i == me and not keep_own
+                    else w.view(i, k, dt, q * n)[me * n:(me + 1) * n] for i in range(q)]
+            dst = fout[lo:lo + n]
+            acc = dst if acc_buf is None else acc_buf[:n]
+            accumulate(red, acc, srcs, None if tmp_buf is None else tmp_buf[:n])
+            finalize(red, acc, dst)
+            self._release[k] = w.seq + 1
+
+    def _broadcast(self, flat, root):
+        w = self._win
+        me, size = w.local_rank, self.slot_bytes
+        for lo in range(0, flat.size, size):
+            n = min(size, flat.size - lo)
+            k, free_after = self._slot()
+            yield free_after
+            if me == root:
+                w.slots[me][k][:n] = flat[lo:lo + n]
+            yield w.publish()
+            if me != root:
+                flat[lo:lo + n] = w.slots[root][k][:n]
+            self._release[k] = w.seq + 1
+
+    def _all_gather(self, fin, fouts: list):
+        """Rank j's bytes land in ``fouts[j]`` on every rank (sizes may differ by rank)."""
+        w = self._win
+        me, size = w.local_rank, self.slot_bytes
+        own = fouts[me]
+        copy_own = own.size > 0 and not _same_start(fin, own)  # in place: already there
+        longest = max(f.size for f in fouts)
+        for lo in range(0, longest, size):
+            k, free_after = self._slot()
+            yield free_after
+            n = max(0, min(size, fin.size - lo))
+            w.slots[me][k][:n] = fin[lo:lo + n]
+            ready = w.publish()
+            if copy_own:
+                own[lo:lo + n] = fin[lo:lo + n]
+            yield ready
+            for j, f in enumerate(fouts):
+                if j != me and f.size > lo:
+                    n = min(size, f.size - lo)
+                    f[lo:lo + n] = w.slots[j][k][:n]
+            self._release[k] = w.seq + 1
+
+
+def status(group) -> str:
+    """What the engine does for ``group`` (WORLD in ``spmd info``); every member calls it."""
+    mode = shm_mode()
+    if mode == "off":
+        return f"off ({SHM_ENV}=0)"
+    engine = getattr(group._backend_for("cpu"), "_shm", None)
+    if engine is None:
+        return "not used (one rank)" if group._size < 2 else "not used by this backend"
+    try:
+        return engine.describe()
+    except Exception as exc:  # noqa: BLE001 - info reports, it does not fail
+        return f"unavailable, MPI is used: {exc}"
+

@@ -1,0 +1,422 @@
+"""Fusion of small collectives: many arrays, one collective per bucket.
+
+Issuing one collective per small array pays the per-call cost (Python, MPI, latency)
+once per array.  Packing arrays of one dtype into a buffer and reducing it once pays
+it once per bucket.  Two ways in:
+
+- ``spmd.all_reduce_coalesced(tensors)``: one call, a list of arrays.
+- ``coalescing_manager()``: ops issued inside the block are recorded, not started;
+  when the block ends they run fused, and the manager holds one Work for the batch::
+
+      with spmd.coalescing_manager(async_ops=True) as cm:
+          for g in grads:
+              spmd.all_reduce(g)
+      cm.wait()
+
+Buckets hold up to ``get_bucket_bytes()`` bytes (128 MiB, Horovod's default fusion
+threshold; ``SPMD_FUSION_BYTES`` or :func:`set_bucket_bytes` change it); a larger array
+is reduced alone, in place.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+
+import numpy as np
+from mpi4py import MPI
+
+from .errors import located
+from .group import resolve
+
+__all__ = ["coalescing_manager", "CoalescingManager", "get_bucket_bytes", "set_bucket_bytes",
+           "buckets", "pack", "unpack", "pack_buckets", "Packed", "DEFAULT_BUCKET_BYTES"]
+
+DEFAULT_BUCKET_BYTES = 128 * 1024 * 1024
+
+
+def _env_bucket_bytes() -> int:
+    raw = os.environ.get("SPMD_FUSION_BYTES")
+    if not raw:
+        return DEFAULT_BUCKET_BYTES
+    try:
+        value = int(raw)
+    except ValueError:
+        raise ValueError(f"SPMD_FUSION_BYTES must be a number of bytes, got {raw!r}") from None
+    if value <= 0:
+        raise ValueError(f"SPMD_FUSION_BYTES must be positive, got {value}")
+    return value
+
+
+_bucket_bytes = _env_bucket_bytes()
+
+
+def get_bucket_bytes() -> int:
+    """The largest number of bytes packed into one fused collective."""
+    return _bucket_bytes
+
+
+def set_bucket_bytes(nbytes: int) -> None:
+    """Set the fusion threshold of this process; every rank must use the same value.
+
+    Raises:
+        TypeError, ValueError: ``nbytes`` is not a positive int.
+    """
+    global _bucket_bytes
+    if isinstance(nbytes, bool) or not isinstance(nbytes, int):
+        raise TypeError(f"set_bucket_bytes: nbytes must be an int, got {type(nbytes).__name__}")
+    if nbytes <= 0:
+        raise ValueError(f"set_bucket_bytes: nbytes must be positive, got {nbytes}")
+    _bucket_bytes = nbytes
+
+
+def buckets(arrays: list, limit: int | None = None) -> list[list]:
+    """Split ``arrays`` (in order) into runs of at most ``limit`` bytes each; an array
+    larger than the limit is a run of its own."""
+    limit = _bucket_bytes if limit is None else limit
+    out: list[list] = []
+    run: list = []
+    size = 0
+    for a in arrays:
+        nbytes = a.nbytes
+        if run and size + nbytes > limit:
+            out.append(run)
+            run, size = [], 0
+        run.append(a)
+        size += nbytes
+    if run:
+        out.append(run)
+    return out
+
+
+# -- packing -------------------------------------------------------------------------
+
+# From this many arrays on, an MPI datatype listing every array's address (hindexed,
+# in bytes) packs and unpacks a bucket in one C call each; below it numpy copies are
+# cheaper than building the datatype.  Per array that is about 2 us of Python less
+# than slicing, reshaping and np.copyto.
+_MANY = 8
+_get_address = MPI.Get_address
+_BYTE = MPI.BYTE
+_BOTTOM = MPI.BOTTOM
+_self_comm = None
+
+
+def _self():
+    """A private duplicate of COMM_SELF: the local copies never meet user messages."""
+    global _self_comm
+    if _self_comm is None:
+        _self_comm = MPI.COMM_SELF.Dup()
+    return _self_comm
+
+
+class Packed:
+    """One bucket: the buffer MPI reduces, and how its result goes back to the arrays.
+
+    ``arrays`` is None when ``buf`` is the caller's own array (reduced in place).
+    """
+
+    __slots__ = ("arrays", "buf", "_layout")
+
+    def __init__(self, arrays, buf, layout=None):
+        self.arrays = arrays
+        self.buf = buf
+        self._layout = layout
+
+    def unpack(self) -> None:
+        """Copy the buffer back into the arrays (cast to their dtypes)."""
+        if self.arrays is None:
+            return
+        layout = self._layout
+        if layout is not None:
+            self._layout = None
+            try:
+                _self().Sendrecv([self.buf, _BYTE], 0, 0, [_BOTTOM, 1, layout], 0, 0)
+            finally:
+                layout.Free()
+            return
+        unpack(self.arrays, self.buf)
+
+    def release(self) -> None:
+        """Free the datatype without unpacking (the collective failed)."""
+        if self._layout is not None:
+            self._layout.Free()
+            self._layout = None
+
+
+def pack_buckets(arrays: list, dtype, in_place: bool = True, limit: int | None = None
+                 ) -> list[Packed]:
+    """Pack ``arrays`` into buffers of ``dtype`` of at most ``limit`` bytes each
+    (``get_bucket_bytes()`` if None).  With ``in_place``, a contiguous array of
+    ``dtype`` alone in its bucket is used as it is."""
+    limit = _bucket_bytes if limit is None else limit
+    sizes = [a.nbytes for a in arrays]
+    direct = len(arrays) >= _MANY and all(a.dtype is dtype or a.dtype == dtype for a in arrays) \
+        and all(a.flags.c_contiguous for a in arrays)
+    addrs = [_get_address(a) for a in arrays] if direct else None
+    out: list[Packed] = []
+    lo = 0
+    while lo < len(arrays):
+        hi, total = lo + 1, sizes[lo]
+        while hi < len(arrays) and total + sizes[hi] <= limit:
+            total += sizes[hi]
+            hi += 1
+        run = arrays[lo:hi]
+        if hi - lo == 1 and in_place and run[0].dtype == dtype and run[0].flags.c_contiguous:
+            out.append(Packed(None, run[0]))
+        elif direct and hi - lo >= _MANY:
+            layout = _BYTE.Create_hindexed(sizes[lo:hi], addrs[lo:hi]).Commit()
+            buf = np.empty(total // dtype.itemsize, dtype)
+            try:
+                _self().Sendrecv([_BOTTOM, 1, layout], 0, 0, [buf, _BYTE], 0, 0)
+            except BaseException:
+                layout.Free()
+                raise
+            out.append(Packed(run, buf, layout))
+        else:
+            out.append(Packed(run, pack(run, dtype)))
+        lo = hi
+    return out
+
+
+def pack(arrays: list, dtype) -> np.ndarray:
+    """The arrays, flattened and concatenated into one new buffer of ``dtype``."""
+    dtype = np.dtype(dtype)
+    if not arrays:
+        return np.empty(0, dtype)
+    if all(a.ndim == 1 for a in arrays):
+        return np.concatenate(arrays, dtype=dtype, casting="unsafe")
+    return np.concatenate([a.reshape(-1) for a in arrays], dtype=dtype, casting="unsafe")
+
+
+def unpack(outputs: list, buf: np.ndarray) -> None:
+    """Copy consecutive pieces of ``buf`` into ``outputs`` (cast to their dtypes)."""
+    pos = 0
+    for o in outputs:
+        end = pos + o.size
+        np.copyto(o, buf[pos:end].reshape(o.shape), casting="unsafe")
+        pos = end
+
+
+# -- the manager ---------------------------------------------------------------------
+
+_FUSABLE = ("all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor")
+
+
+class _Pending:
+    """What a collective returns inside the block: it runs when the block ends."""
+
+    __slots__ = ("_cm",)
+
+    def __init__(self, cm: CoalescingManager):
+        self._cm = cm
+
+    def wait(self, timeout=None) -> bool:
+        # Inside the block this is the blocking call's own wait: nothing has started yet.
+        if self._cm._issued:
+            self._cm.wait(timeout)
+        return True
+
+    def is_completed(self) -> bool:
+        return self._cm._issued and all(w.is_completed() for w in self._cm.works)
+
+    def is_success(self) -> bool:
+        return self.is_completed() and all(w.is_success() for w in self._cm.works)
+
+    def exception(self):
+        for w in self._cm.works:
+            if w.exception() is not None:
+                return w.exception()
+        return None
+
+    def __repr__(self) -> str:
+        return f"<pending op of {self._cm!r}>"
+
+
+class _Recorder:
+    """Stands in for a group's backend inside the block: records the fusable ops."""
+
+    def __init__(self, cm: CoalescingManager, backend):
+        self._cm = cm
+        self.backend = backend
+
+    def all_reduce(self, a, op):
+        return self._cm._record("all_reduce", a, None, op)
+
+    def all_gather_into_tensor(self, out, a):
+        return self._cm._record("all_gather_into_tensor", out, a, None)
+
+    def reduce_scatter_tensor(self, out, a, op):
+        return self._cm._record("reduce_scatter_tensor", out, a, op)
+
+    def __getattr__(self, name):
+        if name.startswith("_"):
+            raise AttributeError(name)
+        raise located(ValueError, name, "cannot run inside coalescing_manager(): only "
+                      f"{', '.join(_FUSABLE)} are fused there", self._cm.group)
+
+
+class CoalescingManager:
+    """The batch of one ``coalescing_manager`` block (torch's ``_CoalescingManager``).
+
+    ``works`` holds the batch's Work once the block has ended (one per dtype for
+    reduce_scatter_tensor, one in every other case); ``wait()`` waits for them.
+    """
+
+    def __init__(self, group):
+        self.group = group
+        self.works: list = []
+        self._ops: list[tuple] = []
+        self._kind: str | None = None
+        self._op = None
+        self._issued = False
+
+    @property
+    def work(self):
+        """The batch's Work (the first, where reduce_scatter_tensor made one per dtype)."""
+        return self.works[0] if self.works else None
+
+    def append(self, work) -> None:
+        self.works.append(work)
+
+    def wait(self, timeout=None) -> None:
+        """Wait for every Work of the batch."""
+        for w in self.works:
+            w.wait(timeout)
+
+    def _record(self, kind: str, out, inp, op) -> _Pending:
+        if self._kind is None:
+            self._kind, self._op = kind, op
+        elif kind != self._kind:
+            raise located(ValueError, kind, f"cannot join a coalescing_manager() batch of "
+                          f"{self._kind}: all ops of a block must be the same collective",
+                          self.group)
+        elif op is not None and (op.name != self._op.name or op.factor is not self._op.factor):
+            raise located(ValueError, kind, f"{op!r} cannot join a batch reduced with "
+                          f"{self._op!r}: all ops of a block must use the same ReduceOp",
+                          self.group)
+        self._ops.append((out, inp))
+        return _Pending(self)
+
+    def _issue(self, backend) -> None:
+        self._issued = True
+        if not self._ops:
+            return
+        if self._kind == "all_reduce":
+            self.append(backend.all_reduce_coalesced([o for o, _ in self._ops], self._op))
+        elif self._kind == "all_gather_into_tensor":
+            self.append(_all_gather(backend, self._ops, self.group._size))
+        else:
+            by_dtype: dict = {}
+            for out, inp in self._ops:
+                by_dtype.setdefault(inp.dtype, []).append((out, inp))
+            for pairs in by_dtype.values():
+                self.append(_reduce_scatter(backend, pairs, self._op, self.group._size))
+
+    def __repr__(self) -> str:
+        state = "issued" if self._issued else "recording"
+        return (f"<CoalescingManager {self._kind or 'empty'} x{len(self._ops)} {state} "
+                f"group={self.group._name}>")
+
+
+def _then(work, fn) -> None:
+    """Run ``fn`` when ``work`` completes, after what it already does then."""
+    prev = work._finish
+    if prev is None:
+        work._finish = fn
+    else:
+        def both():
+            prev()
+            fn()
+        work._finish = both
+
+
+def _all_gather(backend, ops, n: int):
+    # Each output viewed as n rows; rank i's input lands in row i of every output.
+    lists: list[list] = [[] for _ in range(n)]
+    inputs, copies = [], []
+    for out, inp in ops:
+        target = out if out.flags.c_contiguous else np.empty(out.shape, out.dtype)
+        if target is not out:
+            copies.append((out, target))
+        rows = target.reshape(n, -1)
+        for i in range(n):
+            lists[i].append(rows[i])
+        inputs.append(inp)
+    work = backend.all_gather_coalesced(lists, inputs)
+    if copies:
+        _then(work, lambda: [np.copyto(o, t) for o, t in copies])
+    return work
+
+
+def _reduce_scatter(backend, pairs, op, n: int):
+    # Packed so that chunk i of the packed input is chunk i of every input, in order:
+    # one reduce-scatter then leaves each output's share contiguous in the result.
+    ins = [inp.reshape(n, -1) for _, inp in pairs]
+    packed = np.concatenate(ins, axis=1).reshape(-1)
+    result = np.empty(packed.size // n, packed.dtype)
+    work = backend.reduce_scatter_tensor(result, packed, op)
+    outs = [out for out, _ in pairs]
+
+    def unpack():
+        pos = 0
+        for o in outs:
+            np.copyto(o, result[pos:pos + o.size].reshape(o.shape))
+            pos += o.size
+
+    _then(work, unpack)
+    return work
+
+
+def _device_key(device) -> str:
+    if device is None:
+        return "cpu"
+    name = getattr(device, "type", device)
+    return str(name).split(":")[0]
+
+
+@contextlib.contextmanager
+def coalescing_manager(group=None, device=None, async_ops: bool = False):
+    """Fuse the collectives issued inside the block into one per bucket (torch's
+    ``_coalescing_manager``).
+
+    Inside the block, ``all_reduce``, ``all_gather_into_tensor`` and
+    ``reduce_scatter_tensor`` calls on ``group`` are checked and recorded, not started;
+    they return None (a placeholder Work with ``async_op=True``), and their arrays
+    must not be read or written until the batch completes.  When the block ends the
+    batch runs: all-reduces packed per dtype into buckets (``get_bucket_bytes()``),
+    all-gathers as one all-gather of their bytes, reduce-scatters as one per dtype.
+    All ops of a block must be the same collective (all-reduces with the same
+    ReduceOp).  Every rank of the group must issue the same ops in the same order.
+
+    Args:
+        group: the group (WORLD if None).
+        device: which backend to fuse on ("cpu" if None).
+        async_ops: if False the block waits for the batch when it ends; if True it
+            returns at once and ``cm.wait()`` (or ``cm.works``) completes it.
+
+    Yields:
+        The :class:`CoalescingManager` of the batch.
+
+    Raises:
+        ValueError: an op that cannot be fused, or a mix of collectives, inside.
+        RuntimeError: a coalescing_manager block is already open on this group.
+    """
+    pg = resolve(group, "coalescing_manager")
+    if pg is None:  # not a member: nothing to fuse, every op inside returns None
+        yield CoalescingManager(group)
+        return
+    key = _device_key(device)
+    backend = pg._backend_for(key)
+    if isinstance(backend, _Recorder):
+        raise RuntimeError(f"coalescing_manager: a block is already open on group {pg._name} "
+                           "(they do not nest)")
+    cm = CoalescingManager(pg)
+    pg._backends[key] = _Recorder(cm, backend)
+    try:
+        yield cm
+    finally:
+        pg._backends[key] = backend
+    cm._issue(backend)
+    if not async_ops:
+        cm.wait()

@@ -1,0 +1,291 @@
+"""Flight recorder: the last N operations of this process, for post-mortems of hangs.
+
+Every Work is recorded when it starts and updated when it completes, as one entry of a
+preallocated ring (op, group, sequence number in the group, element count and dtype of
+its first array, start and end times, state).  Collectives and point-to-point operations are
+numbered separately per group, as c10d does: the n-th collective of a group is the same
+call on every member, so sequence numbers line up across ranks.
+
+Dumps are JSON, one file per rank (``spmd_fr.rank<R>.json`` in ``SPMD_DUMP_DIR``,
+created 0600), or a short table on stderr.  ``spmd.fr_trace`` merges the dumps of a
+job and points at the first collective where the ranks diverge::
+
+    python -m spmd.fr_trace DUMP_DIR_OR_FILES...
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import os
+import socket
+import sys
+import time
+from typing import Iterable
+
+import numpy as np
+
+__all__ = ["dump_flight_recorder", "FlightRecorder", "recorder", "write_private"]
+
+_monotonic = time.monotonic
+_ndarray = np.ndarray
+
+# Entry layout: one list per operation, indexed by these constants (cheaper to build
+# than an object).  SIZE is the element count of the op's first array; T1 is None while
+# the operation is in flight.
+OP, GROUP, SEQ, COUNTER, SIZE, DTYPE, T0, T1, FAILED, TIMED_OUT = range(10)
+STARTED, COMPLETED = "started", "completed"
+
+# Ops that are not collectives: they get their own sequence numbers per group.
+P2P_OPS = frozenset({"send", "recv", "isend", "irecv", "send_object_list", "recv_object_list"})
+
+FORMAT = "spmd-flight-recorder"
+VERSION = 1
+DEFAULT_SIZE = 2048
+
+
+class Counter:
+    """Sequence numbers of one kind of operation (collective or p2p) on one group."""
+
+    __slots__ = ("kind", "seq")
+
+    def __init__(self, kind: str):
+        self.kind = kind
+        self.seq = 0        # operations started
+
+
+def state(e) -> str:
+    if e[T1] is None:
+        return STARTED
+    return "failed" if e[FAILED] else COMPLETED
+
+
+def ring_size(requested: int) -> int:
+    """The ring's real size: at least 16 entries."""
+    return max(16, int(requested))
+
+
+_PLACEHOLDER = [None, None, 0, None, None, None, 0.0, 0.0, False, False]
+
+
+def _make_counters(group) -> tuple[Counter, Counter]:
+    # Indexed by ``op in P2P_OPS``: [False] collectives, [True] point-to-point.
+    counters = (Counter("collective"), Counter("p2p"))
+    group._fr = counters
+    return counters
+
+
+class FlightRecorder:
+    """The Work observer that keeps the ring; one per process (``recorder``)."""
+
+    def __init__(self, size: int = DEFAULT_SIZE):
+        self.resize(size)
+
+    def resize(self, size: int) -> None:
+        self._size = size = ring_size(size)
+        # A deque with maxlen is the ring: append is O(1) and atomic (thread safe), and
+        # it starts full of a finished placeholder so ring[0] always exists.
+        self._ring = collections.deque([_PLACEHOLDER] * size, maxlen=size)
+        self._stale: list = []   # in-flight entries pushed out of the ring
+
+    @property
+    def size(self) -> int:
+        return self._size
+
+    # -- the hot path: called for every Work --------------------------------------
+
+    def started(self, work) -> None:
+        g = work._group
+        op = work._op
+        c = g._fr
+        if c is None:
+            c = _make_counters(g)
+        c = c[op in P2P_OPS]
+        c.seq = seq = c.seq + 1
+        ring = self._ring
+        if ring[0][T1] is None:  # about to push out an operation still in flight
+            self._stale.append(ring[0])
+        outs = work._outputs
+        if outs and type(outs[0]) is _ndarray:
+            a = outs[0]
+            e = [op, g, seq, c, a.size, a.dtype, _monotonic(), None, False, False]
+        else:
+            e = [op, g, seq, c, None, None, _monotonic(), None, False, False]
+        work._fr = e
+        ring.append(e)
+
+    def completed(self, work) -> None:
+        try:
+            e = work._fr
+        except AttributeError:  # started before the recorder was registered
+            return
+        e[T1] = _monotonic()
+        if work._exc is not None:
+            e[FAILED] = True
+
+    # -- queries (watchdog, control channel, dumps): never on the hot path --------
+
+    def entries(self) -> list:
+        """Every recorded entry, oldest first (in-flight ones pushed out of the ring too)."""
+        ring = [e for e in list(self._ring) if e[OP] is not None]
+        self._stale = stale = [e for e in list(self._stale) if e[T1] is None]
+        return sorted(stale, key=lambda e: e[T0]) + ring if stale else ring
+
+    def in_flight(self) -> list:
+        """Entries of operations that have started and not completed, oldest first."""
+        return [e for e in self.entries() if e[T1] is None]
+
+    def group_summary(self, group, seq: int | None = None) -> dict:
+        """Where this process is on ``group``: counts, last finished and current ops."""
+        counters = group._fr or (Counter("collective"), Counter("p2p"))
+        now = _monotonic()
+        entries = self.entries()
+        mine = [e for e in entries if e[GROUP] is group]
+        coll = [e for e in mine if e[COUNTER].kind == "collective"]
+        done = [e for e in coll if e[T1] is not None]
+        last = max(done, key=lambda e: e[SEQ]) if done else None
+        out = {
+            "seq": counters[0].seq,
+            "p2p_seq": counters[1].seq,
+            "last": brief(last, now) if last is not None else None,
+            "current": [brief(e, now) for e in mine if e[T1] is None][:4],
+            "elsewhere": [brief(e, now) for e in entries
+                          if e[T1] is None and e[GROUP] is not group][-3:],
+        }
+        if seq is not None:
+            at = [e for e in coll if e[SEQ] == seq]
+            out["at_seq"] = brief(at[-1], now) if at else None
+        return out
+
+    def snapshot(self, reason: str = "on demand") -> dict:
+        """The whole recorder as a JSON-ready dict (the per-rank dump)."""
+        from .group import _state
+
+        now_mono, now_wall = _monotonic(), time.time()
+        world = _state.world
+        groups = {}
+        for g in list(_state.groups):
+            counters = g._fr
+            groups[_group_id(g)] = {
+                "name": g._name, "ranks": list(g._ranks),
+                "seq": counters[0].seq if counters else 0,
+                "p2p_seq": counters[1].seq if counters else 0,
+                "broken": g._error,
+            }
+        entries = []
+        for i, e in enumerate(self.entries()):
+            g = e[GROUP]
+            entries.append({
+                "id": i, "op": e[OP], "group": g._name, "group_id": _group_id(g),
+                "kind": e[COUNTER].kind, "seq": e[SEQ], "size": e[SIZE],
+                "dtype": e[DTYPE].name if e[DTYPE] is not None else None,
+                "start": round(e[T0] - now_mono + now_wall, 6),
+                "end": round(e[T1] - now_mono + now_wall, 6) if e[T1] is not None else None,
+                "state": state(e), "timed_out": e[TIMED_OUT],
+            })
+        from mpi4py import MPI
+
+        return {
+            "format": FORMAT, "version": VERSION, "reason": reason,
+            "rank": world._rank if world is not None else MPI.COMM_WORLD.Get_rank(),
+            "world_size": world._size if world is not None else MPI.COMM_WORLD.Get_size(),
+            "host": socket.gethostname(), "pid": os.getpid(), "dumped_at": now_wall,
+            "capacity": self._size, "groups": groups, "entries": entries,
+        }
+
+
+recorder = FlightRecorder()
+
+
+def _group_id(g) -> str:
+    ranks = g._ranks
+    shown = ",".join(map(str, ranks)) if len(ranks) <= 16 else \
+        f"{ranks[0]},{ranks[1]},...,{ranks[-1]}({len(ranks)})"
+    return f"{g._name}[{shown}]"
+
+
+def brief(e, now: float) -> dict:
+    """One entry in the short form the diagnosis and the control channel use."""
+    return {"op": e[OP], "seq": e[SEQ], "kind": e[COUNTER].kind, "group": e[GROUP]._name,
+            "state": state(e), "age": round(now - e[T0], 3),
+            "took": round(e[T1] - e[T0], 6) if e[T1] is not None else None}
+
+
+def ranks_text(ranks: list[int]) -> str:
+    """``rank 3`` or ``ranks 0-2,5``."""
+    ranks = sorted(ranks)
+    parts, i = [], 0
+    while i < len(ranks):
+        j = i
+        while j + 1 < len(ranks) and ranks[j + 1] == ranks[j] + 1:
+            j += 1
+        parts.append(str(ranks[i]) if j == i else
+                     f"{ranks[i]},{ranks[j]}" if j == i + 1 else f"{ranks[i]}-{ranks[j]}")
+        i = j + 1
+    return ("rank " if len(ranks) == 1 else "ranks ") + ",".join(parts)
+
+
+# ----------------------------------------------------------------------------- dumps
+
+def write_private(path: str, text: str) -> None:
+    """Write ``text`` to ``path``, readable and writable by the user only (0600)."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_NOFOLLOW", 0)
+    fd = os.open(path, flags, 0o600)
+    try:
+        os.fchmod(fd, 0o600)  # also when the file already existed with other bits
+        with os.fdopen(fd, "w") as f:
+            fd = -1
+            f.write(text)
+    finally:
+        if fd >= 0:
+            os.close(fd)
+
+
+def dump_path(directory: str, rank: int) -> str:
+    return os.path.join(directory, f"spmd_fr.rank{rank}.json")
+
+
+def format_table(snapshot: dict, last: int | None = 12) -> str:
+    """A dump as text: one line per operation, newest last."""
+    entries = snapshot["entries"]
+    if last is not None:
+        entries = entries[-last:]
+    lines = [f"[rank {snapshot['rank']}] flight recorder ({snapshot['reason']}): last "
+             f"{len(entries)} of {len(snapshot['entries'])} recorded ops"]
+    t_ref = snapshot["dumped_at"]
+    for e in entries:
+        what = f"{e['op']} #{e['seq']}" + (" (p2p)" if e["kind"] == "p2p" else "")
+        arr = f"{e['size']} x {e['dtype']}" if e["dtype"] is not None else "-"
+        took = f"{(e['end'] - e['start']) * 1e3:.3f} ms" if e["end"] is not None else "-"
+        state = e["state"] + (" (timed out)" if e["timed_out"] else "")
+        lines.append(f"[rank {snapshot['rank']}]   {what:28s} group {e['group']:12s} "
+                     f"{arr:22s} started {t_ref - e['start']:8.3f} s ago  took {took:>12s}  {state}")
+    return "\n".join(lines)
+
+
+def dump(directory: str | None, reason: str, last: int | None = 12) -> str | None:
+    """Dump this rank's recorder to ``directory`` (a file per rank), or to stderr."""
+    snap = recorder.snapshot(reason)
+    if directory:
+        os.makedirs(directory, mode=0o700, exist_ok=True)
+        path = dump_path(directory, snap["rank"])
+        write_private(path, json.dumps(snap, indent=1))
+        return path
+    print(format_table(snap, last), file=sys.stderr, flush=True)
+    return None
+
+
+def dump_flight_recorder(path: str | None = None) -> str | None:
+    """Dump this rank's flight recorder; any rank may call it at any time.
+
+    Args:
+        path: a directory for the per-rank file ``spmd_fr.rank<R>.json`` (created
+            0600); ``SPMD_DUMP_DIR`` (or ``pg_options={"dump_dir": ...}``) if None; with
+            neither, the last operations are printed to stderr.
+
+    Returns:
+        The file written, or None when it printed to stderr.
+    """
+    from . import watchdog
+
+    return dump(path or watchdog.config().dump_dir, "on demand", last=None if path else 32)

@@ -1,0 +1,257 @@
+"""Persistent collectives: prepare a collective on fixed arrays once, start it many times.
+
+::
+
+    plan = spmd.persistent.all_reduce(grad)     # every rank, in the same order
+    for step in range(steps):
+        compute(grad)                           # refill the same array
+        plan.start().wait()                     # or keep the Work and overlap
+    plan.free()                                 # or use the plan as a context manager
+
+With MPI-4 persistent collectives (``MPI_Allreduce_init`` and friends: MPICH >= 4.0,
+Open MPI >= 5.0) the MPI library chooses its algorithm and sets up its buffers once,
+and each ``start()`` is one ``MPI_Start`` plus a Work.  Where the library lacks them,
+where ``SPMD_PERSISTENT=0`` is set, or for arrays MPI cannot use as they are
+(non-contiguous views, float16/bfloat16 and PREMUL_SUM reductions, GPU arrays), the
+plan runs the ordinary nonblocking collective at each ``start()`` instead, with the
+same results; ``plan.native`` says which.  Ranks agree on the choice when the plan is
+made, so a plan made on every rank never mixes the two.
+
+Every rank of the group must make the same plans in the same order and start them in
+the same order, like any collective.  The arrays belong to the plan until it is freed:
+write inputs only between a completed start and the next one.
+"""
+
+from __future__ import annotations
+
+import os
+from types import SimpleNamespace
+
+import numpy as np
+from mpi4py import MPI
+
+from . import collectives as _c
+from .arrays import array_in, array_out, movable
+from .backends.mpi import _AVG, _PLANS, MPIBackend, _mview
+from .errors import located
+from .group import resolve
+from .ops import ReduceOp
+from .work import Work
+
+__all__ = ["Plan", "available", "all_reduce", "broadcast", "reduce", "all_gather_into_tensor",
+           "reduce_scatter_tensor", "all_to_all_single", "barrier"]
+
+_SUM = ReduceOp.SUM
+_IN_PLACE = MPI.IN_PLACE
+_ndarray = np.ndarray
+
+
+def available() -> bool:
+    """True when this MPI library has persistent collectives and they are not turned
+    off with ``SPMD_PERSISTENT=0``."""
+    if os.environ.get("SPMD_PERSISTENT", "1").strip().lower() in ("0", "false", "no", "off"):
+        return False
+    return MPI.Get_version() >= (4, 0) and hasattr(MPI.Comm, "Allreduce_init")
+
+
+class Plan:
+    """One prepared collective; ``start()`` runs it and returns its Work."""
+
+    def __init__(self, name: str, pg, outputs: list, native_init, fallback, finish=None,
+                 keep=None):
+        self.name = name
+        self.group = pg
+        self._outputs = outputs
+        self._finish = finish
+        self._keep = keep
+        self._fallback = fallback
+        self._work: Work | None = None
+        self._freed = False
+        self._req = None
+        ok = native_init is not None and available()
+        # Both sides of a plan must be the same kind on every rank (an MPI_Start does
+        # not match a nonblocking collective), so the ranks agree before either starts.
+        if pg._size > 1:
+            ok = pg._comm.allreduce(ok, op=MPI.LAND)
+        if ok:
+            try:
+                self._req = native_init()
+            except NotImplementedError:  # mpi4py built against an MPI without them
+                self._req = None
+        self.native = self._req is not None
+
+    def start(self) -> Work:
+        """Start the collective; return its Work (wait for it before the next start).
+
+        Raises:
+            RuntimeError: the plan was freed, or its previous start has not completed.
+        """
+        if self._freed:
+            raise located(RuntimeError, f"persistent {self.name}", "start() on a freed plan",
+                          self.group)
+        if self._work is not None and not self._work.is_completed():
+            raise located(RuntimeError, f"persistent {self.name}", "start() while the previous "
+                          "start is in flight; wait for its Work first", self.group)
+        if self._req is None:
+            self._work = self._fallback()
+        else:
+            self._req.Start()
+            self._work = Work([self._req], self.name, self.group, self._outputs, self._finish,
+                              self._keep)
+        return self._work
+
+    def free(self) -> None:
+        """Release the MPI request; waits for a start still in flight first."""
+        if self._freed:
+            return
+        if self._work is not None:
+            self._work.wait()
+        if self._req is not None:
+            self._req.Free()
+            self._req = None
+        self._freed = True
+
+    def __enter__(self) -> Plan:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.free()
+
+    def __repr__(self) -> str:
+        kind = "native" if self.native else "fallback"
+        state = "freed" if self._freed else kind
+        return f"<persistent.Plan {self.name} {state} group={self.group._name}>"
+
+
+def _reduction(a, op, name: str, pg):
+    """The reduction plan for ``a`` (raises on a refused dtype/op pair), and whether
+    MPI can reduce ``a`` itself with an optional division afterwards."""
+    plan = MPIBackend._plan(SimpleNamespace(group=pg), a.dtype, op, name)
+    direct = (type(a) is _ndarray and a.flags.c_contiguous and plan.upcast is None
+              and not plan.premul)
+    return plan, direct
+
+
+def _averager(plan, buf, n):
+    if not plan.avg:
+        return None
+    avg = _AVG[plan.avg]
+    return lambda: avg(buf, n)
+
+
+def _group(group, name: str):
+    pg = resolve(group, f"persistent.{name}")
+    if pg is None:
+        raise ValueError(f"persistent.{name}: this rank is not a member of the group; only "
+                         "members make plans")
+    return pg
+
+
+def all_reduce(tensor, op=_SUM, group=None) -> Plan:
+    """Plan ``spmd.all_reduce(tensor, op, group)``: in place, on every rank."""
+    pg = _group(group, "all_reduce")
+    a = array_out(tensor, "persistent.all_reduce", "tensor", pg)
+    plan, direct = _reduction(a, op, "persistent.all_reduce", pg)
+    init = (lambda: pg._comm.Allreduce_init(_IN_PLACE, _mview(a, plan), plan.mpi_op)) \
+        if direct else None
+    return Plan("all_reduce", pg, [a], init,
+                lambda: _c.all_reduce(a, op, pg, async_op=True),
+                _averager(plan, a, pg._size), a)
+
+
+def broadcast(tensor, src=None, group=None, group_src=None) -> Plan:
+    """Plan ``spmd.broadcast(tensor, src, group)``."""
+    pg = _group(group, "broadcast")
+    root = _c.root_rank(pg, "persistent.broadcast", src, group_src, "src")
+    a = array_out(tensor, "persistent.broadcast", "tensor", pg)
+    direct = type(a) is _ndarray and a.flags.c_contiguous
+    init = (lambda: pg._comm.Bcast_init(movable(a), root)) if direct else None
+    return Plan("broadcast", pg, [a], init,
+                lambda: _c.broadcast(a, group=pg, async_op=True, group_src=root), None, a)
+
+
+def reduce(tensor, dst=None, op=_SUM, group=None, group_dst=None) -> Plan:
+    """Plan ``spmd.reduce(tensor, dst, op, group)``: the result lands on ``dst`` only."""
+    pg = _group(group, "reduce")
+    root = _c.root_rank(pg, "persistent.reduce", dst, group_dst, "dst")
+    is_root = pg._rank == root
+    a = (array_out if is_root else array_in)(tensor, "persistent.reduce", "tensor", pg)
+    plan, direct = _reduction(a, op, "persistent.reduce", pg)
+    comm = pg._comm
+    if not direct:
+        init = None
+    elif is_root:
+        def init():
+            return comm.Reduce_init(_IN_PLACE, _mview(a, plan), plan.mpi_op, root)
+    else:
+        def init():
+            return comm.Reduce_init(_mview(a, plan), None, plan.mpi_op, root)
+    return Plan("reduce", pg, [a], init,
+                lambda: _c.reduce(a, op=op, group=pg, async_op=True, group_dst=root),
+                _averager(plan, a, pg._size) if is_root else None, a)
+
+
+def _gather_shapes(out, a, name: str, pg, n_out_per_in: bool) -> None:
+    if out.dtype != a.dtype:
+        raise located(TypeError, name, f"output has dtype {out.dtype}, expected {a.dtype} "
+                      "(the dtype of input)", pg)
+    big, small = (out, a) if n_out_per_in else (a, out)
+    if big.size != pg._size * small.size:
+        which = "output" if n_out_per_in else "input"
+        other = "input" if n_out_per_in else "output"
+        raise located(ValueError, name, f"{which} has {big.size} elements, expected world_size "
+                      f"({pg._size}) x {other} ({small.size}) = {pg._size * small.size}", pg)
+
+
+def all_gather_into_tensor(output_tensor, input_tensor, group=None) -> Plan:
+    """Plan ``spmd.all_gather_into_tensor(output_tensor, input_tensor, group)``."""
+    name = "persistent.all_gather_into_tensor"
+    pg = _group(group, "all_gather_into_tensor")
+    a = array_in(input_tensor, name, "input_tensor", pg)
+    out = array_out(output_tensor, name, "output_tensor", pg)
+    _gather_shapes(out, a, name, pg, True)
+    direct = type(a) is _ndarray and type(out) is _ndarray and a.flags.c_contiguous \
+        and out.flags.c_contiguous
+    init = (lambda: pg._comm.Allgather_init(movable(a), movable(out))) if direct else None
+    return Plan("all_gather_into_tensor", pg, [out], init,
+                lambda: _c.all_gather_into_tensor(out, a, pg, async_op=True), None, (a, out))
+
+
+def reduce_scatter_tensor(output, input, op=_SUM, group=None) -> Plan:  # noqa: A002
+    """Plan ``spmd.reduce_scatter_tensor(output, input, op, group)``."""
+    name = "persistent.reduce_scatter_tensor"
+    pg = _group(group, "reduce_scatter_tensor")
+    out = array_out(output, name, "output", pg)
+    a = array_in(input, name, "input", pg)
+    _gather_shapes(out, a, name, pg, False)
+    plan, direct = _reduction(a, op, name, pg)
+    direct = direct and type(out) is _ndarray and out.flags.c_contiguous
+    init = (lambda: pg._comm.Reduce_scatter_block_init(_mview(a, plan), _mview(out, plan),
+                                                       plan.mpi_op)) if direct else None
+    return Plan("reduce_scatter_tensor", pg, [out], init,
+                lambda: _c.reduce_scatter_tensor(out, a, op, pg, async_op=True),
+                _averager(plan, out, pg._size), (a, out))
+
+
+def all_to_all_single(output, input, group=None) -> Plan:  # noqa: A002
+    """Plan ``spmd.all_to_all_single(output, input, group=group)`` with equal splits."""
+    name = "persistent.all_to_all_single"
+    pg = _group(group, "all_to_all_single")
+    a = array_in(input, name, "input", pg)
+    out = array_out(output, name, "output", pg)
+    if out.dtype != a.dtype or out.size != a.size or a.ndim == 0 or a.shape[0] % pg._size:
+        raise located(ValueError, name, f"input and output need the same dtype and size and a "
+                      f"first dimension divisible by the group size ({pg._size}); got input "
+                      f"{a.dtype}{list(a.shape)}, output {out.dtype}{list(out.shape)}", pg)
+    direct = type(a) is _ndarray and type(out) is _ndarray and a.flags.c_contiguous \
+        and out.flags.c_contiguous
+    init = (lambda: pg._comm.Alltoall_init(movable(a), movable(out))) if direct else None
+    return Plan("all_to_all_single", pg, [out], init,
+                lambda: _c.all_to_all_single(out, a, group=pg, async_op=True), None, (a, out))
+
+
+def barrier(group=None) -> Plan:
+    """Plan ``spmd.barrier(group)``."""
+    pg = _group(group, "barrier")
+    return Plan("barrier", pg, [], lambda: pg._comm.Barrier_init(),
+                lambda: _c.barrier(pg, async_op=True))

@@ -1,0 +1,518 @@
+"""Timeouts that end in a diagnosis, the watchdog and its heartbeat, aborting the job.
+
+Started by ``init_process_group`` and stopped by ``destroy_process_group``:
+
+- a **timeout** (a wait past its deadline) asks the other ranks of the group, over the
+  control channel, where they are, and raises ``DistTimeoutError`` saying the op, the
+  group, its sequence number, how long it waited, which ranks have not reached it and
+  what they do instead.  A timed-out collective leaves the group's ranks out of step,
+  so the group is marked broken: later calls on it raise ``GroupBrokenError`` at once.
+- the **watchdog** thread checks in-flight operations against the group's timeout even
+  when nobody waits on them, and reports them the same way; the control thread watches
+  the watchdog's **heartbeat** and reports a watchdog that is itself stuck.
+- an exception that escapes to ``sys.excepthook`` prints a rank-tagged traceback and
+  **aborts the MPI job**, so ``mpiexec``/``srun`` end instead of the other ranks waiting
+  forever (``SPMD_ABORT_ON_EXCEPTION=0`` or ``pg_options={"abort_on_exception": False}``
+  turns it off).
+
+Settings come from ``init_process_group(pg_options={...})``, else from the environment
+(``SPMD_DEBUG``, ``SPMD_ABORT_ON_EXCEPTION``, ``SPMD_DUMP_DIR``,
+``SPMD_FLIGHT_RECORDER_SIZE``, ``SPMD_WATCHDOG``, ``SPMD_WATCHDOG_INTERVAL``,
+``SPMD_HEARTBEAT_TIMEOUT``, ``SPMD_QUERY_TIMEOUT``), else from the defaults of Config.
+"""
+
+from __future__ import annotations
+
+import atexit
+import collections
+import dataclasses
+import linecache
+import os
+import sys
+import sysconfig
+import threading
+import time
+import traceback
+
+from mpi4py import MPI
+
+from . import flight_recorder as _fr
+from . import work as _work
+from ._control import Channel
+from .errors import DistTimeoutError
+
+__all__ = ["Config", "config", "start", "stop", "diagnose", "reports"]
+
+_monotonic = time.monotonic
+
+
+@dataclasses.dataclass
+class Config:
+    """Reliability settings (``pg_options`` keys; environment variables in brackets)."""
+
+    debug: str = "OFF"                   # OFF, INFO or DETAIL [SPMD_DEBUG]
+    abort_on_exception: bool = True      # [SPMD_ABORT_ON_EXCEPTION]
+    dump_dir: str | None = None          # per-rank flight recorder files [SPMD_DUMP_DIR]
+    flight_recorder_size: int = _fr.DEFAULT_SIZE   # 0: off [SPMD_FLIGHT_RECORDER_SIZE]
+    watchdog: bool = True                # [SPMD_WATCHDOG]
+    watchdog_interval: float = 1.0       # seconds between checks [SPMD_WATCHDOG_INTERVAL]
+    heartbeat_timeout: float = 480.0     # stuck-watchdog report after [SPMD_HEARTBEAT_TIMEOUT]
+    query_timeout: float = 3.0           # how long a diagnosis waits for peers [SPMD_QUERY_TIMEOUT]
+
+
+_ENV = {
+    "debug": "SPMD_DEBUG", "abort_on_exception": "SPMD_ABORT_ON_EXCEPTION",
+    "dump_dir": "SPMD_DUMP_DIR", "flight_recorder_size": "SPMD_FLIGHT_RECORDER_SIZE",
+    "watchdog": "SPMD_WATCHDOG", "watchdog_interval": "SPMD_WATCHDOG_INTERVAL",
+    "heartbeat_timeout": "SPMD_HEARTBEAT_TIMEOUT", "query_timeout": "SPMD_QUERY_TIMEOUT",
+}
+_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
+
+
+def _convert(key: str, value, where: str):
+    kind = {f.name: f.type for f in dataclasses.fields(Config)}[key]
+    try:
+        if kind == "bool":
+            if isinstance(value, bool):
+                return value
+            text = str(value).strip().lower()
+            if text in _TRUE or text in _FALSE:
+                return text in _TRUE
+            raise ValueError
+        if kind == "int":
+            out = int(value)
+        elif kind == "float":
+            out = float(value)
+        elif key == "debug":
+            out = str(value).strip().upper()
+            if out not in ("OFF", "INFO", "DETAIL"):
+                raise ValueError
+            return out
+        else:
+            return None if value in (None, "") else os.fspath(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"init_process_group: {where}={value!r} is not a valid {key} "
+                         f"setting") from None
+    if out < 0 or (out == 0 and key != "flight_recorder_size"):
+        raise ValueError(f"init_process_group: {where}={value!r} must be positive")
+    return out
+
+
+def parse_options(pg_options) -> Config:
+    """Config from ``pg_options`` (a dict of Config fields), the environment, defaults."""
+    cfg = Config()
+    for key, var in _ENV.items():
+        if os.environ.get(var, "") != "":
+            setattr(cfg, key, _convert(key, os.environ[var], var))
+    if pg_options is None:
+        return cfg
+    if not isinstance(pg_options, dict):
+        import warnings
+        warnings.warn(f"init_process_group: pg_options of type {type(pg_options).__name__} is "
+                      "ignored; spmd takes a dict of reliability settings", stacklevel=3)
+        return cfg
+    known = {f.name for f in dataclasses.fields(Config)}
+    for key, value in pg_options.items():
+        if key not in known:
+            raise ValueError(f"init_process_group: unknown pg_options key {key!r}; expected "
+                             f"one of {sorted(known)}")
+        setattr(cfg, key, _convert(key, value, f"pg_options[{key!r}]"))
+    return cfg
+
+
+class _Runtime:
+    """What start() creates."""
+
+    def __init__(self) -> None:
+        self.config = Config()
+        self.channel: Channel | None = None
+        self.watchdog: _Watchdog | None = None
+        self.prev_hook = None
+        self.rank = MPI.COMM_WORLD.Get_rank()
+        self.size = MPI.COMM_WORLD.Get_size()
+
+
+_rt = _Runtime()
+reports: collections.deque = collections.deque(maxlen=64)   # recent reports, for tests
+_atexit_registered = False
+
+
+def config() -> Config:
+    """The settings in effect (defaults before init)."""
+    return _rt.config
+
+
+def start(world, cfg: Config) -> None:
+    """Called by init_process_group on every rank, after WORLD exists."""
+    global _atexit_registered
+    from . import debug
+
+    _rt.config = cfg
+    _rt.rank, _rt.size = world._rank, world._size
+    if cfg.flight_recorder_size > 0:
+        if _fr.recorder.size != _fr.ring_size(cfg.flight_recorder_size):
+            _fr.recorder.resize(cfg.flight_recorder_size)
+        _work.add_observer(_fr.recorder)
+    else:  # off: no per-call cost, and no sequence numbers in diagnoses
+        _work.remove_observer(_fr.recorder)
+    _work._on_timeout = _on_work_timeout
+    debug.set_debug_level(cfg.debug)
+    _rt.channel = Channel(world._comm, _answer, _tick)
+    if cfg.watchdog:
+        _rt.watchdog = _Watchdog(cfg.watchdog_interval)
+    if sys.excepthook is not _excepthook:
+        _rt.prev_hook = sys.excepthook
+        sys.excepthook = _excepthook
+    if not _atexit_registered:
+        # Runs before mpi4py's MPI_Finalize (registered earlier): threads must not be in
+        # an MPI call when MPI goes away.
+        atexit.register(stop)
+        _atexit_registered = True
+    if cfg.debug != "OFF" and world._rank == 0:
+        print(f"[rank 0] spmd reliability settings: {dataclasses.asdict(cfg)}; MPI thread "
+              f"level {'multiple' if _rt.channel.threaded else 'below multiple'}",
+              file=sys.stderr, flush=True)
+
+
+def stop() -> None:
+    """Called by destroy_process_group (and at exit): stop the threads, free the channel."""
+    if _rt.watchdog is not None:
+        _rt.watchdog.close()
+        _rt.watchdog = None
+    if _rt.channel is not None:
+        _rt.channel.close()
+        _rt.channel = None
+    if sys.excepthook is _excepthook:
+        sys.excepthook = _rt.prev_hook or sys.__excepthook__
+    _rt.prev_hook = None
+
+
+# ----------------------------------------------------------------------------- where
+
+_SPMD_DIR = os.path.dirname(os.path.abspath(__file__))
+_STDLIB = sysconfig.get_paths().get("stdlib", "\0")
+
+
+def _is_library(filename: str) -> bool:
+    return (filename.startswith((_SPMD_DIR, _STDLIB)) or "site-packages" in filename
+            or filename.startswith("<frozen"))
+
+
+def _short(filename: str) -> str:
+    try:
+        rel = os.path.relpath(filename)
+    except ValueError:
+        return filename
+    return rel if not rel.startswith("..") else filename
+
+
+def frame_location(frame) -> str:
+    """``file:line in func: source`` of the innermost frame outside libraries, with the
+    spmd call it is in, if any."""
+    inside = None
+    f = frame
+    while f is not None and _is_library(f.f_code.co_filename):
+        if f.f_code.co_filename.startswith(_SPMD_DIR):
+            inside = f.f_code.co_name
+        f = f.f_back
+    if f is None:
+        f, inside = frame, None
+    code = f.f_code
+    line = linecache.getline(code.co_filename, f.f_lineno).strip()
+    where = f"{_short(code.co_filename)}:{f.f_lineno} in {code.co_name}" + (f": {line}" if line else "")
+    return f"in spmd.{inside}, called from {where}" if inside else f"at {where}"
+
+
+def main_thread_location() -> str:
+    frame = sys._current_frames().get(threading.main_thread().ident)
+    if frame is None:
+        return "main thread has exited"
+    return "main thread " + frame_location(frame)
+
+
+# ----------------------------------------------------------------------------- diagnosis
+
+def group_key(g) -> dict:
+    from .group import _state
+
+    same = [x for x in list(_state.groups) if x._name == g._name and x._ranks == g._ranks]
+    index = next((i for i, x in enumerate(same) if x is g), 0)
+    return {"name": g._name, "ranks": list(g._ranks), "index": index}
+
+
+def _find_group(key: dict):
+    from .group import _state
+
+    same = [x for x in list(_state.groups)
+            if x._name == key["name"] and list(x._ranks) == key["ranks"]]
+    return same[key["index"]] if len(same) > key["index"] else None
+
+
+def _answer(request: dict) -> dict:
+    """A peer asks where this rank is (runs on the control thread)."""
+    if request.get("q") != "state":
+        return {"error": f"unknown query {request.get('q')!r}"}
+    g = _find_group(request["group"])
+    out: dict = {"where": main_thread_location()}
+    if g is None:
+        out["no_group"] = True
+        out["elsewhere"] = [_fr.brief(e, _monotonic()) for e in _fr.recorder.in_flight()][-3:]
+    else:
+        out.update(_fr.recorder.group_summary(g, request.get("seq")))
+        out["broken"] = g._error
+        from .debug import checking
+
+        pending = checking.get(g)
+        if pending is not None:  # in a debug-mode fingerprint exchange: it reached the op
+            op, seq, t0 = pending
+            b = {"op": op, "seq": seq, "kind": "collective", "group": g._name,
+                 "state": "comparing arguments (debug mode)", "age": round(_monotonic() - t0, 3),
+                 "took": None}
+            out["seq"] = max(out["seq"], seq)
+            out["current"] = [b] + out["current"]
+            if request.get("seq") == seq:
+                out["at_seq"] = b
+    if request.get("dump") and _rt.config.dump_dir:
+        try:
+            out["dump"] = _fr.dump(_rt.config.dump_dir, f"asked by rank {request.get('from')}: "
+                                   f"{request.get('reason', '')}")
+        except OSError as exc:
+            out["dump"] = f"failed: {exc}"
+    return out
+
+
+def _who(g, rank: int) -> str:
+    r = g._group_rank(rank)
+    return f"rank {rank}" if r == rank else f"rank {rank} (group rank {r})"
+
+
+def _op_text(b: dict | None, here: str) -> str:
+    if b is None:
+        return "none"
+    where = "" if b["group"] == here else f" on group {b['group']}"
+    return f"{b['op']} #{b['seq']}{where}"
+
+
+def _peer_text(g, rank: int, rep: dict | None, target: int | None, op: str,
+               kind: str = "collective") -> str:
+    who = _who(g, rank)
+    if rep is None:
+        return f"{who}: not responding (no answer on the control channel within " \
+               f"{_rt.config.query_timeout:g} s: dead, or stuck without releasing the GIL)"
+    if "error" in rep:
+        return f"{who}: could not answer ({rep['error']})"
+    parts = []
+    if rep.get("no_group"):
+        parts.append(f"has no group {g._name} (not created yet, or destroyed)")
+    elif kind == "p2p":
+        cur = [c for c in rep.get("current", []) if c["kind"] == "p2p"]
+        parts.append(f"{rep.get('p2p_seq', 0)} point-to-point ops started on {g._name}; " +
+                     ("in flight: " + ", ".join(f"{c['op']} #{c['seq']} (started {c['age']:.1f} "
+                                                "s ago)" for c in cur) if cur else "none in flight"))
+    else:
+        last = rep.get("last")
+        if last is not None:
+            parts.append(f"last finished {_op_text(last, g._name)} "
+                         f"{last['age'] - (last['took'] or 0):.1f} s ago")
+        cur = [c for c in rep.get("current", []) if c["kind"] == "collective"]
+        if last is None and rep.get("seq", 0) <= len(cur):
+            parts.append(f"no collective on {g._name} finished yet")
+        elif last is None:
+            parts.append("its last finished collective is older than its flight recorder")
+        parts.append("in flight here: " + ", ".join(
+            f"{c['op']} #{c['seq']} (started {c['age']:.1f} s ago)" for c in cur)
+            if cur else f"nothing in flight on {g._name}")
+        at = rep.get("at_seq")
+        if target is not None and at is not None and at["op"] != op:
+            parts.append(f"MISMATCH: its #{target} is {at['op']}, not {op} (SPMD_DEBUG=DETAIL "
+                         "checks every call)")
+    for e in rep.get("elsewhere", []):
+        parts.append(f"in flight on group {e['group']}: {e['op']} #{e['seq']} "
+                     f"(started {e['age']:.1f} s ago)")
+    parts.append(rep.get("where", "location unknown"))
+    return f"{who}: " + "; ".join(parts)
+
+
+def diagnose(op: str, g, seq: int | None, kind: str, waited: float, source: str) -> str:
+    """The text of a timeout: what this rank waited for, and where every other member is."""
+    me = g._ranks[g._rank]
+    what = "" if seq is None else \
+        f"collective #{seq} " if kind == "collective" else f"point-to-point op #{seq} "
+    lines = [f"{op}: did not complete within {waited:.1f} s ({what}on group {g._name}, group "
+             f"timeout {g._timeout:g} s) [rank {g._rank}, group {g._name}]"]
+    ch = _rt.channel
+    peers = [r for r in g._ranks if r != me]
+    if not peers:
+        lines.append("  this rank is the only member; the operation can never complete")
+        return "\n".join(lines)
+    if ch is None or not ch.threaded:
+        lines.append("  where the other ranks are is unknown: the control channel needs "
+                     "MPI_THREAD_MULTIPLE")
+        return "\n".join(lines)
+    request = {"q": "state", "group": group_key(g), "seq": seq, "from": me,
+               "dump": bool(_rt.config.dump_dir), "reason": f"{op} #{seq} timed out on rank {me}"}
+    replies = ch.query(peers, request, _rt.config.query_timeout)
+    if kind == "collective" and seq is not None:
+        behind = [r for r in peers if r in replies and "error" not in replies[r]
+                  and (replies[r].get("no_group") or replies[r].get("seq", 0) < seq)]
+        silent = [r for r in peers if r not in replies]
+        reached = [r for r in peers if r not in behind and r not in silent]
+        other = [r for r in reached if (replies[r].get("at_seq") or {}).get("op", op) != op]
+        if behind or silent:
+            lines.append(f"  ranks that have not reached {op} #{seq}:"
+                         if behind else "  ranks that did not answer:")
+            for r in behind + silent:
+                lines.append("    " + _peer_text(g, r, replies.get(r), seq, op))
+        elif other:
+            lines.append(f"  every rank reached collective #{seq}, but not every rank called "
+                         f"{op}: the ranks called different collectives")
+        else:
+            lines.append(f"  every rank reached {op} #{seq}; it is stuck inside MPI (a rank "
+                         "may be blocked in it by an op on another group)")
+        lines.append(f"  reached it: {_who(g, me)} (this rank)" +
+                     "".join(f", {_who(g, r)}" for r in reached))
+        for r in other:
+            lines.append("    " + _peer_text(g, r, replies[r], seq, op))
+    else:
+        lines.append("  the other ranks:")
+        for r in peers:
+            lines.append("    " + _peer_text(g, r, replies.get(r), None, op, kind))
+    return "\n".join(lines)
+
+
+def handle_timeout(op: str, g, seq: int | None, kind: str, waited: float, source: str) -> str:
+    """Diagnose, break the group (collectives), dump the flight recorder; the message."""
+    text = diagnose(op, g, seq, kind, waited, source)
+    if kind == "collective" and g._error is None:
+        g._error = f"{op} #{seq} timed out on rank {_rt.rank} after {waited:.1f} s"
+        text += f"\n  group {g._name} is now broken: later calls on it raise GroupBrokenError"
+    if kind != "collective" and source == "wait":
+        return text  # a receive can still complete: no dump for a polling wait(timeout)
+    try:
+        path = _fr.dump(_rt.config.dump_dir, f"{op} #{seq} on {g._name} timed out")
+    except OSError as exc:
+        text += f"\n  flight recorder dump failed: {exc}"
+    else:
+        if path is not None:
+            text += (f"\n  flight recorder dumps in {_rt.config.dump_dir}; merge them with "
+                     f"python -m spmd.fr_trace {_rt.config.dump_dir}")
+    return text
+
+
+def _on_work_timeout(work, waited: float, exc: DistTimeoutError) -> DistTimeoutError:
+    """Work._poll's hook: a diagnosed DistTimeoutError instead of the plain one."""
+    try:
+        e = getattr(work, "_fr", None)
+        if e is not None:
+            e[_fr.TIMED_OUT] = True
+            seq, kind = e[_fr.SEQ], e[_fr.COUNTER].kind
+        else:
+            seq, kind = None, "p2p" if work._op in _fr.P2P_OPS else "collective"
+        return DistTimeoutError(handle_timeout(work._op, work._group, seq, kind, waited, "wait"))
+    except Exception as err:  # noqa: BLE001 - a failed diagnosis must not hide the timeout
+        return DistTimeoutError(f"{exc} (diagnosis failed: {type(err).__name__}: {err})")
+
+
+def report(text: str) -> None:
+    """Print a rank-tagged report to stderr (and keep it in ``reports``)."""
+    reports.append(text)
+    tag = f"[rank {_rt.rank}] "
+    print("\n".join(tag + line for line in text.splitlines()), file=sys.stderr, flush=True)
+
+
+# ----------------------------------------------------------------------------- watchdog
+
+class _Watchdog:
+    """Checks in-flight operations against their group's timeout; beats a heartbeat."""
+
+    def __init__(self, interval: float):
+        self.interval = interval
+        self.heartbeat = 0
+        self.beat_at = _monotonic()
+        self.stuck_reported = False
+        self._stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, name="spmd-watchdog", daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        failures = 0
+        while not self._stop.wait(self.interval):
+            self.heartbeat += 1
+            self.beat_at = _monotonic()
+            try:
+                self.check()
+            except Exception as exc:  # noqa: BLE001 - keep watching
+                failures += 1
+                if failures <= 3:
+                    report(f"spmd watchdog: check failed: {type(exc).__name__}: {exc}")
+
+    def check(self) -> None:
+        now = _monotonic()
+        for e in _fr.recorder.in_flight():
+            g = e[_fr.GROUP]
+            if e[_fr.TIMED_OUT] or g._comm is None:
+                continue
+            limit = g._timeout
+            age = now - e[_fr.T0]
+            # A waiting thread reports its own timeout; the grace lets it go first.
+            if age > limit + min(max(1.0, 0.05 * limit), 30.0) and e[_fr.T1] is None:
+                e[_fr.TIMED_OUT] = True
+                text = handle_timeout(e[_fr.OP], g, e[_fr.SEQ], e[_fr.COUNTER].kind, age,
+                                      "watchdog")
+                report(f"spmd watchdog: {e[_fr.OP]} #{e[_fr.SEQ]} on group {g._name} is still "
+                       f"in flight {age:.1f} s after it started and nobody waits for it:\n{text}")
+
+    def close(self) -> None:
+        self._stop.set()
+        if self.thread is not threading.current_thread():
+            self.thread.join(timeout=5)
+
+
+def _tick() -> None:
+    """The heartbeat monitor, on the control thread's every poll."""
+    wd = _rt.watchdog
+    if wd is None:
+        return
+    silent = _monotonic() - wd.beat_at
+    if silent <= _rt.config.heartbeat_timeout:
+        wd.stuck_reported = False
+        return
+    if wd.stuck_reported:
+        return
+    wd.stuck_reported = True
+    frame = sys._current_frames().get(wd.thread.ident)
+    stack = "".join(traceback.format_stack(frame)) if frame is not None else "(thread gone)\n"
+    report(f"spmd heartbeat monitor: the watchdog thread has not beaten for {silent:.1f} s "
+           f"(heartbeat_timeout {_rt.config.heartbeat_timeout:g} s); timeouts of operations "
+           f"nobody waits on go unnoticed. It is stuck at:\n{stack.rstrip()}")
+    try:
+        _fr.dump(_rt.config.dump_dir, "watchdog heartbeat lost")
+    except OSError:
+        pass
+
+
+# ----------------------------------------------------------------------------- abort
+
+def _excepthook(exc_type, exc, tb) -> None:
+    """Uncaught exception: rank-tagged traceback, then abort the whole MPI job."""
+    if not _rt.config.abort_on_exception:
+        (_rt.prev_hook or sys.__excepthook__)(exc_type, exc, tb)
+        return
+    tag = f"[rank {_rt.rank}] "
+    text = "".join(traceback.format_exception(exc_type, exc, tb))
+    try:
+        sys.stdout.flush()
+    except Exception:  # noqa: BLE001 - a closed stdout must not stop the abort
+        pass
+    sys.stderr.write("".join(tag + line + "\n" for line in text.splitlines()))
+    if _rt.size > 1:
+        if _rt.config.dump_dir:
+            try:
+                _fr.dump(_rt.config.dump_dir, f"uncaught {exc_type.__name__}")
+            except OSError:
+                pass
+        sys.stderr.write(f"{tag}spmd: uncaught {exc_type.__name__}: aborting the MPI job so no "
+                         "rank waits forever (SPMD_ABORT_ON_EXCEPTION=0 turns this off)\n")
+        sys.stderr.flush()
+        MPI.COMM_WORLD.Abort(1)
+    sys.stderr.flush()

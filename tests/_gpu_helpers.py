@@ -1,0 +1,83 @@
+"""Shared pieces of the GPU tests: the skip reasons, cupy copies of numpy layouts, and
+groups whose GPU arrays go through a chosen path."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+
+from spmd import _gpu
+
+
+def gpu_skip_reason() -> str | None:
+    """Why GPU tests cannot run here (None when they can)."""
+    cp = _gpu.cupy_or_none()
+    if cp is None:
+        return f"no CuPy: {_gpu.cupy_problem()}"
+    try:
+        count = cp.cuda.runtime.getDeviceCount()
+    except Exception as exc:  # noqa: BLE001 - no driver
+        return f"no usable CUDA device ({type(exc).__name__}: {exc})"
+    return None if count > 0 else "no CUDA device visible"
+
+
+def nccl_skip_reason() -> str | None:
+    why = gpu_skip_reason()
+    if why is not None:
+        return why
+    return None if _gpu.nccl_available() else f"no NCCL: {_gpu.nccl_problem()}"
+
+
+def cupy():
+    why = gpu_skip_reason()
+    if why is not None:
+        pytest.skip(why)
+    return _gpu.cupy_or_none()
+
+
+def cupy_dtypes(dtypes):
+    """The dtypes CuPy can hold here (bfloat16 needs a CuPy that knows ml_dtypes)."""
+    cp = _gpu.cupy_or_none()
+    out = []
+    for dt in dtypes:
+        try:
+            cp.zeros(1, dt)
+        except Exception:  # noqa: BLE001
+            continue
+        out.append(dt)
+    return out
+
+
+def to_device(cp, host: np.ndarray, layout: str = "contig"):
+    """A cupy array equal to ``host``; for "strided", a view with every other column."""
+    if layout == "strided":
+        base = cp.zeros((host.shape[0], 2 * host.shape[1]), host.dtype) if host.ndim == 2 else None
+        if base is not None:
+            view = base[:, ::2]
+            view[...] = cp.asarray(host)
+            return view
+    return cp.asarray(host)
+
+
+def to_host(a) -> np.ndarray:
+    return a.get()
+
+
+class mpi_mode:
+    """Within the block, new groups' GPU arrays take the given MPI path."""
+
+    def __init__(self, mode: str):
+        self.value = {"staging": "0", "direct": "1"}[mode]
+
+    def __enter__(self):
+        self.old = os.environ.get(_gpu.AWARE_ENV)
+        os.environ[_gpu.AWARE_ENV] = self.value
+        return self
+
+    def __exit__(self, *exc):
+        if self.old is None:
+            os.environ.pop(_gpu.AWARE_ENV, None)
+        else:
+            os.environ[_gpu.AWARE_ENV] = self.old

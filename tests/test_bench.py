@@ -1,0 +1,130 @@
+"""``spmd bench`` end to end (its own MPI jobs): the JSON has every field, the table
+and plot come out; and the environment switches of the comms logger and traces.
+Correctness and output shape only: nothing here asserts a timing."""
+
+import glob
+import importlib.util
+import json
+import os
+import sys
+
+import pytest
+
+from _launch import mpiexec, run
+
+QUICK = ["--quick", "--no-progress"]
+ROW_FIELDS = {"op", "bytes", "count", "impl", "iters", "median_us", "p10_us", "p90_us",
+              "mean_us", "min_us", "algbw_gbps", "busbw_gbps", "vs_mpi4py"}
+
+
+def _bench(n, *args, timeout=240):
+    return run(mpiexec(n, sys.executable, "-m", "spmd.bench", *args), timeout=timeout)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("n", [1, 3])
+def test_quick_json_has_every_field(n, tmp_path):
+    out = tmp_path / "bench.json"
+    proc = _bench(n, *QUICK, "--impls", "spmd,mpi4py,spmd-persistent", "--json", str(out))
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    doc = json.loads(out.read_text())
+    assert doc["format"] == "spmd-bench" and doc["environment"]["world_size"] == n
+    assert doc["environment"]["torch"] is None
+    ops = {"all_reduce", "broadcast", "reduce", "all_gather_into_tensor",
+           "reduce_scatter_tensor", "all_to_all_single", "send_recv", "barrier"}
+    assert {r["op"] for r in doc["results"]} == ops
+    sizes = sorted({r["bytes"] for r in doc["results"] if r["op"] == "all_reduce"})
+    assert sizes == [8, 64, 512, 4096, 32768]
+    for r in doc["results"]:
+        assert ROW_FIELDS <= set(r), r
+        assert r["p10_us"] <= r["median_us"] <= r["p90_us"]
+        assert r["iters"] >= 3
+        if r["impl"] == "mpi4py":
+            assert r["vs_mpi4py"] == 1.0
+    for op in ops - {"send_recv"}:
+        impls = {r["impl"] for r in doc["results"] if r["op"] == op}
+        assert impls == {"spmd", "mpi4py", "spmd-persistent"}, op
+    # sizes a group of n splits evenly: the gathered/scattered array holds n pieces
+    for r in doc["results"]:
+        if r["op"] in ("all_gather_into_tensor", "reduce_scatter_tensor", "all_to_all_single"):
+            assert r["count"] % n == 0
+    fusion = {r["impl"]: r for r in doc["fusion"]}
+    assert set(fusion) == {"spmd all_reduce x N", "mpi4py Allreduce x N",
+                           "spmd all_reduce_coalesced", "spmd coalescing_manager"}
+    assert fusion["spmd all_reduce x N"]["speedup_vs_separate"] == 1.0
+    names = {t["name"].split(":")[0] for t in doc["targets"]}
+    assert {"latency", "fusion"} <= names
+    for t in doc["targets"]:
+        assert set(t) == {"name", "op", "bytes", "measured", "bound", "met"}
+    # the table goes to stdout next to --json FILE
+    assert "== all_reduce" in proc.stdout and "== targets" in proc.stdout
+
+
+@pytest.mark.timeout(300)
+def test_json_to_stdout_table_and_plot(tmp_path):
+    plot = tmp_path / "bench.png"
+    have_mpl = importlib.util.find_spec("matplotlib") is not None
+    args = [*QUICK, "--ops", "all_reduce,barrier", "--impls", "spmd,mpi4py",
+            "--max-bytes", "64", "--fusion-arrays", "0", "--json"]
+    if have_mpl:
+        args += ["--plot", str(plot)]
+    proc = run(mpiexec(2, sys.executable, "-m", "spmd", "bench", *args), timeout=240)
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    doc = json.loads(proc.stdout[proc.stdout.index("{"):])
+    assert {(r["op"], r["bytes"]) for r in doc["results"]} == {("all_reduce", 8),
+                                                               ("all_reduce", 64),
+                                                               ("barrier", 0)}
+    assert doc["fusion"] == []
+    if have_mpl:
+        assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.timeout(300)
+def test_torch_gloo_in_the_same_job(tmp_path):
+    pytest.importorskip("torch.distributed")
+    out = tmp_path / "bench.json"
+    proc = _bench(2, *QUICK, "--ops", "all_reduce,send_recv", "--max-bytes", "64",
+                  "--fusion-arrays", "0", "--json", str(out))
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    doc = json.loads(out.read_text())
+    assert doc["environment"]["torch"]
+    impls = {(r["op"], r["impl"]) for r in doc["results"]}
+    assert ("all_reduce", "torch-gloo") in impls and ("send_recv", "torch-gloo") in impls
+    spmd_rows = [r for r in doc["results"] if r["impl"] == "spmd"]
+    assert all(r["torch_over_spmd"] > 0 for r in spmd_rows)
+    assert any(t["name"].startswith("speed-up over torch") for t in doc["targets"])
+
+
+def test_bad_arguments():
+    from spmd import bench
+
+    assert bench.parse_size("8") == 8
+    assert bench.parse_size("64K") == 65536
+    assert bench.parse_size("1MiB") == 1024**2
+    assert bench.parse_size("2 GB") == 2 * 1024**3
+    with pytest.raises(Exception, match="not a size"):
+        bench.parse_size("lots")
+    proc = _bench(1, "--ops", "all_reduce,nope", timeout=120)
+    assert proc.returncode != 0 and "unknown op 'nope'" in proc.stdout
+
+
+@pytest.mark.timeout(200)
+def test_env_switches_trace_and_comms_log(tmp_path):
+    pattern = str(tmp_path / "tr-%r.json")
+    proc = run(mpiexec(2, sys.executable, "tests/programs/observe_env.py"), timeout=120,
+               SPMD_TRACE=pattern, SPMD_COMMS_LOG="1")
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    assert "rank 0 observe OK" in proc.stdout and "rank 1 observe OK" in proc.stdout
+    assert "spmd comms log: 2 rank(s)" in proc.stdout
+    files = sorted(glob.glob(str(tmp_path / "tr-*.json")))
+    assert [os.path.basename(f) for f in files] == ["tr-0.json", "tr-1.json"]
+    merged = tmp_path / "job.json"
+    m = run([sys.executable, "-m", "spmd", "trace-merge", "-o", str(merged), *files],
+            timeout=60)
+    assert m.returncode == 0, m.stdout
+    doc = json.loads(merged.read_text())
+    xs = [e for e in doc["traceEvents"] if e["ph"] == "X"]
+    for rank in (0, 1):
+        mine = [e["name"] for e in xs if e["pid"] == rank
+                and e["name"] in ("all_reduce", "broadcast", "barrier")]
+        assert mine == ["all_reduce"] * 4 + ["broadcast", "barrier"]

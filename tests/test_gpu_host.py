@@ -1,0 +1,468 @@
+"""The parts of GPU support that need no GPU, tested for real on every machine: backend
+strings and selection, register_backend with a user backend that runs, GPU-aware MPI
+detection (library strings, the environment override, MPIX_Query_cuda_support through
+ctypes on the MPI library loaded here), NCCL dtype/op tables and unique ids, device
+detection of raw arguments, mixed host/device arguments, and the NCCL Work's stream,
+timeout and error logic driven by stand-in events and communicators."""
+
+import collections
+import os
+
+import numpy as np
+import pytest
+from conftest import TEST_TIMEOUT, all_dtypes
+from mpi4py import MPI
+
+import spmd
+from spmd import _gpu
+from spmd.arrays import device_of
+from spmd.backends import _nccl_plans as plans
+from spmd.backends import nccl as nccl_backend
+from spmd.backends.cuda_mpi import direct_plan
+
+DTYPES = all_dtypes()
+
+
+class FakeCudaArray:
+    """Exposes ``__cuda_array_interface__`` (never dereferenced: checks fail first)."""
+
+    def __init__(self, shape=(4,), typestr="<f4"):
+        self.__cuda_array_interface__ = {"shape": shape, "typestr": typestr,
+                                         "data": (0xDEAD0000, False), "version": 3}
+
+
+class FakeDLPack:
+    def __init__(self, device_type):
+        self.device_type = device_type
+
+    def __dlpack_device__(self):
+        return (self.device_type, 0)
+
+    def __dlpack__(self, stream=None):  # pragma: no cover - never imported
+        raise AssertionError("not to be imported")
+
+
+# -- GPU-aware MPI detection ----------------------------------------------------------
+
+OMPI = "Open MPI v5.0.3, package: Open MPI builder, ident: 5.0.3, repo rev: v5.0.3"
+MPICH = "MPICH Version:      4.2.0\nMPICH Release date: Fri Feb  9 2024"
+
+
+@pytest.mark.parametrize("version, query, env, aware, nonblocking, reason", [
+    (OMPI, 1, {}, True, False, "MPIX_Query_cuda_support() returned 1"),
+    (OMPI, 0, {}, False, False, "returned 0"),
+    (MPICH, 1, {}, True, True, "MPIX_Query_cuda_support() returned 1 (MPICH Version:"),
+    (MPICH, 0, {}, False, False, "returned 0"),
+    (MPICH, 0, {"SPMD_CUDA_AWARE_MPI": "1"}, True, True, "SPMD_CUDA_AWARE_MPI=1"),
+    (OMPI, 1, {"SPMD_CUDA_AWARE_MPI": "0"}, False, False, "SPMD_CUDA_AWARE_MPI=0"),
+    (OMPI, None, {"SPMD_CUDA_AWARE_MPI": " 1 "}, True, False, "SPMD_CUDA_AWARE_MPI=1"),
+    (MPICH, 1, {"SPMD_CUDA_AWARE_MPI": ""}, True, True, "returned 1"),
+    ("MVAPICH2-GDR Version 2.3.7", None, {}, True, True, "built for GPU buffers"),
+    ("MPI VERSION    : CRAY MPICH version 8.1.28", None, {"MPICH_GPU_SUPPORT_ENABLED": "1"},
+     True, True, "MPICH_GPU_SUPPORT_ENABLED=1"),
+    ("MPI VERSION    : CRAY MPICH version 8.1.28", None, {}, False, False, "(unset)"),
+    ("Intel(R) MPI Library 2021.10", None, {}, False, False, "set SPMD_CUDA_AWARE_MPI=1"),
+])
+def test_gpu_awareness_decision(version, query, env, aware, nonblocking, reason):
+    got = _gpu.decide_gpu_awareness(version, query, env)
+    assert (got.aware, got.nonblocking_reductions) == (aware, nonblocking)
+    assert reason in got.reason
+
+
+@pytest.mark.parametrize("value", ["yes", "2", "true"])
+def test_gpu_awareness_bad_override(value):
+    with pytest.raises(ValueError, match=f"SPMD_CUDA_AWARE_MPI must be 0 or 1, got '{value}'"):
+        _gpu.decide_gpu_awareness(MPICH, None, {"SPMD_CUDA_AWARE_MPI": value})
+
+
+def test_query_cuda_support_on_the_loaded_mpi(monkeypatch):
+    paths = _gpu.mpi_library_paths()
+    assert paths and all(os.path.basename(p).startswith(("libmpi", "libmpich")) for p in paths)
+    result, where = _gpu.query_cuda_support()
+    version = MPI.Get_library_version()
+    if version.startswith("MPICH Version") and int(version.split()[2].split(".")[0]) >= 4:
+        # MPICH 4+ exports it; what it answers depends on the build and the machine.
+        assert result in (0, 1) and where in paths
+    if result is None:
+        assert where == ""
+    monkeypatch.delenv("SPMD_CUDA_AWARE_MPI", raising=False)
+    decided = _gpu.mpi_gpu_support()
+    if result is not None:
+        assert decided.aware == (result == 1)
+        assert f"MPIX_Query_cuda_support() returned {result}" in decided.reason
+    monkeypatch.setenv("SPMD_CUDA_AWARE_MPI", "1")
+    assert _gpu.mpi_gpu_support().aware
+    monkeypatch.setenv("SPMD_CUDA_AWARE_MPI", "0")
+    assert not _gpu.mpi_gpu_support().aware
+
+
+def test_query_cuda_support_without_the_symbol():
+    import ctypes.util
+
+    libc = ctypes.util.find_library("c")
+    assert _gpu.query_cuda_support([libc or "libc.so.6", "/nonexistent/libmpi.so"]) == (None, "")
+
+
+def test_direct_mpi_plans():
+    assert direct_plan(np.dtype(np.float32), spmd.ReduceOp.SUM).simple
+    assert direct_plan(np.dtype(np.bool_), spmd.ReduceOp.MAX).view == np.uint8
+    for dt, op in ((np.float16, spmd.ReduceOp.SUM), (np.float32, spmd.ReduceOp.AVG),
+                   (np.float32, spmd.make_premul_sum(2.0)), (np.float32, spmd.ReduceOp.BAND)):
+        assert direct_plan(np.dtype(dt), op) is None  # staged: arithmetic, or an error
+
+
+# -- NCCL tables ----------------------------------------------------------------------
+
+def _nccl_rule(dt: np.dtype, op: str):
+    """The documented NCCL rules, written out independently of the table."""
+    bitwise = op in ("BAND", "BOR", "BXOR")
+    if dt == np.bool_:
+        return op in ("SUM", "MAX", "BOR", "PRODUCT", "MIN", "BAND")
+    if dt.name in ("int16", "uint16"):
+        return False
+    if dt.kind in "iu":
+        return not bitwise and op != "PREMUL_SUM"
+    if dt.kind == "c":
+        return op in ("SUM", "AVG", "PREMUL_SUM")
+    return not bitwise
+
+
+@pytest.mark.parametrize("op", plans.REDUCE_NAMES)
+def test_nccl_reduction_table(op):
+    for dt in DTYPES:
+        plan = plans.plan_for(dt, op)
+        assert (type(plan) is not str) == _nccl_rule(dt, op), (dt, op, plan)
+        if type(plan) is str:
+            if dt.name in ("int16", "uint16") or (dt.kind in "iub" and op in ("BAND", "BOR", "BXOR")):
+                assert "backend='cpu:mpi,cuda:mpi'" in plan, plan
+            continue
+        assert plan.count_factor == (2 if dt.kind == "c" else 1)
+        assert plan.nccl_type == plans.NCCL_TYPES[dt.name]
+        assert plan.premul == (op == "PREMUL_SUM")
+        if op == "AVG":
+            assert plan.avg == ("float" if dt.kind in "fcV" or dt.name == "bfloat16" else
+                                {"i": "int", "u": "uint"}[dt.kind])
+
+
+def test_nccl_type_names():
+    wanted = {"int8", "uint8", "int32", "uint32", "int64", "uint64", "float16", "float32",
+              "float64", "bfloat16", "complex64", "complex128"}
+    assert wanted <= set(plans.NCCL_TYPES)
+    assert plans.NCCL_TYPES["complex128"] == "NCCL_FLOAT64"
+    assert plans.plan_for(np.dtype(np.bool_), "SUM").nccl_op == "NCCL_MAX"
+    assert plans.plan_for(np.dtype(np.bool_), "PRODUCT").nccl_op == "NCCL_MIN"
+    assert "complex arrays as pairs of reals" in plans.plan_for(np.dtype(np.complex64), "MAX")
+
+
+def test_nccl_unique_id_forms():
+    raw = bytes(range(128))
+    as_tuple = plans.uid_for_cupy(raw, "13.6.0")
+    assert isinstance(as_tuple, tuple) and len(as_tuple) == 128
+    assert min(as_tuple) >= -128 and max(as_tuple) <= 127 and as_tuple[200 - 128] == 72
+    assert plans.uid_to_bytes(as_tuple) == raw
+    assert plans.uid_for_cupy(raw, "14.0.1") == raw
+    assert plans.uid_to_bytes(bytearray(raw)) == raw
+    assert _gpu.nccl_version_code(21805) == "2.18.5"
+    assert _gpu.nccl_version_code(2408) == "2.4.8"
+
+
+# -- devices ----------------------------------------------------------------------------
+
+def test_device_index():
+    assert _gpu.device_index(None) is None
+    assert _gpu.device_index(3) == 3
+    assert _gpu.device_index("cuda:1") == 1
+    assert _gpu.device_index("CUDA") is None
+    for bad in ("cpu", "cuda:x", -1, True, 2.0):
+        with pytest.raises(ValueError):
+            _gpu.device_index(bad)
+    torch = pytest.importorskip("torch")
+    assert _gpu.device_index(torch.device("cuda", 2)) == 2
+    with pytest.raises(ValueError):
+        _gpu.device_index(torch.device("cpu"))
+
+
+def test_device_of_raw_arguments():
+    class Sub(np.ndarray):
+        pass
+
+    assert device_of(np.zeros(2)) == "cpu"
+    assert device_of(np.zeros(2).view(Sub)) == "cpu"
+    assert device_of(FakeCudaArray()) == "cuda"
+    assert device_of(FakeDLPack(2)) == "cuda"
+    assert device_of(FakeDLPack(13)) == "cuda"
+    assert device_of(FakeDLPack(1)) == "cpu"
+    assert device_of([1, 2]) is None and device_of(None) is None
+    torch = pytest.importorskip("torch")
+    assert device_of(torch.zeros(2)) == "cpu"
+    assert device_of(torch.empty(2, device="meta")) == "meta"
+
+
+@pytest.mark.mpi
+def test_mixed_host_and_device_arguments_raise(dist):
+    x, g = np.zeros(4, np.float32), FakeCudaArray()
+    with pytest.raises(TypeError, match=r"all_gather_into_tensor: input_tensor is a cuda array but "
+                       r"output_tensor is a cpu array; .* on the host or all on the GPU "
+                       r"\[rank \d+, group WORLD\]"):
+        spmd.all_gather_into_tensor(np.zeros(4 * dist.get_world_size(), np.float32), g)
+    n = dist.get_world_size()
+    with pytest.raises(TypeError, match=r"all_to_all: input_tensor_list\[0\] is a cuda array"):
+        spmd.all_to_all([x] * n, [g] * n)
+    with pytest.raises(TypeError, match=r"gather_list\[1\] is a cuda array"):
+        spmd.gather(x, [x, g] + [x] * (n - 2) if n > 1 else [x, g], dst=dist.get_rank())
+    with pytest.raises(TypeError, match=r"reduce_scatter: input_list\[0\] is a cpu array but output"):
+        spmd.reduce_scatter(FakeDLPack(2), [x] * n)
+    torch = pytest.importorskip("torch")
+    with pytest.raises(TypeError, match=r"tensors\[1\] is a cuda array but tensors\[0\] is a cpu"):
+        spmd.all_reduce_coalesced([torch.zeros(2), g])
+    with pytest.raises(TypeError, match=r"tensor is on meta"):
+        spmd.all_reduce(torch.empty(2, device="meta"))
+
+
+@pytest.mark.mpi
+def test_gpu_array_without_cupy_is_a_clear_error(dist):
+    if _gpu.cupy_or_none() is not None:
+        pytest.skip("CuPy is importable here")
+    with pytest.raises(RuntimeError, match=r"all_reduce: tensor \(a GPU array\) needs CuPy: CuPy is "
+                       r"not installed; pip install cupy-cuda12x"):
+        spmd.all_reduce(FakeCudaArray())
+
+
+# -- backend strings, selection and registration ---------------------------------------
+
+def test_device_map_with_registered_names():
+    spmd.register_backend("hostonly", lambda g: None, devices=["cpu"])
+    try:
+        assert spmd.Backend.device_map("hostonly") == {"cpu": "hostonly"}
+        assert spmd.Backend.device_map("cpu:hostonly,cuda:nccl") == {"cpu": "hostonly",
+                                                                   "cuda": "nccl"}
+        assert spmd.Backend.HOSTONLY == "hostonly"
+        with pytest.raises(ValueError, match="already registered"):
+            spmd.register_backend("HostOnly", lambda g: None)
+    finally:
+        _unregister("hostonly")
+    for bad_name in ("mpi", "nccl", "gloo", "two words", 3):
+        with pytest.raises(ValueError):
+            spmd.register_backend(bad_name, lambda g: None)
+    with pytest.raises(ValueError, match="devices"):
+        spmd.register_backend("tpuish", lambda g: None, devices=["tpu"])
+    with pytest.raises(TypeError, match="callable"):
+        spmd.register_backend("notcallable", 3)
+    with pytest.raises(ValueError, match="unknown backend 'hostonly'"):
+        spmd.Backend("hostonly")
+
+
+def _unregister(name):
+    from spmd.group import _state
+
+    _state.backend_factories.pop(name, None)
+    _state.backend_devices.pop(name, None)
+    if hasattr(spmd.Backend, name.upper()):
+        delattr(spmd.Backend, name.upper())
+
+
+def _reinit(dist):
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    dist.init_process_group(timeout=TEST_TIMEOUT)
+
+
+@pytest.mark.mpi
+def test_user_backend_factory_runs(dist):
+    from spmd.backends.mpi import MPIBackend
+
+    calls = collections.Counter()
+
+    class Counting(MPIBackend):
+        name = "counting"
+
+        def all_reduce(self, a, op):
+            calls["all_reduce", self.group.size()] += 1
+            return super().all_reduce(a, op)
+
+    spmd.register_backend("counting", Counting, devices=["cpu"])
+    n = dist.get_world_size()
+    try:
+        dist.destroy_process_group()
+        dist.init_process_group(backend="counting", timeout=TEST_TIMEOUT)
+        assert dist.get_backend() == "counting"
+        x = np.ones(3)
+        dist.all_reduce(x)
+        np.testing.assert_array_equal(x, np.full(3, n))
+        assert calls["all_reduce", n] == 1
+        half = dist.new_group(list(range(0, n, 2)), backend="cpu:counting")
+        if half:
+            y = np.ones(2)
+            dist.all_reduce(y, group=half)
+            assert y[0] == half.size() and calls["all_reduce", half.size()] >= 1
+        plain = dist.new_group(backend="mpi")
+        z = np.ones(1)
+        dist.all_reduce(z, group=plain)
+        assert z[0] == n and sum(calls.values()) == (2 if half else 1)
+    finally:
+        _reinit(dist)
+        _unregister("counting")
+
+
+@pytest.mark.mpi
+def test_default_backend_picks_nccl_when_importable(dist, monkeypatch):
+    from spmd import world
+
+    assert dist.get_backend() == ("cpu:mpi,cuda:nccl" if dist.is_nccl_available() else "mpi")
+    monkeypatch.setattr(world, "is_nccl_available", lambda: True)
+    monkeypatch.setattr(_gpu, "nccl_problem", lambda: None)
+    try:
+        dist.destroy_process_group()
+        dist.init_process_group(timeout=TEST_TIMEOUT)
+        assert dist.get_backend() == "cpu:mpi,cuda:nccl"
+        assert spmd.Backend.device_map(dist.get_backend()) == {"cpu": "mpi", "cuda": "nccl"}
+        x = np.ones(2)
+        dist.all_reduce(x)  # host arrays still go to MPI
+        assert x[0] == dist.get_world_size()
+        dist.barrier()
+    finally:
+        monkeypatch.undo()
+        _reinit(dist)
+
+
+@pytest.mark.mpi
+def test_device_id_checked_at_init(dist):
+    dist.destroy_process_group()
+    try:
+        with pytest.raises(ValueError, match="device_id must be 'cuda' or 'cuda:N'"):
+            dist.init_process_group(device_id="cpu:0")
+        assert not dist.is_initialized()
+        dist.init_process_group(backend="mpi", device_id=0, timeout=TEST_TIMEOUT)  # no eager GPU work
+        x = np.ones(1)
+        dist.all_reduce(x)
+        assert x[0] == dist.get_world_size()
+    finally:
+        _reinit(dist)
+
+
+def test_barrier_device_choice():
+    from spmd.collectives import _barrier_device
+
+    class PG:
+        def __init__(self, spec):
+            self._backend_name, self._backends = spec, {}
+
+    assert _barrier_device(PG("mpi"), None) == "cpu"
+    assert _barrier_device(PG("nccl"), None) == "cuda"
+    assert _barrier_device(PG("cpu:mpi,cuda:nccl"), None) == "cpu"
+    assert _barrier_device(PG("cpu:mpi,cuda:nccl"), [0]) == "cuda"
+    assert _barrier_device(PG("gloo"), [0]) == "cpu"
+
+
+@pytest.mark.mpi
+def test_spmd_info_reports_gpu_facts(dist):
+    from spmd.cli import _rank_info
+
+    info = _rank_info()
+    assert info["gpu_aware_mpi"].startswith(("yes (", "no ("))
+    for key in ("cupy", "nccl", "cuda_device", "mpi_library", "thread_level"):
+        assert info[key]
+    if _gpu.cupy_or_none() is None:
+        assert info["cupy"].startswith("unavailable (CuPy is not installed")
+
+
+# -- the NCCL Work, driven by stand-ins ----------------------------------------------------
+
+class FakeEvent:
+    def __init__(self, done=False):
+        self.done = done
+
+
+class FakeComm:
+    def __init__(self):
+        self.aborted = False
+        self.error = None
+
+    def check_async_error(self):
+        if self.error is not None:
+            raise RuntimeError(self.error)
+
+    def abort(self):
+        self.aborted = True
+
+
+class FakeStream:
+    def __init__(self):
+        self.waited = []
+
+    def wait_event(self, event):
+        self.waited.append(event)
+
+
+class FakeCupy:
+    def __init__(self):
+        stream = FakeStream()
+        self.stream = stream
+        self.cuda = type("cuda", (), {"get_current_stream": staticmethod(lambda: stream)})
+
+
+def _fake_backend(group):
+    b = object.__new__(nccl_backend.NCCLBackend)
+    b.group = group
+    b._cp, b._comm, b._broken = FakeCupy(), FakeComm(), None
+    b._inflight = collections.deque()
+    return b
+
+
+def _fake_work(b, op="all_reduce", done=False, peer=None, blocking=False):
+    import weakref
+
+    event = FakeEvent(done)
+    keep = np.zeros(3)
+    work = nccl_backend.NcclWork(b, event, op, [keep], keep, blocking, peer)
+    b._inflight.append((event, keep, weakref.ref(work)))
+    return work, event
+
+
+@pytest.mark.mpi
+def test_nccl_work_waits_on_the_stream_not_the_host(dist):
+    b = _fake_backend(dist.GroupMember.WORLD)
+    work, event = _fake_work(b)
+    assert isinstance(work, spmd.Work)
+    assert work.wait() is True  # returns at once: the event has not passed
+    assert b._cp.stream.waited == [event] and not work.is_completed()
+    event.done = True
+    assert work.is_completed() and work.is_success() and work.result()[0].shape == (3,)
+    other, ev2 = _fake_work(b, op="recv", peer=0)
+    ev2.done = True
+    b._reap()  # completes finished operations and releases their arrays
+    assert other._done and not b._inflight and other._keep is None
+    assert other.source_rank() == dist.GroupMember.WORLD.ranks[0]
+    with pytest.raises(RuntimeError, match="only defined for receives"):
+        work.source_rank()
+    fut = _fake_work(b, done=True)[0].get_future()
+    assert fut.wait()[0].shape == (3,)
+
+
+@pytest.mark.mpi
+def test_nccl_work_timeout_aborts_the_communicator(dist):
+    b = _fake_backend(dist.GroupMember.WORLD)
+    work, _ = _fake_work(b, op="all_gather")
+    with pytest.raises(spmd.DistTimeoutError, match=r"all_gather: did not complete within "
+                       r"[\d.]+ s; the NCCL communicator was aborted \[rank \d+, group WORLD\]"):
+        work.synchronize(timeout=0.05)
+    assert b._comm.aborted
+    with pytest.raises(spmd.GroupBrokenError, match=r"broadcast: the group's NCCL communicator was "
+                       "aborted after all_gather timed out"):
+        b.check("broadcast")
+    blocking, _ = _fake_work(_fake_backend(dist.GroupMember.WORLD), op="barrier", blocking=True)
+    with pytest.raises(spmd.DistTimeoutError, match="barrier"):
+        blocking.wait(timeout=0.02)  # a barrier's wait blocks the host
+
+
+@pytest.mark.mpi
+def test_nccl_async_error_aborts_and_names_the_op(dist):
+    b = _fake_backend(dist.GroupMember.WORLD)
+    work, _ = _fake_work(b, op="reduce_scatter")
+    b._comm.error = "NCCL_ERROR_REMOTE_ERROR"
+    with pytest.raises(spmd.DistBackendError, match=r"reduce_scatter: NCCL reported an asynchronous "
+                       r"error: NCCL_ERROR_REMOTE_ERROR; the communicator was aborted \[rank \d+"):
+        work.wait()
+    assert b._comm.aborted
+    with pytest.raises(spmd.GroupBrokenError):
+        work.is_completed()

@@ -1,0 +1,220 @@
+"""MPMD: programs in one job, the program table, and links between programs.
+
+Under one ``mpiexec -n N pytest`` the "programs" are the even and odd ranks (named so);
+real two-program jobs run from plain tests: two different scripts in one mpiexec
+(tests/programs/mpmd_left.py : mpmd_right.py) and the ocean/atmosphere example."""
+
+import re
+import sys
+
+import numpy as np
+import pytest
+from _launch import mpiexec_prefix, run
+
+from spmd import mpmd
+
+
+def _name(rank):
+    return "even" if rank % 2 == 0 else "odd"
+
+
+@pytest.fixture
+def programs(dist):
+    group = dist.init_program(_name(dist.get_rank()))
+    yield group
+    dist.destroy_process_group(group)
+
+
+def _two_programs(dist):
+    if dist.get_world_size() < 2:
+        pytest.skip("a link needs two programs, so at least 2 ranks")
+
+
+@pytest.mark.mpi
+def test_program_group_and_table(dist, programs):
+    me, n = dist.get_rank(), dist.get_world_size()
+    mine = list(range(me % 2, n, 2))
+    assert programs.ranks == mine and programs.rank() == mine.index(me)
+    x = np.array([me], np.int64)
+    dist.all_reduce(x, group=programs)
+    assert x[0] == sum(mine)
+    table = dist.get_programs()
+    assert [(p.name, p.index, list(p.ranks), p.size) for p in table] == \
+        [("even", 0, list(range(0, n, 2)), len(range(0, n, 2)))] + \
+        ([("odd", 1, list(range(1, n, 2)), len(range(1, n, 2)))] if n > 1 else [])
+    assert mpmd.get_program() == table[me % 2]
+    assert mpmd.get_program("even") == table[0]
+    with pytest.raises(ValueError, match=r"no program named 'ocean'; the programs are \['even'"):
+        mpmd.get_program("ocean")
+
+
+@pytest.mark.mpi
+def test_appnum_names_the_program(dist):
+    appnum = mpmd._appnum()
+    if appnum is None:
+        pytest.skip("this launcher does not set MPI_APPNUM")
+    group = dist.init_program()
+    assert mpmd.get_program().name == f"app{appnum}" and group.size() == dist.get_world_size()
+    dist.destroy_process_group(group)
+
+
+@pytest.mark.mpi
+def test_no_name_and_no_appnum_fails_everywhere(dist, monkeypatch):
+    monkeypatch.setattr(mpmd, "_appnum", lambda: None)
+    me = dist.get_rank()
+    with pytest.raises(ValueError, match=r"ranks \[0\] passed no program name and the launcher "
+                                         r"did not set MPI_APPNUM"):
+        dist.init_program(None if me == 0 else "named")
+
+
+@pytest.mark.mpi
+def test_names_and_appnums_must_agree(dist, monkeypatch):
+    _two_programs(dist)
+    me = dist.get_rank()
+    monkeypatch.setattr(mpmd, "_appnum", lambda: me % 2)
+    with pytest.raises(ValueError, match="program name 'same' is used by the programs started "
+                                         "as MPI_APPNUM 0 and 1"):
+        dist.init_program("same")
+    monkeypatch.setattr(mpmd, "_appnum", lambda: 0)  # one launched script, two roles: fine
+    group = dist.init_program(_name(me))
+    assert [p.name for p in dist.get_programs()] == ["even", "odd"]
+    dist.destroy_process_group(group)
+    with pytest.raises(TypeError, match="name must be a non-empty str or None, got ''"):
+        dist.init_program("")
+
+
+@pytest.mark.mpi
+def test_link_arrays(dist, programs):
+    _two_programs(dist)
+    me = dist.get_rank()
+    other = "odd" if me % 2 == 0 else "even"
+    link = dist.new_link(other)
+    r, remote = link.rank(), link.remote_size()
+    assert link.remote.name == other and link.local.name == _name(me)
+    # rank r of each program exchanges with rank r of the other, where both exist
+    for dt in (np.float64, np.int32, np.bool_, np.float16, np.complex64):
+        if r >= remote:
+            continue
+        work = link.isend(np.full(3, r + 1).astype(dt), dst=r, tag=5)
+        got = np.zeros(3, dt)
+        assert link.recv(got, src=r, tag=5) == r
+        assert (got == np.full(3, r + 1).astype(dt)).all(), dt
+        work.wait()
+    # a non-contiguous receive buffer is filled in place
+    if r == 0:
+        scale = 1.0 if me % 2 == 0 else 2.0
+        work = link.isend(np.arange(6.0) * scale, dst=0)
+        box = np.zeros((6, 2))
+        assert link.recv(box[:, 1], src=0) == 0
+        assert (box[:, 1] == np.arange(6.0) * (3.0 - scale)).all() and (box[:, 0] == 0).all()
+        work.wait()
+    link.free()
+
+
+@pytest.mark.mpi
+def test_link_receive_any_source(dist, programs):
+    _two_programs(dist)
+    me = dist.get_rank()
+    link = dist.new_link("odd" if me % 2 == 0 else "even")
+    # rank 0 of "odd" sends to rank 0 of "even" with no source given on the receiver
+    if me == 1:
+        link.send(np.array([7.0]), dst=0, tag=3)
+    elif me == 0:
+        got = np.zeros(1)
+        work = link.irecv(got, tag=3)
+        work.wait()
+        assert work.source_rank() == 0 and got[0] == 7.0
+    link.free()
+
+
+@pytest.mark.mpi
+def test_link_broadcast_and_objects(dist, programs):
+    _two_programs(dist)
+    me = dist.get_rank()
+    mine = _name(me)
+    link = dist.new_link("odd" if mine == "even" else "even")
+    last_odd = link.remote_size() - 1 if mine == "even" else link.size() - 1
+    for src_program, src in (("even", 0), ("odd", last_odd)):
+        x = np.full((2, 3), -1.0)
+        if mine == src_program and link.rank() == src:
+            x[:] = np.arange(6.0).reshape(2, 3)
+        link.broadcast(x, src=src, src_program=src_program)
+        if mine != src_program:
+            assert (x == np.arange(6.0).reshape(2, 3)).all()
+        elif link.rank() != src:
+            assert (x == -1).all()  # the sending program's other ranks are untouched
+        obj = {"from": src_program, "n": [1, 2, 3]} if mine == src_program else None
+        got = link.broadcast_object(obj, src=src, src_program=src_program)
+        assert got == ({"from": src_program, "n": [1, 2, 3]} if mine != src_program else obj)
+    # objects point to point: rank 0 of each program sends to rank 0 of the other
+    if link.rank() == 0:
+        link.send_object(("hello", mine, np.arange(3)), dst=0)
+        word, sender, arr = link.recv_object(src=0)
+        assert word == "hello" and sender != mine and (arr == np.arange(3)).all()
+    link.free()
+
+
+@pytest.mark.mpi
+def test_link_errors(dist, programs):
+    me = dist.get_rank()
+    mine = _name(me)
+    with pytest.raises(ValueError, match=f"peer '{mine}' is this rank's own program"):
+        dist.new_link(mine)
+    with pytest.raises(ValueError, match="no program named 'ocean'"):
+        dist.new_link("ocean")
+    _two_programs(dist)
+    link = dist.new_link("odd" if mine == "even" else "even")
+    remote = link.remote_size()
+    with pytest.raises(ValueError, match=rf"Link.isend: dst={remote} is out of range \[0, "
+                                         rf"{remote}\) \(the ranks of program"):
+        link.isend(np.zeros(1), dst=remote)
+    with pytest.raises(TypeError, match="Link.send: tensor must be a numpy array"):
+        link.send([1.0], dst=0)
+    with pytest.raises(ValueError, match="src_program must be 'even' or 'odd', got 'ocean'"):
+        link.broadcast(np.zeros(1), src=0, src_program="ocean")
+    with pytest.raises(ValueError, match="src must be a rank of program"):
+        link.broadcast(np.zeros(1), src=99, src_program="even")
+    link.free()
+    with pytest.raises(RuntimeError, match="was freed"):
+        link.send(np.zeros(1), dst=0)
+
+
+@pytest.mark.mpi
+def test_functions_need_init_program(dist):
+    dist.destroy_process_group()
+    from conftest import TEST_TIMEOUT
+
+    dist.init_process_group(timeout=TEST_TIMEOUT)
+    with pytest.raises(RuntimeError, match="call spmd.mpmd.init_program"):
+        dist.get_programs()
+
+
+def _mpmd(*parts, timeout=120):
+    """mpiexec -n a prog1 args : -n b prog2 args (Hydra and Open MPI syntax)."""
+    cmd = list(mpiexec_prefix())
+    for i, (n, *args) in enumerate(parts):
+        cmd += ([":"] if i else []) + ["-n", str(n), sys.executable, *args]
+    return run(cmd, timeout=timeout)
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("left, right", [(1, 1), (2, 3)])
+def test_two_scripts_in_one_job(left, right):
+    proc = _mpmd((left, "tests/programs/mpmd_left.py"), (right, "tests/programs/mpmd_right.py"))
+    assert proc.returncode == 0, proc.stdout[-4000:]
+    got = sorted(re.findall(r"^(left|right) (\d+)/(\d+) mpmd OK$", proc.stdout, re.MULTILINE))
+    assert got == sorted([("left", str(r), str(left)) for r in range(left)]
+                         + [("right", str(r), str(right)) for r in range(right)]), proc.stdout
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("ocean, atmos", [(2, 2), (1, 3), (3, 2)])
+def test_ocean_atmosphere_example(ocean, atmos):
+    proc = _mpmd((ocean, "examples/mpmd_ocean.py"), (atmos, "examples/mpmd_atmos.py"))
+    assert proc.returncode == 0, proc.stdout[-4000:]
+    for prog, n in (("ocean", ocean), ("atmos", atmos)):
+        ranks = sorted(int(r) for r in re.findall(
+            rf"^{prog} rank (\d+)/{n} coupled OK", proc.stdout, re.MULTILINE))
+        assert ranks == list(range(n)), proc.stdout
+    assert re.search(rf"^programs: ocean ranks \[{', '.join(map(str, range(ocean)))}\]",
+                     proc.stdout, re.MULTILINE), proc.stdout

@@ -1,0 +1,127 @@
+"""Persistent collectives: results over several starts, native and fallback paths, and
+misuse (start while in flight, start after free)."""
+
+import numpy as np
+import pytest
+
+from spmd import persistent
+
+pytestmark = pytest.mark.mpi
+
+
+@pytest.fixture(params=["native", "fallback"])
+def mode(request, monkeypatch):
+    if request.param == "fallback":
+        monkeypatch.setenv("SPMD_PERSISTENT", "0")
+    elif not persistent.available():
+        pytest.skip("this MPI library has no persistent collectives")
+    return request.param
+
+
+def _check_native(plan, mode):
+    assert plan.native == (mode == "native"), plan
+
+
+def test_all_reduce_over_starts(dist, mode):
+    n, rank = dist.get_world_size(), dist.get_rank()
+    x = np.zeros(5, np.float32)
+    with persistent.all_reduce(x) as plan:
+        _check_native(plan, mode)
+        for k in range(4):
+            x[:] = rank + k
+            work = plan.start()
+            assert isinstance(work, dist.Work)
+            work.wait()
+            np.testing.assert_array_equal(x, np.full(5, n * (n - 1) / 2 + n * k, np.float32))
+    assert "freed" in repr(plan)
+
+
+@pytest.mark.parametrize("opname", ["AVG", "MAX"])
+def test_all_reduce_ops(dist, mode, opname):
+    n, rank = dist.get_world_size(), dist.get_rank()
+    x = np.zeros(3, np.int64)
+    with persistent.all_reduce(x, op=getattr(dist.ReduceOp, opname)) as plan:
+        _check_native(plan, mode)
+        for k in range(3):
+            x[:] = 10 * rank + k
+            plan.start().wait()
+            total = 10 * n * (n - 1) // 2 + n * k
+            want = total // n if opname == "AVG" else 10 * (n - 1) + k
+            np.testing.assert_array_equal(x, np.full(3, want))
+
+
+def test_movement_and_rooted_plans(dist, mode):
+    n, rank = dist.get_world_size(), dist.get_rank()
+    root = n - 1
+    b = np.zeros(4, np.int32)
+    r = np.zeros(2, np.float64)
+    gin, gout = np.zeros(2, np.float32), np.zeros(2 * n, np.float32)
+    sin, sout = np.zeros(3 * n, np.float64), np.zeros(3, np.float64)
+    ain, aout = np.zeros(2 * n, np.int64), np.zeros(2 * n, np.int64)
+    plans = [persistent.broadcast(b, src=root), persistent.reduce(r, dst=root),
+             persistent.all_gather_into_tensor(gout, gin),
+             persistent.reduce_scatter_tensor(sout, sin),
+             persistent.all_to_all_single(aout, ain), persistent.barrier()]
+    try:
+        for p in plans:
+            _check_native(p, mode)
+        for k in range(3):
+            b[:] = (k + 7) if rank == root else -1
+            r[:] = rank + k
+            gin[:] = rank * 10 + k
+            sin[:] = np.arange(3 * n) + k
+            ain[:] = 100 * rank + np.arange(2 * n)
+            for w in [p.start() for p in plans]:
+                w.wait()
+            np.testing.assert_array_equal(b, np.full(4, k + 7))
+            if rank == root:
+                np.testing.assert_array_equal(r, np.full(2, n * (n - 1) / 2 + n * k))
+            np.testing.assert_array_equal(gout, np.repeat([10 * q + k for q in range(n)], 2))
+            np.testing.assert_array_equal(sout, n * (np.arange(3 * rank, 3 * rank + 3) + k))
+            want = np.concatenate([100 * q + np.arange(2 * rank, 2 * rank + 2)
+                                   for q in range(n)])
+            np.testing.assert_array_equal(aout, want)
+    finally:
+        for p in plans:
+            p.free()
+
+
+def test_non_contiguous_uses_the_ordinary_collective(dist):
+    n = dist.get_world_size()
+    base = np.ones((4, 4))
+    view = base[:, ::2]
+    with persistent.all_reduce(view) as plan:
+        assert not plan.native
+        for _ in range(2):
+            plan.start().wait()
+    np.testing.assert_array_equal(view, np.full((4, 2), float(n * n)))
+    np.testing.assert_array_equal(base[:, 1::2], np.ones((4, 2)))
+
+
+def test_misuse(dist):
+    from mpi4py import MPI
+
+    x = np.zeros(2)
+    plan = persistent.all_reduce(x)
+    rank, n = dist.get_rank(), dist.get_world_size()
+    if rank == 0 and n > 1:
+        # the others start only after the barrier: this start cannot complete before it
+        work = plan.start()
+        with pytest.raises(RuntimeError, match="in flight"):
+            plan.start()
+        MPI.COMM_WORLD.Barrier()
+    else:
+        if n > 1:
+            MPI.COMM_WORLD.Barrier()
+        work = plan.start()
+    work.wait()
+    plan.free()
+    plan.free()  # twice is fine
+    with pytest.raises(RuntimeError, match="freed plan"):
+        plan.start()
+    with pytest.raises(TypeError, match="numpy array"):
+        persistent.all_reduce([1.0, 2.0])
+    with pytest.raises(TypeError, match="BAND"):
+        persistent.all_reduce(np.zeros(2), op=dist.ReduceOp.BAND)
+    with pytest.raises(ValueError, match="expected world_size"):
+        persistent.all_gather_into_tensor(np.zeros(dist.get_world_size() + 1), np.zeros(1))
