@@ -19,7 +19,7 @@ import time
 
 from mpi4py import MPI
 
-__all__ = ["Channel", "TAG_QUERY", "TAG_BARRIER"]
+__all__ = ["TAG_BARRIER", "TAG_QUERY", "Channel"]
 
 TAG_QUERY = 101
 _TAG_REPLY = 1000          # + query id % _REPLY_TAGS

@@ -121,7 +121,11 @@ def broadcast(tensor, src=None, group=None, async_op=False, group_src=None):
         return None
     root = root_rank(pg, "broadcast", src, group_src, "src")
     a = array_out(tensor, "broadcast", "tensor", pg)
-    return _done(pg._backend_for(device_of(a)).broadcast(a, root), async_op)
+    work = pg._backend_for("cpu" if type(a) is _ndarray else device_of(a)).broadcast(a, root)
+    if async_op:
+        return work
+    work.wait()
+    return None
 
 
 def all_reduce(tensor, op=_SUM, group=None, async_op=False):
@@ -161,7 +165,11 @@ def reduce(tensor, dst=None, op=_SUM, group=None, async_op=False, group_dst=None
         return None
     root = root_rank(pg, "reduce", dst, group_dst, "dst")
     a = (array_out if pg._rank == root else array_in)(tensor, "reduce", "tensor", pg)
-    return _done(pg._backend_for(device_of(a)).reduce(a, root, op), async_op)
+    work = pg._backend_for("cpu" if type(a) is _ndarray else device_of(a)).reduce(a, root, op)
+    if async_op:
+        return work
+    work.wait()
+    return None
 
 
 def all_gather(tensor_list, tensor, group=None, async_op=False):
@@ -192,8 +200,9 @@ def all_gather_into_tensor(output_tensor, input_tensor, group=None, async_op=Fal
     pg = resolve(group, "all_gather_into_tensor")
     if pg is None:
         return None
-    dev = common_device("all_gather_into_tensor", pg, ("output_tensor", output_tensor),
-                        ("input_tensor", input_tensor))
+    dev = "cpu" if type(output_tensor) is _ndarray and type(input_tensor) is _ndarray else \
+        common_device("all_gather_into_tensor", pg, ("output_tensor", output_tensor),
+                      ("input_tensor", input_tensor))
     a = array_in(input_tensor, "all_gather_into_tensor", "input_tensor", pg)
     out = array_out(output_tensor, "all_gather_into_tensor", "output_tensor", pg)
     if out.dtype != a.dtype:
@@ -299,7 +308,8 @@ def reduce_scatter_tensor(output, input, op=_SUM, group=None, async_op=False):  
     pg = resolve(group, "reduce_scatter_tensor")
     if pg is None:
         return None
-    dev = common_device("reduce_scatter_tensor", pg, ("output", output), ("input", input))
+    dev = "cpu" if type(output) is _ndarray and type(input) is _ndarray else \
+        common_device("reduce_scatter_tensor", pg, ("output", output), ("input", input))
     out = array_out(output, "reduce_scatter_tensor", "output", pg)
     a = array_in(input, "reduce_scatter_tensor", "input", pg)
     if out.dtype != a.dtype:
@@ -344,7 +354,8 @@ def all_to_all_single(output, input, output_split_sizes=None, input_split_sizes=
     pg = resolve(group, op)
     if pg is None:
         return None
-    dev = common_device(op, pg, ("output", output), ("input", input))
+    dev = "cpu" if type(output) is _ndarray and type(input) is _ndarray else \
+        common_device(op, pg, ("output", output), ("input", input))
     a = array_in(input, op, "input", pg)
     out = array_out(output, op, "output", pg)
     n = pg._size

@@ -27,15 +27,19 @@ import weakref
 import zlib
 
 import numpy as np
-from mpi4py import MPI
 
 from . import work as _work
 from ._control import TAG_BARRIER
 from .errors import CollectiveMismatchError, DistTimeoutError
 from .group import _state, resolve
 
-__all__ = ["DebugLevel", "get_debug_level", "set_debug_level", "set_debug_level_from_env",
-           "monitored_barrier"]
+__all__ = [
+    "DebugLevel",
+    "get_debug_level",
+    "monitored_barrier",
+    "set_debug_level",
+    "set_debug_level_from_env",
+]
 
 
 class DebugLevel(enum.IntEnum):
@@ -353,7 +357,7 @@ def monitored_barrier(group=None, timeout=None, wait_all_ranks=False) -> None:
     op = "monitored_barrier"
     pg = resolve(group, op)
     if pg is None or pg._size == 1:
-        return None
+        return
     seconds = pg._timeout if timeout is None else _work._seconds(timeout)
     ch = watchdog._rt.channel
     if ch is None:
@@ -374,7 +378,7 @@ def monitored_barrier(group=None, timeout=None, wait_all_ranks=False) -> None:
                 if msg.get("error"):
                     raise DistTimeoutError(msg["error"].replace(
                         f"[rank 0, group {pg._name}]", f"[rank {pg._rank}, group {pg._name}]"))
-                return None
+                return
         text = watchdog.diagnose(op, pg, None, "barrier", seconds, "monitored_barrier")
         raise DistTimeoutError(f"{op}: {watchdog._who(pg, root)}, which runs the barrier, did "
                                f"not release this rank [rank {pg._rank}, group {pg._name}]\n"
@@ -407,4 +411,4 @@ def monitored_barrier(group=None, timeout=None, wait_all_ranks=False) -> None:
         ch.send({"count": count, "error": error}, r, arrive + 1)
     if error is not None:
         raise DistTimeoutError(error)
-    return None
+    return

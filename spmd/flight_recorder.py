@@ -16,16 +16,16 @@ job and points at the first collective where the ranks diverge::
 from __future__ import annotations
 
 import collections
+import contextlib
 import json
 import os
 import socket
 import sys
 import time
-from typing import Iterable
 
 import numpy as np
 
-__all__ = ["dump_flight_recorder", "FlightRecorder", "recorder", "write_private"]
+__all__ = ["FlightRecorder", "dump_flight_recorder", "recorder", "write_private"]
 
 _monotonic = time.monotonic
 _ndarray = np.ndarray
@@ -36,8 +36,11 @@ _ndarray = np.ndarray
 OP, GROUP, SEQ, COUNTER, SIZE, DTYPE, T0, T1, FAILED, TIMED_OUT = range(10)
 STARTED, COMPLETED = "started", "completed"
 
-# Ops that are not collectives: they get their own sequence numbers per group.
-P2P_OPS = frozenset({"send", "recv", "isend", "irecv", "send_object_list", "recv_object_list"})
+# Ops that are not collectives: they get their own sequence numbers per group.  Links
+# between programs (mpmd.py) count as point-to-point: their ranks do unequal work.
+P2P_OPS = frozenset({"send", "recv", "isend", "irecv", "send_object_list", "recv_object_list",
+                     "Link.isend", "Link.irecv", "Link.send", "Link.recv", "Link.broadcast",
+                     "Link.send_object", "Link.recv_object", "Link.broadcast_object"})
 
 FORMAT = "spmd-flight-recorder"
 VERSION = 1
@@ -228,17 +231,26 @@ def ranks_text(ranks: list[int]) -> str:
 # ----------------------------------------------------------------------------- dumps
 
 def write_private(path: str, text: str) -> None:
-    """Write ``text`` to ``path``, readable and writable by the user only (0600)."""
+    """Write ``text`` to ``path``, readable and writable by the user only (0600).
+
+    The text goes to a temporary file first, renamed over ``path`` when complete, so a
+    reader never sees half a file (a job being aborted may kill the writer)."""
+    directory, name = os.path.split(os.path.abspath(path))
+    tmp = os.path.join(directory, f".{name}.{os.getpid()}.tmp")
     flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_NOFOLLOW", 0)
-    fd = os.open(path, flags, 0o600)
+    fd = os.open(tmp, flags, 0o600)
     try:
-        os.fchmod(fd, 0o600)  # also when the file already existed with other bits
+        os.fchmod(fd, 0o600)  # also when a stale file existed with other bits
         with os.fdopen(fd, "w") as f:
             fd = -1
             f.write(text)
-    finally:
+        os.replace(tmp, path)
+    except BaseException:
         if fd >= 0:
             os.close(fd)
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
 
 
 def dump_path(directory: str, rank: int) -> str:
@@ -250,8 +262,8 @@ def format_table(snapshot: dict, last: int | None = 12) -> str:
     entries = snapshot["entries"]
     if last is not None:
         entries = entries[-last:]
-    lines = [f"[rank {snapshot['rank']}] flight recorder ({snapshot['reason']}): last "
-             f"{len(entries)} of {len(snapshot['entries'])} recorded ops"]
+    lines = [(f"[rank {snapshot['rank']}] flight recorder ({snapshot['reason']}): last "
+              f"{len(entries)} of {len(snapshot['entries'])} recorded ops")]
     t_ref = snapshot["dumped_at"]
     for e in entries:
         what = f"{e['op']} #{e['seq']}" + (" (p2p)" if e["kind"] == "p2p" else "")

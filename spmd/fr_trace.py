@@ -14,11 +14,12 @@ import glob
 import json
 import os
 import sys
-from typing import Iterable
+from collections.abc import Iterable
 
-from .flight_recorder import COMPLETED, FORMAT, format_table, ranks_text as _ranks_text
+from .flight_recorder import COMPLETED, FORMAT, format_table
+from .flight_recorder import ranks_text as _ranks_text
 
-__all__ = ["load", "analyze", "main"]
+__all__ = ["analyze", "load", "main"]
 
 
 def load(paths: Iterable[str]) -> list[dict]:
@@ -31,10 +32,15 @@ def load(paths: Iterable[str]) -> list[dict]:
             files.append(p)
     dumps = []
     for f in files:
-        with open(f) as fh:
-            d = json.load(fh)
+        try:
+            with open(f) as fh:
+                d = json.load(fh)
+        except (OSError, ValueError) as exc:
+            print(f"skipping {f}: {exc}", file=sys.stderr)
+            continue
         if d.get("format") != FORMAT:
-            raise ValueError(f"{f}: not a spmd flight recorder dump")
+            print(f"skipping {f}: not a spmd flight recorder dump", file=sys.stderr)
+            continue
         dumps.append(d)
     dumps.sort(key=lambda d: d["rank"])
     return dumps

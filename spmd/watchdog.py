@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import atexit
 import collections
+import contextlib
 import dataclasses
 import linecache
 import os
@@ -41,7 +42,7 @@ from . import work as _work
 from ._control import Channel
 from .errors import DistTimeoutError
 
-__all__ = ["Config", "config", "start", "stop", "diagnose", "reports"]
+__all__ = ["Config", "config", "diagnose", "reports", "start", "stop"]
 
 _monotonic = time.monotonic
 
@@ -128,6 +129,7 @@ class _Runtime:
         self.channel: Channel | None = None
         self.watchdog: _Watchdog | None = None
         self.prev_hook = None
+        self.dumped_at = -1e9      # when a peer's request last made this rank dump
         self.rank = MPI.COMM_WORLD.Get_rank()
         self.size = MPI.COMM_WORLD.Get_size()
 
@@ -194,8 +196,7 @@ _STDLIB = sysconfig.get_paths().get("stdlib", "\0")
 
 
 def _is_library(filename: str) -> bool:
-    return (filename.startswith((_SPMD_DIR, _STDLIB)) or "site-packages" in filename
-            or filename.startswith("<frozen"))
+    return filename.startswith((_SPMD_DIR, _STDLIB, "<frozen")) or "site-packages" in filename
 
 
 def _short(filename: str) -> str:
@@ -223,11 +224,20 @@ def frame_location(frame) -> str:
     return f"in spmd.{inside}, called from {where}" if inside else f"at {where}"
 
 
-def main_thread_location() -> str:
-    frame = sys._current_frames().get(threading.main_thread().ident)
-    if frame is None:
-        return "main thread has exited"
-    return "main thread " + frame_location(frame)
+def where() -> str:
+    """Where this process is: its main thread, and other threads inside spmd calls."""
+    frames = sys._current_frames()
+    main = threading.main_thread()
+    frame = frames.get(main.ident)
+    out = ["main thread " + frame_location(frame) if frame is not None else "main thread has exited"]
+    for t in threading.enumerate():
+        frame = frames.get(t.ident)
+        if t is main or frame is None or t.name.startswith("spmd-"):
+            continue
+        loc = frame_location(frame)
+        if loc.startswith("in spmd."):
+            out.append(f"thread {t.name} {loc}")
+    return "; ".join(out[:4])
 
 
 # ----------------------------------------------------------------------------- diagnosis
@@ -253,7 +263,7 @@ def _answer(request: dict) -> dict:
     if request.get("q") != "state":
         return {"error": f"unknown query {request.get('q')!r}"}
     g = _find_group(request["group"])
-    out: dict = {"where": main_thread_location()}
+    out: dict = {"where": where()}
     if g is None:
         out["no_group"] = True
         out["elsewhere"] = [_fr.brief(e, _monotonic()) for e in _fr.recorder.in_flight()][-3:]
@@ -272,7 +282,9 @@ def _answer(request: dict) -> dict:
             out["current"] = [b] + out["current"]
             if request.get("seq") == seq:
                 out["at_seq"] = b
-    if request.get("dump") and _rt.config.dump_dir:
+    # Every rank that times out asks every other one: dump once per burst, not n times.
+    if request.get("dump") and _rt.config.dump_dir and _monotonic() - _rt.dumped_at > 10.0:
+        _rt.dumped_at = _monotonic()
         try:
             out["dump"] = _fr.dump(_rt.config.dump_dir, f"asked by rank {request.get('from')}: "
                                    f"{request.get('reason', '')}")
@@ -338,8 +350,8 @@ def diagnose(op: str, g, seq: int | None, kind: str, waited: float, source: str)
     me = g._ranks[g._rank]
     what = "" if seq is None else \
         f"collective #{seq} " if kind == "collective" else f"point-to-point op #{seq} "
-    lines = [f"{op}: did not complete within {waited:.1f} s ({what}on group {g._name}, group "
-             f"timeout {g._timeout:g} s) [rank {g._rank}, group {g._name}]"]
+    lines = [(f"{op}: did not complete within {waited:.1f} s ({what}on group {g._name}, group "
+              f"timeout {g._timeout:g} s) [rank {g._rank}, group {g._name}]")]
     ch = _rt.channel
     peers = [r for r in g._ranks if r != me]
     if not peers:
@@ -474,7 +486,7 @@ def _tick() -> None:
     if wd is None:
         return
     silent = _monotonic() - wd.beat_at
-    if silent <= _rt.config.heartbeat_timeout:
+    if silent <= _rt.config.heartbeat_timeout + wd.interval:  # it sleeps an interval per beat
         wd.stuck_reported = False
         return
     if wd.stuck_reported:
@@ -500,13 +512,11 @@ def _excepthook(exc_type, exc, tb) -> None:
         return
     tag = f"[rank {_rt.rank}] "
     text = "".join(traceback.format_exception(exc_type, exc, tb))
-    try:
+    with contextlib.suppress(Exception):  # a closed stdout must not stop the abort
         sys.stdout.flush()
-    except Exception:  # noqa: BLE001 - a closed stdout must not stop the abort
-        pass
     sys.stderr.write("".join(tag + line + "\n" for line in text.splitlines()))
     if _rt.size > 1:
-        if _rt.config.dump_dir:
+        if _rt.config.dump_dir and not issubclass(exc_type, DistTimeoutError):  # done already
             try:
                 _fr.dump(_rt.config.dump_dir, f"uncaught {exc_type.__name__}")
             except OSError:

@@ -38,13 +38,14 @@ Works first.
 from __future__ import annotations
 
 import os
+import time
 from collections import deque
 
 import numpy as np
 from mpi4py import MPI
 
 from .. import work as _work
-from ..errors import GroupBrokenError
+from ..errors import DistTimeoutError, GroupBrokenError
 from ..work import Work, _seconds
 from ._shm_reduce import Reduction, accumulate, finalize
 from ._shm_window import nap as _nap
@@ -184,6 +185,7 @@ class _ShmWork(Work):
 
 _busy: set = set()  # engines with ops in their queues
 
+
 class ShmEngine:
     """One group's shared-memory engine: its window (made on first use) and op queue.
 
@@ -217,22 +219,34 @@ class ShmEngine:
 
     # -- set-up --------------------------------------------------------------------
 
-    def _ready(self, kind: str) -> bool:
-        """Set the window up on first use; True if ``kind`` (a ``*_from`` name) runs here."""
+    def _ready(self, kind: str, nbytes: int) -> bool:
+        """Set the window up on first use; True if an op of ``nbytes`` still runs here
+        (``kind``: its ``*_from`` name) under the thresholds the set-up may have raised."""
         if self._win is None and self._reason is None:
             self._setup()
         if self._failed is not None:
             raise GroupBrokenError(f"shared-memory engine of group {self._group._name} failed "
                                    f"earlier: {self._failed!r} [rank {self._group._rank}]")
-        return getattr(self, kind) < _NEVER
+        if kind == "all_gather_from":
+            return self.gathers(nbytes)
+        return nbytes >= getattr(self, kind)
 
     def _setup(self) -> None:
         if self.nslots < 3:  # see the release marks of the algorithms
             raise ValueError(f"the engine needs 3 or more slots, got {self.nslots}")
         # The set-up is collective and blocking: meet first where a deadline applies, so
         # that a rank whose peers never come gets DistTimeoutError instead of a hang.
-        Work([self._group._comm.Ibarrier()], "shared-memory engine set-up", self._group).wait()
-        win, reason = open_window(self._group._comm, self.slot_bytes, self.nslots)
+        # (Not a Work: the flight recorder and debug mode count the user's ops only.)
+        group = self._group
+        req = group._comm.Ibarrier()
+        deadline = time.monotonic() + group._timeout
+        while not req.Test():
+            if time.monotonic() > deadline:
+                raise DistTimeoutError(f"shared-memory engine set-up: the group's ranks did "
+                                       f"not all arrive within {group._timeout:.1f} s "
+                                       f"[rank {group._rank}, group {group._name}]")
+            _nap()
+        win, reason = open_window(group._comm, self.slot_bytes, self.nslots)
         if win is None:
             self._reason = reason
             for name in AUTO_FROM:
@@ -264,7 +278,7 @@ class ShmEngine:
     def describe(self) -> str:
         """One line for ``spmd info``: on/off, layout, thresholds, or why it is unavailable.
         Sets the window up: every rank of the group must call it."""
-        self._ready("all_reduce_from")
+        self._ready("all_reduce_from", 0)
         if self._win is None or self.all_reduce_from >= _NEVER:
             return f"unavailable, MPI is used: {self._reason}"
         w = self._win
@@ -346,7 +360,7 @@ class ShmEngine:
     def all_reduce(self, a, op):
         backend = self._backend
         plan = backend._plan(a.dtype, op, "all_reduce")
-        if not self._ready("all_reduce_from"):
+        if not self._ready("all_reduce_from", a.nbytes):
             return backend.all_reduce(a, op)
         red = self._reduction(plan, op)
         arr = a if plan.view is None else a.view(plan.view)
@@ -360,7 +374,7 @@ class ShmEngine:
     def reduce(self, a, root, op):
         backend = self._backend
         plan = backend._plan(a.dtype, op, "reduce")
-        if not self._ready("reduce_from"):
+        if not self._ready("reduce_from", a.nbytes):
             return backend.reduce(a, root, op)
         red = self._reduction(plan, op)
         arr = a if plan.view is None else a.view(plan.view)
@@ -374,7 +388,7 @@ class ShmEngine:
     def reduce_scatter_tensor(self, out, a, op):
         backend = self._backend
         plan = backend._plan(a.dtype, op, "reduce_scatter_tensor")
-        if not self._ready("reduce_scatter_from"):
+        if not self._ready("reduce_scatter_from", a.nbytes):
             return backend.reduce_scatter_tensor(out, a, op)
         red = self._reduction(plan, op)
         view = plan.view
@@ -387,7 +401,7 @@ class ShmEngine:
                            [out], finish, (a, out))
 
     def broadcast(self, a, root):
-        if not self._ready("broadcast_from"):
+        if not self._ready("broadcast_from", a.nbytes):
             return self._backend.broadcast(a, root)
         is_root = self._group._rank == root
         if a.flags.c_contiguous:
@@ -400,7 +414,7 @@ class ShmEngine:
         return self._start(self._broadcast(flat, root), "broadcast", [a], finish, a)
 
     def all_gather_into_tensor(self, out, a):
-        if not self._ready("all_gather_from"):
+        if not self._ready("all_gather_from", out.nbytes):
             return self._backend.all_gather_into_tensor(out, a)
         fin = _flat(a).view(_U8)
         if out.flags.c_contiguous:
@@ -414,7 +428,7 @@ class ShmEngine:
                            finish, (a, out))
 
     def all_gather(self, outputs, a):
-        if not self._ready("all_gather_from"):
+        if not self._ready("all_gather_from", sum(o.nbytes for o in outputs)):
             return self._backend.all_gather(outputs, a)
         fin = _flat(a).view(_U8)
         fouts, staged = [], []

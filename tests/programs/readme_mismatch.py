@@ -1,0 +1,8 @@
+"""The README's debug-mode example: rank 3 passes a longer array."""
+import numpy as np
+
+import spmd
+
+spmd.init_process_group()
+n = 5 if spmd.get_rank() == 3 else 4
+spmd.all_reduce(np.ones(n))
