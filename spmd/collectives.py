@@ -75,6 +75,10 @@ def root_rank(pg, op: str, root, group_root, arg: str, default: int | None = Non
     """The group rank of a collective's root; with neither form given, the global rank
     ``default`` where torch has one (gather, scatter and the object collectives use
     global rank 0)."""
+    if group_root is None and type(root) is int:  # the common case: one lookup
+        r = pg._group_rank(root)
+        if r >= 0:
+            return r
     if root is None and group_root is None:
         root = default
     r = group_rank_of(pg, op, root, group_root, arg)
