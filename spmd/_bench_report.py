@@ -45,40 +45,43 @@ def add_ratios(results: list[dict]) -> None:
 
 
 def targets(doc: dict) -> list[dict]:
-    """Each target of the issue, measured: ``{name, op, bytes, measured, bound, met}``."""
+    """Each target of the issue, measured: ``{name, op, bytes, measured, measured_p10,
+    bound, met}``.  ``measured`` compares medians (and decides ``met``);
+    ``measured_p10`` compares p10s, which a machine busy with other work disturbs less."""
     out = []
 
-    def add(name, op, nbytes, measured, bound, at_least):
+    def add(name, op, nbytes, num, den, bound, at_least):
+        measured = num["median_us"] / den["median_us"]
         out.append({"name": name, "op": op, "bytes": nbytes, "measured": measured,
-                    "bound": bound, "met": measured >= bound if at_least else measured <= bound})
+                    "measured_p10": num["p10_us"] / den["p10_us"], "bound": bound,
+                    "met": measured >= bound if at_least else measured <= bound})
 
     for op, by_size in _by_size(doc["results"]).items():
         sizes = sorted(s for s, impls in by_size.items() if OURS in impls and BASE in impls)
         if not sizes:
             continue
         small, large = sizes[0], sizes[-1]
-        ours, base = by_size[small][OURS], by_size[small][BASE]
-        add("latency: spmd / mpi4py time", op, small, ours["median_us"] / base["median_us"],
-            LATENCY_BOUND, False)
+        add("latency: spmd / mpi4py time", op, small, by_size[small][OURS],
+            by_size[small][BASE], LATENCY_BOUND, False)
         big = [s for s in sizes if s >= BANDWIDTH_FROM]
         if big:
             worst = min(big, key=lambda s: by_size[s][BASE]["median_us"]
                         / by_size[s][OURS]["median_us"])
-            w = by_size[worst]
             add("bandwidth: spmd / mpi4py (worst size >= 1 MiB)", op, worst,
-                w[BASE]["median_us"] / w[OURS]["median_us"], BANDWIDTH_BOUND, True)
+                by_size[worst][BASE], by_size[worst][OURS], BANDWIDTH_BOUND, True)
         checks = [(small, "speed-up over torch gloo, smallest size", TORCH_SMALL_BOUND)]
         if large != small:
             checks.append((large, "speed-up over torch gloo, largest size", TORCH_LARGE_BOUND))
         for nbytes, name, bound in checks:
             t = by_size[nbytes].get(TORCH)
             if t is not None:
-                add(name, op, nbytes, t["median_us"] / by_size[nbytes][OURS]["median_us"],
-                    bound, True)
-    for row in doc.get("fusion", []):
-        if row["impl"] in ("spmd all_reduce_coalesced", "spmd coalescing_manager"):
-            add(f"fusion: {row['impl']} vs separate all_reduce", "all_reduce",
-                row["array_bytes"], row["speedup_vs_separate"], FUSION_BOUND, True)
+                add(name, op, nbytes, t, by_size[nbytes][OURS], bound, True)
+    fusion = {row["impl"]: row for row in doc.get("fusion", [])}
+    separate = fusion.get("spmd all_reduce x N")
+    for impl in ("spmd all_reduce_coalesced", "spmd coalescing_manager"):
+        if separate and impl in fusion:
+            add(f"fusion: {impl} vs separate all_reduce", "all_reduce",
+                fusion[impl]["array_bytes"], separate, fusion[impl], FUSION_BOUND, True)
     return out
 
 
@@ -120,11 +123,12 @@ def table(doc: dict) -> str:
             lines.append(f"{r['impl']:28s} {_t(r['median_us']):>11s} {_t(r['p10_us']):>11s} "
                          f"{_t(r['p90_us']):>11s} {r['speedup_vs_separate']:8.1f}x")
     if doc.get("targets"):
-        lines += ["", "== targets"]
+        lines += ["", "== targets (medians decide; the same ratio from p10s in brackets)"]
         for t in doc["targets"]:
             size = format_size(t["bytes"]) if t["op"] != "barrier" else "-"
             lines.append(f"{'met ' if t['met'] else 'MISS'}  {t['op']:24s} {size:>9s}  "
-                         f"{t['name']}: {t['measured']:.2f} (bound {t['bound']:g})")
+                         f"{t['name']}: {t['measured']:.2f} (bound {t['bound']:g}; "
+                         f"from p10s {t['measured_p10']:.2f})")
     return "\n".join(lines)
 
 

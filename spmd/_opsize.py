@@ -11,8 +11,11 @@ long with the best algorithm.
 
 from __future__ import annotations
 
+import numpy as np
+
 __all__ = ["bus_factor", "work_bytes", "P2P_OPS"]
 
+_ndarray = np.ndarray
 P2P_OPS = frozenset({"send", "recv", "isend", "irecv"})
 
 _ALL_REDUCE = frozenset({"all_reduce", "all_reduce_coalesced"})
@@ -42,6 +45,9 @@ def work_bytes(work) -> int:
     """The size of the operation a Work runs (call it before the Work completes)."""
     op = work._op
     outputs = work._outputs
+    if outputs and len(outputs) == 1 and type(outputs[0]) is _ndarray:  # most ops
+        size = outputs[0].nbytes
+        return size * work._group._size if op in _SHARE_OUTPUT else size
     size = _nbytes(outputs) if outputs else 0
     if size == 0 and work._keep is not None:
         # gather on a non-root rank: only the buffer it sends is known

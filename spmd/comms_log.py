@@ -43,10 +43,11 @@ class CommsLogger:
         self._inflight[id(work)] = (_clock(), (work._op, work_bytes(work), work._group._size))
 
     def completed(self, work) -> None:
+        t1 = _clock()
         entry = self._inflight.pop(id(work), None)
         if entry is None:  # started before the logger was turned on
             return
-        dt = _clock() - entry[0]
+        dt = t1 - entry[0]
         with self._lock:
             s = self._stats.get(entry[1])
             if s is None:

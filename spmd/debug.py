@@ -31,6 +31,7 @@ import numpy as np
 from . import work as _work
 from ._control import TAG_BARRIER
 from .errors import CollectiveMismatchError, DistTimeoutError
+from .flight_recorder import next_seq
 from .group import _state, resolve
 
 __all__ = [
@@ -221,8 +222,7 @@ class CheckedBackend:
         n = pg._size
         if n == 1:
             return
-        counters = pg._fr
-        seq = (counters[0].seq if counters is not None else 0) + 1
+        seq = next_seq(pg)
         record = {"fp": {"op": op, "seq": seq, **fields}, "pairs": pairs, "site": call_site()}
         data = _encode(record)
         buf = np.zeros(FP_BYTES, np.uint8)

@@ -23,12 +23,9 @@ import socket
 import sys
 import time
 
-import numpy as np
-
 __all__ = ["FlightRecorder", "dump_flight_recorder", "recorder", "write_private"]
 
 _monotonic = time.monotonic
-_ndarray = np.ndarray
 
 # Entry layout: one list per operation, indexed by these constants (cheaper to build
 # than an object).  SIZE is the element count of the op's first array; T1 is None while
@@ -71,11 +68,32 @@ def ring_size(requested: int) -> int:
 _PLACEHOLDER = [None, None, 0, None, None, None, 0.0, 0.0, False, False]
 
 
-def _make_counters(group) -> tuple[Counter, Counter]:
-    # Indexed by ``op in P2P_OPS``: [False] collectives, [True] point-to-point.
-    counters = (Counter("collective"), Counter("p2p"))
-    group._fr = counters
-    return counters
+_COLL, _P2P = "\0collective", "\0p2p"   # keys of a group's two counters
+
+
+def _counter(group, op: str) -> Counter:
+    """The counter of ``op`` on ``group`` (first use of the group or of the op name).
+
+    ``group._fr`` maps op names to their kind's Counter, so the hot path finds it with
+    one dict lookup."""
+    table = group._fr
+    if table is None:
+        table = group._fr = {_COLL: Counter("collective"), _P2P: Counter("p2p")}
+    c = table[op] = table[_P2P if op in P2P_OPS else _COLL]
+    return c
+
+
+def counters(group) -> tuple[Counter, Counter]:
+    """(collectives, point-to-point) counters of ``group``."""
+    table = group._fr
+    if table is None:
+        return Counter("collective"), Counter("p2p")
+    return table[_COLL], table[_P2P]
+
+
+def next_seq(group) -> int:
+    """The sequence number the next collective on ``group`` will get."""
+    return counters(group)[0].seq + 1
 
 
 class FlightRecorder:
@@ -100,19 +118,18 @@ class FlightRecorder:
     def started(self, work) -> None:
         g = work._group
         op = work._op
-        c = g._fr
-        if c is None:
-            c = _make_counters(g)
-        c = c[op in P2P_OPS]
+        try:
+            c = g._fr[op]
+        except (TypeError, KeyError):  # the group's or the op's first time
+            c = _counter(g, op)
         c.seq = seq = c.seq + 1
         ring = self._ring
         if ring[0][T1] is None:  # about to push out an operation still in flight
             self._stale.append(ring[0])
-        outs = work._outputs
-        if outs and type(outs[0]) is _ndarray:
-            a = outs[0]
+        try:
+            a = work._outputs[0]
             e = [op, g, seq, c, a.size, a.dtype, _monotonic(), None, False, False]
-        else:
+        except (TypeError, IndexError, AttributeError):  # no outputs, or a list of lists
             e = [op, g, seq, c, None, None, _monotonic(), None, False, False]
         work._fr = e
         ring.append(e)
@@ -140,7 +157,7 @@ class FlightRecorder:
 
     def group_summary(self, group, seq: int | None = None) -> dict:
         """Where this process is on ``group``: counts, last finished and current ops."""
-        counters = group._fr or (Counter("collective"), Counter("p2p"))
+        coll_count, p2p_count = counters(group)
         now = _monotonic()
         entries = self.entries()
         mine = [e for e in entries if e[GROUP] is group]
@@ -148,8 +165,8 @@ class FlightRecorder:
         done = [e for e in coll if e[T1] is not None]
         last = max(done, key=lambda e: e[SEQ]) if done else None
         out = {
-            "seq": counters[0].seq,
-            "p2p_seq": counters[1].seq,
+            "seq": coll_count.seq,
+            "p2p_seq": p2p_count.seq,
             "last": brief(last, now) if last is not None else None,
             "current": [brief(e, now) for e in mine if e[T1] is None][:4],
             "elsewhere": [brief(e, now) for e in entries
@@ -168,11 +185,10 @@ class FlightRecorder:
         world = _state.world
         groups = {}
         for g in list(_state.groups):
-            counters = g._fr
+            coll, p2p = counters(g)
             groups[_group_id(g)] = {
                 "name": g._name, "ranks": list(g._ranks),
-                "seq": counters[0].seq if counters else 0,
-                "p2p_seq": counters[1].seq if counters else 0,
+                "seq": coll.seq, "p2p_seq": p2p.seq,
                 "broken": g._error,
             }
         entries = []
@@ -180,8 +196,9 @@ class FlightRecorder:
             g = e[GROUP]
             entries.append({
                 "id": i, "op": e[OP], "group": g._name, "group_id": _group_id(g),
-                "kind": e[COUNTER].kind, "seq": e[SEQ], "size": e[SIZE],
-                "dtype": e[DTYPE].name if e[DTYPE] is not None else None,
+                "kind": e[COUNTER].kind, "seq": e[SEQ],
+                "size": e[SIZE] if isinstance(e[SIZE], int) else None,
+                "dtype": _dtype_name(e[DTYPE]),
                 "start": round(e[T0] - now_mono + now_wall, 6),
                 "end": round(e[T1] - now_mono + now_wall, 6) if e[T1] is not None else None,
                 "state": state(e), "timed_out": e[TIMED_OUT],
@@ -205,6 +222,12 @@ def _group_id(g) -> str:
     shown = ",".join(map(str, ranks)) if len(ranks) <= 16 else \
         f"{ranks[0]},{ranks[1]},...,{ranks[-1]}({len(ranks)})"
     return f"{g._name}[{shown}]"
+
+
+def _dtype_name(dtype) -> str | None:
+    if dtype is None:
+        return None
+    return getattr(dtype, "name", None) or str(dtype)  # numpy/cupy dtypes; torch's too
 
 
 def brief(e, now: float) -> dict:

@@ -30,12 +30,15 @@ import sys
 import threading
 import time
 
+import numpy as np
+
 from . import work as _work
 from ._opsize import P2P_OPS, work_bytes
 
 __all__ = ["Tracer", "start", "stop", "is_tracing", "expand_path", "merge", "main"]
 
 _clock_ns = time.perf_counter_ns
+_ndarray = np.ndarray
 FORMAT = "spmd-trace"
 
 
@@ -75,16 +78,16 @@ class Tracer:
         self._lock = threading.Lock()
         self._events: list[tuple] = []
         self._inflight: dict[int, tuple] = {}
-        self._seq: dict[int, list] = {}   # id(group) -> [collectives, p2p] started
+        self._seq: dict = {}   # group -> [collectives, p2p] started
         # One clock for the job: wall-clock microseconds, read through perf_counter.
         self._wall0_us = time.time_ns() / 1e3
         self._clk0 = _clock_ns()
 
     def started(self, work) -> None:
         g = work._group
-        counters = self._seq.get(id(g))
+        counters = self._seq.get(g)
         if counters is None:
-            counters = self._seq[id(g)] = [0, 0]
+            counters = self._seq[g] = [0, 0]
         kind = 1 if work._op in P2P_OPS else 0
         with self._lock:
             counters[kind] += 1
@@ -92,20 +95,20 @@ class Tracer:
         self._inflight[id(work)] = (_clock_ns(), seq, kind, work_bytes(work))
 
     def completed(self, work) -> None:
+        # Only references are kept here; turning them into JSON waits for write().
         entry = self._inflight.pop(id(work), None)
         if entry is None:
             return
         t1 = _clock_ns()
-        g = work._group
         outs = work._outputs
-        first = outs[0] if outs else None
-        if isinstance(first, (list, tuple)):
-            first = first[0] if first else None
-        shape = getattr(first, "shape", None)
-        dtype = getattr(first, "dtype", None)
-        self._events.append((work._op, g._name, g._size, entry[0], t1, entry[1], entry[2],
-                             entry[3], None if shape is None else list(shape),
-                             None if dtype is None else str(dtype), work._exc is not None))
+        a = outs[0] if outs else None
+        if type(a) is not _ndarray:  # lists of arrays, device arrays, nothing
+            if isinstance(a, (list, tuple)):
+                a = a[0] if a else None
+            if not hasattr(a, "shape"):
+                a = None
+        meta = None if a is None else (a.shape, a.dtype)  # not the array: never keep it alive
+        self._events.append((t1, entry, work._op, work._group, meta, work._exc is not None))
 
     def to_json(self) -> dict:
         """The Chrome-trace document of what was recorded so far."""
@@ -118,8 +121,9 @@ class Tracer:
         ]
         tids: dict[str, int] = {}
         to_us = self._wall0_us - self._clk0 / 1e3
-        for (op, gname, gsize, t0, t1, seq, kind, nbytes, shape, dtype,
-             failed) in list(self._events):
+        for t1, (t0, seq, kind, nbytes), op, g, meta, failed in list(self._events):
+            gname, gsize = g._name, g._size
+            shape, dtype = meta if meta is not None else (None, None)
             tid = tids.get(gname)
             if tid is None:
                 tid = tids[gname] = len(tids) + 1
@@ -127,8 +131,8 @@ class Tracer:
                                "args": {"name": f"group {gname}"}})
             args = {"group": gname, "group_size": gsize, "seq": seq, "bytes": nbytes}
             if shape is not None:
-                args["shape"] = shape
-                args["dtype"] = dtype
+                args["shape"] = list(shape)
+                args["dtype"] = str(dtype)
             if failed:
                 args["failed"] = True
             events.append({"name": op, "cat": "p2p" if kind else "collective", "ph": "X",

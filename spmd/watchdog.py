@@ -191,6 +191,8 @@ def stop() -> None:
 
 # ----------------------------------------------------------------------------- where
 
+ABORT_GRACE = 0.5  # seconds between an uncaught exception's traceback and MPI_Abort
+
 _SPMD_DIR = os.path.dirname(os.path.abspath(__file__))
 _STDLIB = sysconfig.get_paths().get("stdlib", "\0")
 
@@ -367,12 +369,12 @@ def diagnose(op: str, g, seq: int | None, kind: str, waited: float, source: str)
     if kind == "collective" and seq is not None:
         behind = [r for r in peers if r in replies and "error" not in replies[r]
                   and (replies[r].get("no_group") or replies[r].get("seq", 0) < seq)]
-        silent = [r for r in peers if r not in replies]
+        silent = [r for r in peers if r not in replies or "error" in replies[r]]
         reached = [r for r in peers if r not in behind and r not in silent]
         other = [r for r in reached if (replies[r].get("at_seq") or {}).get("op", op) != op]
         if behind or silent:
             lines.append(f"  ranks that have not reached {op} #{seq}:"
-                         if behind else "  ranks that did not answer:")
+                         if behind else "  ranks that did not say where they are:")
             for r in behind + silent:
                 lines.append("    " + _peer_text(g, r, replies.get(r), seq, op))
         elif other:
@@ -524,5 +526,8 @@ def _excepthook(exc_type, exc, tb) -> None:
         sys.stderr.write(f"{tag}spmd: uncaught {exc_type.__name__}: aborting the MPI job so no "
                          "rank waits forever (SPMD_ABORT_ON_EXCEPTION=0 turns this off)\n")
         sys.stderr.flush()
+        # The launcher forwards output through pipes and stops reading them when the
+        # abort reaches it: give it a moment to pass the traceback on first.
+        time.sleep(ABORT_GRACE)
         MPI.COMM_WORLD.Abort(1)
     sys.stderr.flush()

@@ -4,7 +4,8 @@
 # Every job runs under a wall-clock limit; the script fails if any part fails.
 #
 #   tests/run.sh               all of it
-#   SIZES="2 4" tests/run.sh   other world sizes for the MPI part
+#   SIZES="2 4" tests/run.sh   other world sizes for the MPI part (SHM_SIZES and
+#                              SHM_OFF_SIZES: those run with the engine forced on, off)
 #
 # Uses python and mpiexec from PATH (or $PYTHON / $SPMD_MPIEXEC).
 set -uo pipefail
@@ -13,6 +14,8 @@ cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python}
 MPIEXEC=${SPMD_MPIEXEC:-$(command -v mpiexec || true)}
 SIZES=${SIZES:-"1 2 3 4"}
+SHM_SIZES=${SHM_SIZES:-"1 2 3 4"}    # SPMD_SHM=force
+SHM_OFF_SIZES=${SHM_OFF_SIZES:-"2 3"}  # SPMD_SHM=0
 LIMIT=${LIMIT:-900}            # seconds for one mpiexec job
 LOGS=$(mktemp -d "${TMPDIR:-/tmp}/spmd-tests.XXXXXX")
 export OMP_NUM_THREADS=1 PYTHONUNBUFFERED=1
@@ -28,18 +31,32 @@ esac
 
 failed=()
 summary=()
-for n in $SIZES; do
-    echo "=== MPI tests at world size $n ==="
-    timeout -k 10 "$LIMIT" "$MPIEXEC" "${MPIFLAGS[@]}" -n "$n" "$PYTHON" tests/mpi_pytest.py \
-        "$LOGS/n$n" -q -p no:cacheprovider -m mpi tests/
-    rc=$?
+mpi_run() {  # mpi_run NAME N [VAR=VALUE...]: the MPI-marked tests at world size N
+    local name=$1 n=$2
+    shift 2
+    echo "=== MPI tests at world size $n${*:+ ($*)} ==="
+    env "$@" timeout -k 10 "$LIMIT" "$MPIEXEC" "${MPIFLAGS[@]}" -n "$n" "$PYTHON" \
+        tests/mpi_pytest.py "$LOGS/${name// /_}" -q -p no:cacheprovider -m mpi tests/
+    local rc=$?
     if [ $rc -ne 0 ]; then
-        failed+=("mpi n=$n (exit $rc)")
-        for f in "$LOGS/n$n"/rank*.log; do
+        failed+=("$name (exit $rc)")
+        for f in "$LOGS/${name// /_}"/rank*.log; do
             [ -f "$f" ] && { echo "--- tail of $f"; tail -n 40 "$f"; }
         done
     fi
-    summary+=("mpi n=$n: exit $rc")
+    summary+=("$name: exit $rc")
+}
+
+for n in $SIZES; do
+    mpi_run "mpi n=$n" "$n"
+done
+# The same suite with the shared-memory engine taking every op it can, at every size
+# (small messages included), then with it off.
+for n in $SHM_SIZES; do
+    mpi_run "mpi n=$n shm=force" "$n" SPMD_SHM=force
+done
+for n in $SHM_OFF_SIZES; do
+    mpi_run "mpi n=$n shm=off" "$n" SPMD_SHM=0
 done
 
 echo "=== tests that launch their own jobs ==="

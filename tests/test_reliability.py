@@ -70,7 +70,8 @@ def test_sequence_numbers_and_flight_recorder(dist, fresh):
                  dist.irecv(np.empty(2), src=(me - 1) % n, group=g)]
         for w in works:
             w.wait()
-    assert g._fr[0].seq == 3 and g._fr[1].seq == (2 if n > 1 else 0)
+    coll, p2p = fr.counters(g)
+    assert coll.seq == 3 and p2p.seq == (2 if n > 1 else 0)
     mine = [e for e in fr.recorder.entries() if e[fr.GROUP] is g]
     coll = [(e[fr.OP], e[fr.SEQ]) for e in mine if e[fr.COUNTER].kind == "collective"]
     assert coll == [("all_reduce", 1), ("broadcast", 2), ("barrier", 3)]
@@ -168,6 +169,8 @@ def test_watchdog_reports_work_nobody_waits_for(dist, fresh):
     _needs_peers(dist)
     me = dist.get_rank()
     g = fresh(timeout=timedelta(seconds=1))
+    # Every rank first: with SPMD_SHM=force the first op on a group sets the engine up.
+    dist.all_reduce(np.ones(1), group=g)
     seen = len(watchdog.reports)
     if me == 0:
         work = dist.all_reduce(np.ones(1), group=g, async_op=True)
@@ -180,8 +183,8 @@ def test_watchdog_reports_work_nobody_waits_for(dist, fresh):
         work.wait()
         assert found, "the watchdog did not report the stuck all_reduce"
         text = found[0]
-        assert "spmd watchdog: all_reduce #1 on group" in text
-        assert "ranks that have not reached all_reduce #1:" in text
+        assert "spmd watchdog: all_reduce #2 on group" in text
+        assert "ranks that have not reached all_reduce #2:" in text
         assert "in flight on group WORLD: barrier" in text  # where the others are
         assert g._error is not None
     else:
@@ -352,7 +355,9 @@ def test_two_threads_on_two_groups(dist, fresh):
         t.join(timeout=120)
     assert not any(t.is_alive() for t in threads), "a thread hung"
     assert not errors, errors
-    assert [g._fr[0].seq for g in groups] == [306, 306]
+    from spmd.flight_recorder import counters
+
+    assert [counters(g)[0].seq for g in groups] == [306, 306]
 
 
 # ----------------------------------------------------------------------------- settings

@@ -127,8 +127,19 @@ class NodeWindow:
         self._sync()
         return True
 
+    def meet(self, timeout: float) -> bool:
+        """True once every rank of the node has called ``meet``; False after ``timeout``
+        seconds without them."""
+        req = self.node.Ibarrier()
+        deadline = time.monotonic() + timeout
+        while not req.Test():
+            if time.monotonic() > deadline:
+                return False
+            nap()
+        return True
+
     def free(self) -> None:
-        """Release the window and communicators (every rank of the group calls it)."""
+        """Release the window and communicators (every rank of the node calls it)."""
         self.win.Unlock_all()
         self.win.Free()
         self.node.Free()

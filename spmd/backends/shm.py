@@ -38,6 +38,7 @@ Works first.
 from __future__ import annotations
 
 import os
+import threading
 import time
 from collections import deque
 
@@ -167,9 +168,9 @@ class _ShmWork(Work):
 
     __slots__ = ("_task",)
 
-    def __init__(self, task: _Task, op: str, group, outputs, finish=None, keep=None):
+    def __init__(self, task: _Task, op: str, group, outputs, keep=None):
         self._task = task
-        super().__init__([], op, group, outputs, finish, keep)
+        super().__init__([], op, group, outputs, None, keep)
 
     def _test(self) -> bool:
         task = self._task
@@ -212,6 +213,9 @@ class ShmEngine:
         self._next_slot = 0
         self._release: list[int] = []
         self._reductions: dict = {}  # plan -> Reduction, for plans without a factor
+        # Threads may wait on ops of different groups at once, and a wait also runs the
+        # other engines' steps: one thread at a time runs an engine's steps.
+        self._lock = threading.Lock()
 
     def gathers(self, nbytes: int) -> bool:
         """True if an all-gather with ``nbytes`` of output runs here."""
@@ -219,34 +223,39 @@ class ShmEngine:
 
     # -- set-up --------------------------------------------------------------------
 
-    def _ready(self, kind: str, nbytes: int) -> bool:
-        """Set the window up on first use; True if an op of ``nbytes`` still runs here
-        (``kind``: its ``*_from`` name) under the thresholds the set-up may have raised."""
-        if self._win is None and self._reason is None:
-            self._setup()
-        if self._failed is not None:
-            raise GroupBrokenError(f"shared-memory engine of group {self._group._name} failed "
-                                   f"earlier: {self._failed!r} [rank {self._group._rank}]")
+    def _takes(self, kind: str, nbytes: int) -> bool:
+        """True if an op of ``nbytes`` (``kind``: its ``*_from`` name) runs here."""
         if kind == "all_gather_from":
             return self.gathers(nbytes)
         return nbytes >= getattr(self, kind)
 
-    def _setup(self) -> None:
+    def _setup(self, op: str) -> None:
+        """Make the window: the first op that may run here (``op``) does it, on every rank.
+
+        Like NCCL's lazily made communicators, that op waits for every rank of the group
+        to reach it, even when started with ``async_op=True``.  The window is made over a
+        duplicate of the group's communicator, started without blocking and waited for
+        under the group's timeout, so a rank whose peers never come gets DistTimeoutError
+        instead of a hang; the blocking calls that follow run once every rank is there.
+        Doing it when the op is called, not later in its steps, keeps an op the window
+        turns out not to take in its place among the group's MPI ops.
+        """
         if self.nslots < 3:  # see the release marks of the algorithms
             raise ValueError(f"the engine needs 3 or more slots, got {self.nslots}")
-        # The set-up is collective and blocking: meet first where a deadline applies, so
-        # that a rank whose peers never come gets DistTimeoutError instead of a hang.
-        # (Not a Work: the flight recorder and debug mode count the user's ops only.)
         group = self._group
-        req = group._comm.Ibarrier()
+        comm, req = group._comm.Idup()
         deadline = time.monotonic() + group._timeout
         while not req.Test():
             if time.monotonic() > deadline:
-                raise DistTimeoutError(f"shared-memory engine set-up: the group's ranks did "
-                                       f"not all arrive within {group._timeout:.1f} s "
-                                       f"[rank {group._rank}, group {group._name}]")
+                raise DistTimeoutError(f"{op}: setting up the shared-memory engine, the "
+                                       f"ranks of the group did not all arrive within "
+                                       f"{group._timeout:.1f} s [rank {group._rank}, group "
+                                       f"{group._name}]")
             _nap()
-        win, reason = open_window(group._comm, self.slot_bytes, self.nslots)
+        try:
+            win, reason = open_window(comm, self.slot_bytes, self.nslots)
+        finally:
+            comm.Free()
         if win is None:
             self._reason = reason
             for name in AUTO_FROM:
@@ -268,17 +277,28 @@ class ShmEngine:
             self.all_reduce_from = all_reduce_from
 
     def shutdown(self) -> None:
-        """Free the window (every rank of the group calls it, when the group is destroyed)."""
+        """Free the window (every rank of the group calls it, when the group is destroyed).
+
+        MPI_Win_free waits for every rank of the node.  Where not every rank comes within
+        the group's timeout (10 s at most once the group broke on a timeout), the window
+        is left to MPI_Finalize instead of hanging the caller.
+        """
         win, self._win = self._win, None
         self._queue.clear()
         _busy.discard(self)
-        if win is not None:
+        if win is None:
+            return
+        wait = self._group._timeout
+        if getattr(self._group, "_error", None) is not None:  # peers may be gone
+            wait = min(wait, 10.0)
+        if win.meet(wait):
             win.free()
 
     def describe(self) -> str:
         """One line for ``spmd info``: on/off, layout, thresholds, or why it is unavailable.
         Sets the window up: every rank of the group must call it."""
-        self._ready("all_reduce_from", 0)
+        if self._win is None and self._reason is None:
+            self._setup("spmd info")
         if self._win is None or self.all_reduce_from >= _NEVER:
             return f"unavailable, MPI is used: {self._reason}"
         w = self._win
@@ -290,11 +310,24 @@ class ShmEngine:
 
     # -- driving ops -----------------------------------------------------------------
 
-    def _start(self, steps, op: str, outputs, finish=None, keep=None) -> Work:
+    def _start(self, kind: str, nbytes: int, steps, fallback, op: str, outputs,
+               keep) -> Work:
+        """Queue an op: its ``steps`` (a generator), or run ``fallback()`` (the MPI
+        backend's op) if the window's set-up shows that the engine does not take it."""
+        if self._failed is not None:
+            raise GroupBrokenError(f"{op}: the shared-memory engine of group "
+                                   f"{self._group._name} failed earlier: {self._failed!r} "
+                                   f"[rank {self._group._rank}]")
+        if self._win is None and self._reason is None:
+            self._setup(op)
+            if not self._takes(kind, nbytes):
+                # The set-up raised the threshold (the group spans nodes) or found no window.
+                steps.close()
+                return fallback()
         task = _Task(self, steps)
         self._queue.append(task)
         _busy.add(self)
-        work = _ShmWork(task, op, self._group, outputs, finish, keep)
+        work = _ShmWork(task, op, self._group, outputs, keep)
         self.progress(task)
         return work
 
@@ -312,15 +345,23 @@ class ShmEngine:
         return task.done
 
     def _advance(self) -> bool:
-        """Run this engine's queued steps, oldest op first; False when one must wait."""
+        """Run this engine's queued steps, oldest op first; False when one must wait (or
+        when another thread is running them)."""
+        if not self._lock.acquire(blocking=False):
+            return False
+        try:
+            return self._run_queue()
+        finally:
+            self._lock.release()
+
+    def _run_queue(self) -> bool:
         queue = self._queue
-        reached = self._win.reached
         while queue:
             head = queue[0]
             wait = head.wait
             if wait is not None:
                 if type(wait) is int:
-                    if not reached(wait):
+                    if not self._win.reached(wait):
                         return False
                 elif not wait.Test():
                     if _work._oversubscribed:
@@ -360,92 +401,90 @@ class ShmEngine:
     def all_reduce(self, a, op):
         backend = self._backend
         plan = backend._plan(a.dtype, op, "all_reduce")
-        if not self._ready("all_reduce_from", a.nbytes):
-            return backend.all_reduce(a, op)
-        red = self._reduction(plan, op)
-        arr = a if plan.view is None else a.view(plan.view)
-        w = self._win
-        if w.num_nodes == 1 and a.nbytes <= min(self.one_shot_max, self.slot_bytes):
-            return self._start(self._one_shot(arr, red, None), "all_reduce", [a], None, a)
-        flat = _flat(arr)
-        finish = None if a.flags.c_contiguous else (lambda: np.copyto(arr, flat.reshape(arr.shape)))
-        return self._start(self._two_shot(flat, red, None), "all_reduce", [a], finish, a)
+        steps = self._reduce_steps(a, plan.view, self._reduction(plan, op), None)
+        return self._start("all_reduce_from", a.nbytes, steps,
+                           lambda: backend.all_reduce(a, op), "all_reduce", [a], a)
 
     def reduce(self, a, root, op):
         backend = self._backend
         plan = backend._plan(a.dtype, op, "reduce")
-        if not self._ready("reduce_from", a.nbytes):
-            return backend.reduce(a, root, op)
-        red = self._reduction(plan, op)
-        arr = a if plan.view is None else a.view(plan.view)
-        if a.nbytes <= min(self.one_shot_max, self.slot_bytes):
-            return self._start(self._one_shot(arr, red, root), "reduce", [a], None, a)
-        flat = _flat(arr)
-        staged = self._group._rank == root and not a.flags.c_contiguous
-        finish = (lambda: np.copyto(arr, flat.reshape(arr.shape))) if staged else None
-        return self._start(self._two_shot(flat, red, root), "reduce", [a], finish, a)
+        steps = self._reduce_steps(a, plan.view, self._reduction(plan, op), root)
+        return self._start("reduce_from", a.nbytes, steps,
+                           lambda: backend.reduce(a, root, op), "reduce", [a], a)
 
     def reduce_scatter_tensor(self, out, a, op):
         backend = self._backend
         plan = backend._plan(a.dtype, op, "reduce_scatter_tensor")
-        if not self._ready("reduce_scatter_from", a.nbytes):
-            return backend.reduce_scatter_tensor(out, a, op)
-        red = self._reduction(plan, op)
-        view = plan.view
+        steps = self._reduce_scatter_steps(out, a, plan.view, self._reduction(plan, op))
+        return self._start("reduce_scatter_from", a.nbytes, steps,
+                           lambda: backend.reduce_scatter_tensor(out, a, op),
+                           "reduce_scatter_tensor", [out], (a, out))
+
+    def broadcast(self, a, root):
+        return self._start("broadcast_from", a.nbytes, self._broadcast_steps(a, root),
+                           lambda: self._backend.broadcast(a, root), "broadcast", [a], a)
+
+    def all_gather_into_tensor(self, out, a):
+        if out.flags.c_contiguous:
+            flat = out.reshape(-1)
+            steps = self._gather_steps(a, [flat[j * a.size:(j + 1) * a.size]
+                                           for j in range(self._group._size)])
+        else:
+            steps = self._gather_steps(a, None, out)
+        return self._start("all_gather_from", out.nbytes, steps,
+                           lambda: self._backend.all_gather_into_tensor(out, a),
+                           "all_gather_into_tensor", [out], (a, out))
+
+    def all_gather(self, outputs, a):
+        steps = self._gather_steps(a, list(outputs))
+        return self._start("all_gather_from", sum(o.nbytes for o in outputs), steps,
+                           lambda: self._backend.all_gather(outputs, a), "all_gather",
+                           list(outputs), (a, outputs))
+
+    # -- what each op does once the window is there ---------------------------------
+
+    def _reduce_steps(self, a, view, red: Reduction, root):
+        """all_reduce (``root`` None) or reduce: one-shot when it fits, else two-shot."""
+        arr = a if view is None else a.view(view)
+        if self._win.num_nodes == 1 and a.nbytes <= min(self.one_shot_max, self.slot_bytes):
+            yield from self._one_shot(arr, red, root)
+            return
+        flat = _flat(arr)
+        yield from self._two_shot(flat, red, root)
+        if not arr.flags.c_contiguous and (root is None or root == self._group._rank):
+            np.copyto(arr, flat.reshape(arr.shape))
+
+    def _reduce_scatter_steps(self, out, a, view, red: Reduction):
         fin = _flat(a if view is None else a.view(view))
         o = out if view is None else out.view(view)
         fout = o.reshape(-1) if o.flags.c_contiguous else np.empty(o.size, o.dtype)
-        finish = None if o.flags.c_contiguous else \
-            (lambda: np.copyto(o, fout.reshape(o.shape)))
-        return self._start(self._reduce_scatter(fin, fout, red), "reduce_scatter_tensor",
-                           [out], finish, (a, out))
+        yield from self._reduce_scatter(fin, fout, red)
+        if not o.flags.c_contiguous:
+            np.copyto(o, fout.reshape(o.shape))
 
-    def broadcast(self, a, root):
-        if not self._ready("broadcast_from", a.nbytes):
-            return self._backend.broadcast(a, root)
-        is_root = self._group._rank == root
-        if a.flags.c_contiguous:
-            flat, finish = a.reshape(-1).view(_U8), None
-        elif is_root:
-            flat, finish = np.ascontiguousarray(a).reshape(-1).view(_U8), None
-        else:
-            buf = np.empty(a.shape, a.dtype)
-            flat, finish = buf.reshape(-1).view(_U8), (lambda: np.copyto(a, buf))
-        return self._start(self._broadcast(flat, root), "broadcast", [a], finish, a)
+    def _broadcast_steps(self, a, root):
+        staged = not a.flags.c_contiguous
+        flat = np.ascontiguousarray(a) if staged else a
+        yield from self._broadcast(flat.reshape(-1).view(_U8), root)
+        if staged and root != self._group._rank:
+            np.copyto(a, flat)
 
-    def all_gather_into_tensor(self, out, a):
-        if not self._ready("all_gather_from", out.nbytes):
-            return self._backend.all_gather_into_tensor(out, a)
-        fin = _flat(a).view(_U8)
-        if out.flags.c_contiguous:
-            whole, finish = out.reshape(-1).view(_U8), None
-        else:
-            buf = np.empty(out.shape, out.dtype)
-            whole, finish = buf.reshape(-1).view(_U8), (lambda: np.copyto(out, buf))
-        m = fin.size
-        fouts = [whole[j * m:(j + 1) * m] for j in range(self._group._size)]
-        return self._start(self._all_gather(fin, fouts), "all_gather_into_tensor", [out],
-                           finish, (a, out))
-
-    def all_gather(self, outputs, a):
-        if not self._ready("all_gather_from", sum(o.nbytes for o in outputs)):
-            return self._backend.all_gather(outputs, a)
-        fin = _flat(a).view(_U8)
-        fouts, staged = [], []
-        for o in outputs:
-            if o.flags.c_contiguous:
-                fouts.append(o.reshape(-1).view(_U8))
-            else:
-                buf = np.empty(o.shape, o.dtype)
-                staged.append((o, buf))
-                fouts.append(buf.reshape(-1).view(_U8))
-
-        def finish():
-            for o, buf in staged:
-                np.copyto(o, buf)
-
-        return self._start(self._all_gather(fin, fouts), "all_gather", list(outputs),
-                           finish if staged else None, (a, outputs))
+    def _gather_steps(self, a, outs, whole=None):
+        """All-gather into ``outs`` (arrays, one per rank), or, when ``outs`` is None, into
+        ``whole`` (an output that is not contiguous) through a contiguous copy."""
+        if outs is None:
+            buf = np.empty(whole.size, whole.dtype)
+            n = whole.size // self._group._size
+            yield from self._gather_steps(a, [buf[j * n:(j + 1) * n]
+                                              for j in range(self._group._size)])
+            np.copyto(whole, buf.reshape(whole.shape))
+            return
+        flats = [o.reshape(-1) if o.flags.c_contiguous else np.empty(o.size, o.dtype)
+                 for o in outs]
+        yield from self._all_gather(_flat(a).view(_U8), [f.view(_U8) for f in flats])
+        for o, f in zip(outs, flats, strict=True):
+            if not o.flags.c_contiguous:
+                np.copyto(o, f.reshape(o.shape))
 
     # -- algorithms: generators that yield what the next step waits for ---------------
 
@@ -607,11 +646,10 @@ class ShmEngine:
 
 def status(group) -> str:
     """What the engine does for ``group`` (WORLD in ``spmd info``); every member calls it."""
-    mode = shm_mode()
-    if mode == "off":
-        return f"off ({SHM_ENV}=0)"
     engine = getattr(group._backend_for("cpu"), "_shm", None)
-    if engine is None:
+    if engine is None:  # the group's backend was made with the engine off, or without it
+        if shm_mode() == "off":
+            return f"off ({SHM_ENV}=0)"
         return "not used (one rank)" if group._size < 2 else "not used by this backend"
     try:
         return engine.describe()

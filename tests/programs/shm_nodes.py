@@ -9,6 +9,7 @@ on multi-node groups (MPI's), and SPMD_SHM=auto picking the hierarchical path.
 """
 
 import os
+import time
 from datetime import timedelta
 
 import numpy as np
@@ -94,6 +95,29 @@ def main() -> None:
         assert layout_of(auto) == (nodes, k)
         assert (engine_of(auto)._win.seq > 0) == (big.nbytes >= shm.HIER_FROM)
     del big
+
+    # Ops queued while the set-up is pending, which it then leaves to MPI (the group
+    # spans nodes), keep their order among the ops started on MPI meanwhile, even where
+    # the ranks reach them at different times.
+    order = spmd.new_group(list(range(n)))
+    engine = order._backend_for("cpu")._shm
+    assert engine is not None and engine._win is None
+    item = np.full(engine.all_gather_from // 4 // n + 1, me, np.int32)
+    gathered = np.empty(n * item.size, np.int32)
+    assert engine.gathers(gathered.nbytes)
+    work = spmd.all_gather_into_tensor(gathered, item, group=order, async_op=True)
+    if me % 2 == 0:  # run the set-up and start the fallback before the next op
+        deadline = time.monotonic() + 0.3
+        while time.monotonic() < deadline:
+            work.is_completed()
+            time.sleep(0.01)
+    small = np.array([me + 1], np.int64)
+    spmd.all_reduce(small, group=order)
+    work.wait()
+    assert small[0] == n * (n + 1) // 2, small
+    np.testing.assert_array_equal(gathered, np.repeat(np.arange(n, dtype=np.int32), item.size))
+    assert not engine.gathers(gathered.nbytes)  # later ones go straight to MPI
+    spmd.destroy_process_group(order)
 
     for pg in (auto, local, parity, world):
         spmd.destroy_process_group(pg)
