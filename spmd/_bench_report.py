@@ -153,13 +153,18 @@ def plot(doc: dict, path: str) -> None:
     rows = max(1, len(by_op))
     fig, axes = plt.subplots(rows, 2, figsize=(11, 3.2 * rows), squeeze=False)
     env = doc["environment"]
+    # One colour per implementation on every row (send/recv has no persistent line).
+    every = sorted({i for by_size in by_op.values() for v in by_size.values() for i in v},
+                   key=_impl_order)
+    colour = {impl: f"C{k}" for k, impl in enumerate(every)}
     for (op, by_size), (ax_t, ax_b) in zip(by_op.items(), axes):
         impls = sorted({i for v in by_size.values() for i in v}, key=_impl_order)
         for impl in impls:
             pts = [(s, v[impl]) for s, v in sorted(by_size.items()) if impl in v]
             xs = [s for s, _ in pts]
-            ax_t.plot(xs, [r["median_us"] for _, r in pts], marker=".", label=impl)
-            ax_b.plot(xs, [r["busbw_gbps"] for _, r in pts], marker=".", label=impl)
+            style = {"marker": ".", "label": impl, "color": colour[impl]}
+            ax_t.plot(xs, [r["median_us"] for _, r in pts], **style)
+            ax_b.plot(xs, [r["busbw_gbps"] for _, r in pts], **style)
         for ax, ylabel in ((ax_t, "time per call (us)"), (ax_b, "busbw (GB/s)")):
             ax.set_xscale("log", base=2)
             ax.set_xlabel("message size (bytes)")

@@ -117,21 +117,24 @@ def common_device(op: str, group, *named) -> str:
     Raises:
         TypeError: host and device arrays are mixed in one call.
     """
-    first = None
+    first = None  # (device, name, index) of the first array
     for name, value in named:
         items = enumerate(value) if isinstance(value, (list, tuple)) else ((None, value),)
         for i, x in items:
             dev = "cpu" if type(x) is _ndarray else _other_device(x)
             if dev is None:
                 continue
-            label = name if i is None else f"{name}[{i}]"
             if first is None:
-                first = (dev, label)
+                first = (dev, name, i)
             elif dev != first[0]:
-                raise located(TypeError, op, f"{label} is a {dev} array but {first[1]} is a "
-                              f"{first[0]} array; the arrays of one call must all be on the host "
-                              "or all on the GPU", group)
+                raise located(TypeError, op, f"{_label(name, i)} is a {dev} array but "
+                              f"{_label(first[1], first[2])} is a {first[0]} array; the arrays "
+                              "of one call must all be on the host or all on the GPU", group)
     return "cpu" if first is None else first[0]
+
+
+def _label(name: str, i: int | None) -> str:
+    return name if i is None else f"{name}[{i}]"
 
 
 def is_device_array(a) -> bool:
@@ -194,8 +197,13 @@ def array_list(xs, op: str, arg: str, group, length: int | None, out: bool) -> l
         raise located(TypeError, op, f"{arg} must be a list of numpy arrays, got {type(xs).__name__}", group)
     if length is not None and len(xs) != length:
         raise located(ValueError, op, f"{arg} has {len(xs)} arrays, expected {length} (the group size)", group)
-    check = array_out if out else array_in
-    return [check(x, op, f"{arg}[{i}]", group) for i, x in enumerate(xs)]
+    if out:  # the common case first: writeable numpy arrays of supported dtypes
+        if all(type(x) is _ndarray and x.dtype in _FAMILY and x.flags.writeable for x in xs):
+            return list(xs)
+        return [array_out(x, op, f"{arg}[{i}]", group) for i, x in enumerate(xs)]
+    if all(type(x) is _ndarray and x.dtype in _FAMILY for x in xs):
+        return list(xs)
+    return [array_in(x, op, f"{arg}[{i}]", group) for i, x in enumerate(xs)]
 
 
 def same_dtype(arrays: list, ref: np.ndarray, op: str, arg: str, ref_arg: str, group) -> None:

@@ -151,8 +151,8 @@ def pack_buckets(arrays: list, dtype, in_place: bool = True, limit: int | None =
     ``dtype`` alone in its bucket is used as it is."""
     limit = _bucket_bytes if limit is None else limit
     sizes = [a.nbytes for a in arrays]
-    direct = len(arrays) >= _MANY and all(a.dtype is dtype or a.dtype == dtype for a in arrays) \
-        and all(a.flags.c_contiguous for a in arrays)
+    direct = len(arrays) >= _MANY and all(
+        (a.dtype is dtype or a.dtype == dtype) and a.flags.c_contiguous for a in arrays)
     addrs = [_get_address(a) for a in arrays] if direct else None
     out: list[Packed] = []
     lo = 0

@@ -82,12 +82,19 @@ ONE_SHOT_READ = 4 << 20
 #   and 1.6 ms from run to run, the engine's stay near 0.3-0.6 ms; from 64 KiB the
 #   engine was 1.2-11x faster for all_reduce, 2.5-7x for broadcast, the all-gathers and
 #   reduce_scatter_tensor, and from 256 KiB 2.5-6x for reduce.
+# - Measured again on the quiet machine (load < 3): MPI is faster than under load, and
+#   the all-gathers lost their lead: at 2 ranks the engine took 1.1-3x MPI's time from
+#   128 KiB to 1 MiB and tied above; at 4 ranks 2-3x from 16 KiB to 256 KiB, a tie
+#   above.  They stay with MPI in auto mode.  all_reduce at 4 ranks: 1.35x MPI's time
+#   at 64 KiB, a tie at 128 KiB, 0.83x at 256 KiB, 2.1x faster at 64 MiB; at 2 ranks a
+#   tie from 32 KiB to 4 MiB, 1.2x faster at 16 MiB, 2.8x at 64 MiB.  reduce and
+#   reduce_scatter_tensor (2 ranks) 1.1-7x faster from 128 KiB.
 AUTO_FROM = {"all_reduce_from": 32 << 10, "reduce_from": 64 << 10,
              "reduce_scatter_from": 64 << 10, "broadcast_from": _NEVER,
-             "all_gather_from": 256 << 10}
-AUTO_FROM_OVERSUBSCRIBED = {"all_reduce_from": 64 << 10, "reduce_from": 256 << 10,
+             "all_gather_from": _NEVER}
+AUTO_FROM_OVERSUBSCRIBED = {"all_reduce_from": 256 << 10, "reduce_from": 256 << 10,
                             "reduce_scatter_from": 64 << 10, "broadcast_from": 64 << 10,
-                            "all_gather_from": 64 << 10}
+                            "all_gather_from": _NEVER}
 # The all-gathers go back to MPI from this output size (unless ranks outnumber cores).
 ALL_GATHER_TO = 4 << 20
 # Smallest all_reduce the engine takes in auto mode when the group spans several nodes.

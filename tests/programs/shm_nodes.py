@@ -102,11 +102,12 @@ def main() -> None:
     order = spmd.new_group(list(range(n)))
     engine = order._backend_for("cpu")._shm
     assert engine is not None and engine._win is None
-    item = np.full(engine.all_gather_from // 4 // n + 1, me, np.int32)
-    gathered = np.empty(n * item.size, np.int32)
-    assert engine.gathers(gathered.nbytes)
-    work = spmd.all_gather_into_tensor(gathered, item, group=order, async_op=True)
-    if me % 2 == 0:  # run the set-up and start the fallback before the next op
+    rows = engine.reduce_scatter_from // 4 // n + 1
+    src = np.full(n * rows, me + 1, np.int32)
+    mine = np.empty(rows, np.int32)
+    assert src.nbytes >= engine.reduce_scatter_from
+    work = spmd.reduce_scatter_tensor(mine, src, group=order, async_op=True)
+    if me % 2 == 0:  # make the ranks reach the next op at different times
         deadline = time.monotonic() + 0.3
         while time.monotonic() < deadline:
             work.is_completed()
@@ -115,8 +116,8 @@ def main() -> None:
     spmd.all_reduce(small, group=order)
     work.wait()
     assert small[0] == n * (n + 1) // 2, small
-    np.testing.assert_array_equal(gathered, np.repeat(np.arange(n, dtype=np.int32), item.size))
-    assert not engine.gathers(gathered.nbytes)  # later ones go straight to MPI
+    np.testing.assert_array_equal(mine, np.full(rows, n * (n + 1) // 2, np.int32))
+    assert engine.reduce_scatter_from > src.nbytes  # later ones go straight to MPI
     spmd.destroy_process_group(order)
 
     for pg in (auto, local, parity, world):
