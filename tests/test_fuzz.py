@@ -195,7 +195,9 @@ _count = [0]
 
 
 @settings(derandomize=True, database=None, deadline=None, max_examples=250,
-          phases=[Phase.explicit, Phase.generate, Phase.shrink],
+          # No shrinking: ranks must stay in lockstep, and a shrink that goes a different
+          # way on one rank would leave the others in a collective it never calls.
+          phases=[Phase.explicit, Phase.generate],
           suppress_health_check=list(HealthCheck))
 @given(st.data())
 def test_invalid_arguments_raise_everywhere_and_change_nothing(dist, data):
