@@ -112,6 +112,29 @@ def _factor(op: ReduceOp):
     return f
 
 
+def checked_plan(plans: dict, dtype, op, opname: str, group):
+    """``plans[op.name][dtype]`` (a backend's reduction plans), or the error that says
+    why ``op`` cannot reduce ``dtype`` arrays (plans hold a message where it cannot)."""
+    try:
+        plan = plans[op.name][dtype]
+    except (KeyError, AttributeError):
+        if not isinstance(op, ReduceOp):
+            raise located(TypeError, opname, f"op must be a ReduceOp, got {type(op).__name__}",
+                          group) from None
+        raise located(ValueError, opname, f"{op!r} cannot be used as a reduction",
+                      group) from None
+    if type(plan) is str:
+        raise located(TypeError, opname, plan, group)
+    if plan.premul:
+        if op.factor is None:
+            raise located(ValueError, opname, "PREMUL_SUM needs a factor: use "
+                          "spmd.make_premul_sum(factor)", group)
+        if isinstance(_factor(op), complex) and family(dtype) != "complex":
+            raise located(TypeError, opname, f"a complex PREMUL_SUM factor cannot scale "
+                          f"{dtype} arrays", group)
+    return plan
+
+
 def _mview(buf: np.ndarray, plan: _Plan) -> np.ndarray:
     return buf if plan.view is None else buf.view(plan.view)
 
@@ -172,24 +195,7 @@ class MPIBackend(Backend):
     # -- helpers -----------------------------------------------------------------
 
     def _plan(self, dtype: np.dtype, op, opname: str) -> _Plan:
-        try:
-            plan = _PLANS[op.name][dtype]
-        except (KeyError, AttributeError):
-            if not isinstance(op, ReduceOp):
-                raise located(TypeError, opname, f"op must be a ReduceOp, got {type(op).__name__}",
-                              self.group) from None
-            raise located(ValueError, opname, f"{op!r} cannot be used as a reduction",
-                          self.group) from None
-        if type(plan) is str:
-            raise located(TypeError, opname, plan, self.group)
-        if plan.premul:
-            if op.factor is None:
-                raise located(ValueError, opname, "PREMUL_SUM needs a factor: use "
-                              "spmd.make_premul_sum(factor)", self.group)
-            if isinstance(_factor(op), complex) and family(dtype) != "complex":
-                raise located(TypeError, opname, f"a complex PREMUL_SUM factor cannot scale "
-                              f"{dtype} arrays", self.group)
-        return plan
+        return checked_plan(_PLANS, dtype, op, opname, self.group)
 
     @staticmethod
     def _stage(a: np.ndarray, plan: _Plan, op, may_modify: bool) -> np.ndarray:

@@ -32,9 +32,8 @@ import numpy as np
 
 from .. import _gpu
 from .._bootstrap import broadcast_value
-from ..arrays import bfloat16, family
+from ..arrays import bfloat16
 from ..errors import DistBackendError, DistTimeoutError, GroupBrokenError, located
-from ..ops import ReduceOp
 from ..work import Work, _seconds
 from ._nccl_plans import (
     NCCL_TYPES,
@@ -46,7 +45,7 @@ from ._nccl_plans import (
     uid_to_bytes,
 )
 from .base import Backend
-from .mpi import _factor
+from .mpi import _factor, checked_plan
 
 __all__ = ["NCCL_TYPES", "NCCLBackend", "NcclWork", "plan_for", "uid_for_cupy", "uid_to_bytes"]
 
@@ -295,23 +294,7 @@ class NCCLBackend(Backend):
 
     def _plan(self, dtype, op, opname: str):
         """(plan, NCCL datatype, NCCL op, divide after) for a reduction, or raise."""
-        try:
-            plan = PLANS[op.name][dtype]
-        except (KeyError, AttributeError):
-            if not isinstance(op, ReduceOp):
-                raise located(TypeError, opname, f"op must be a ReduceOp, got {type(op).__name__}",
-                              self.group) from None
-            raise located(ValueError, opname, f"{op!r} cannot be used as a reduction",
-                          self.group) from None
-        if type(plan) is str:
-            raise located(TypeError, opname, plan, self.group)
-        if plan.premul:
-            if op.factor is None:
-                raise located(ValueError, opname, "PREMUL_SUM needs a factor: use "
-                              "spmd.make_premul_sum(factor)", self.group)
-            if isinstance(_factor(op), complex) and family(dtype) != "complex":
-                raise located(TypeError, opname, f"a complex PREMUL_SUM factor cannot scale "
-                              f"{dtype} arrays", self.group)
+        plan = checked_plan(PLANS, dtype, op, opname, self.group)
         got = self._resolved.get(id(plan))
         if got is None:
             nccl = self._nccl
