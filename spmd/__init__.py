@@ -4,7 +4,7 @@ Importing spmd initialises MPI through mpi4py (thread level MULTIPLE); set
 ``mpi4py.rc`` options before the import to change that.
 """
 
-from . import futures, mpmd, parallel_state, topology
+from . import futures, mpmd, parallel_state, store, topology
 from . import coalescing, comms_log, persistent, trace
 from .coalescing import coalescing_manager
 from .collectives import (
@@ -26,7 +26,6 @@ from .collectives import (
 from .debug import (
     DebugLevel,
     get_debug_level,
-    monitored_barrier,
     set_debug_level,
     set_debug_level_from_env,
 )
@@ -54,6 +53,7 @@ from .group import (
 )
 from .launch import LaunchInfo, launch_info
 from .mesh import DeviceMesh, init_device_mesh
+from .monitored_barrier import monitored_barrier
 from .mpmd import Link, Program, get_programs, init_program, new_link
 from .objects import (
     all_gather_object,
@@ -64,6 +64,7 @@ from .objects import (
     send_object_list,
 )
 from .ops import ReduceOp, make_premul_sum
+from .store import FileStore, HashStore, PrefixStore, Store, TCPStore
 from .p2p import P2POp, batch_isend_irecv, irecv, isend, recv, send
 from .topology import NodeTopology, bind_device, node_topology
 from .work import Work
@@ -84,7 +85,7 @@ from .world import (
 
 _make_nccl_premul_sum = make_premul_sum  # torch's spelling
 
-__version__ = "0.1.0"
+from ._version import __version__ as __version__
 
 __all__ = [
     "Backend",
@@ -96,16 +97,21 @@ __all__ = [
     "DistNetworkError",
     "DistStoreError",
     "DistTimeoutError",
+    "FileStore",
     "Future",
     "GroupBrokenError",
     "GroupMember",
+    "HashStore",
     "LaunchInfo",
     "Link",
     "NodeTopology",
     "P2POp",
+    "PrefixStore",
     "ProcessGroup",
     "Program",
     "ReduceOp",
+    "Store",
+    "TCPStore",
     "Work",
     "all_gather",
     "all_gather_coalesced",
@@ -170,6 +176,7 @@ __all__ = [
     "set_debug_level",
     "set_debug_level_from_env",
     "split_group",
+    "store",
     "topology",
     "trace",
 ]

@@ -12,6 +12,9 @@ import os
 import warnings
 from typing import NamedTuple
 
+from .dtypes import bfloat16
+from .errors import located
+
 __all__ = [
     "AWARE_ENV",
     "GpuAwareness",
@@ -161,12 +164,20 @@ def device_index(device_id) -> int | None:
                      f"cupy.cuda.Device, got {type(device_id).__name__}")
 
 
+# init_process_group's device_id (None: CuPy's current device).
+_bound_device_id = None
+
+
+def bind_device_id(device_id) -> None:
+    """Remember the device this rank was bound to at init (None to forget it)."""
+    global _bound_device_id
+    _bound_device_id = device_id
+
+
 def bound_device() -> int:
     """The device this rank works on: init_process_group's ``device_id``, else CuPy's
     current device."""
-    from .group import _state
-
-    index = device_index(_state.device_id)
+    index = device_index(_bound_device_id)
     if index is not None:
         return index
     return int(cupy_or_none().cuda.runtime.getDevice())
@@ -275,8 +286,6 @@ def _torch_to_cupy(cp, x):
     t = x.detach()
     if str(t.dtype) == "torch.bfloat16":
         # CuPy's DLPack import may refuse bfloat16; move the bits and view them.
-        from .arrays import bfloat16
-
         if bfloat16 is None:
             raise TypeError("a bfloat16 tensor needs ml_dtypes (pip install ml_dtypes)")
         import torch
@@ -293,8 +302,6 @@ def as_device_array(x, op: str, arg: str, group):
         TypeError: CuPy cannot import ``x``.
         ValueError: ``x`` is on another device than the one this rank is bound to.
     """
-    from .errors import located
-
     cp = need_cupy(op, f"{arg} (a GPU array)", group)
     if not isinstance(x, cp.ndarray):
         try:

@@ -21,7 +21,7 @@ import threading
 import time
 
 from .errors import DistNetworkError, DistStoreError
-from .store import DEFAULT_TIMEOUT, HashStore, Store, _to_seconds
+from ._stores import DEFAULT_TIMEOUT, HashStore, Store, to_seconds
 
 __all__ = ["TCPStore"]
 
@@ -97,14 +97,14 @@ class _Server(socketserver.ThreadingTCPServer):
                 b._set(f[0].decode(), f[1])
                 return _OK, []
             if code == _GET:
-                value = b._get(f[0].decode(), _to_seconds(float(f[1]), "get"))
+                value = b._get(f[0].decode(), to_seconds(float(f[1]), "get"))
                 return (_OK, [value]) if value is not None else (_TIMEOUT, [f[0]])
             if code == _ADD:
                 return _OK, [str(b._add(f[0].decode(), int(f[1]))).encode()]
             if code == _CAS:
                 return _OK, [b._compare_set(f[0].decode(), f[1], f[2])]
             if code == _WAIT:
-                missing = b._wait(_keys(f[1:]), _to_seconds(float(f[0]), "wait"))
+                missing = b._wait(_keys(f[1:]), to_seconds(float(f[0]), "wait"))
                 return (_TIMEOUT, [k.encode() for k in missing]) if missing else (_OK, [])
             if code == _CHECK:
                 return _OK, [b"1" if b._check(_keys(f)) else b"0"]
@@ -113,7 +113,7 @@ class _Server(socketserver.ThreadingTCPServer):
             if code == _NUMKEYS:
                 return _OK, [str(b._num_keys()).encode()]
             if code == _MGET:
-                values, missing = b._multi_get(_keys(f[1:]), _to_seconds(float(f[0]), "multi_get"))
+                values, missing = b._multi_get(_keys(f[1:]), to_seconds(float(f[0]), "multi_get"))
                 return (_TIMEOUT, [k.encode() for k in missing]) if missing else (_OK, values)
             if code == _MSET:
                 b._multi_set(_keys(f[0::2]), f[1::2])

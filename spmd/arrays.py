@@ -4,53 +4,19 @@ from __future__ import annotations
 
 import numpy as np
 
+from .dtypes import FAMILY, MOVE_AS, SUPPORTED_DTYPES, SUPPORTED_NAMES, bfloat16, family
 from .errors import located
 
-__all__ = ["SUPPORTED_DTYPES", "bfloat16", "common_device", "device_of"]
-
-try:  # bfloat16 is optional: numpy has no native one
-    from ml_dtypes import bfloat16 as _bf16
-
-    bfloat16 = np.dtype(_bf16)
-except ImportError:  # pragma: no cover - depends on the environment
-    bfloat16 = None
+__all__ = ["SUPPORTED_DTYPES", "MOVE_AS", "bfloat16", "family", "common_device", "device_of"]
 
 _ndarray = np.ndarray
 
-# dtype -> (family, dtype MPI moves it as).  MPI has no bool, float16 or bfloat16 it
-# is guaranteed to know, so those travel as unsigned integers of the same width.
-_FAMILY: dict[np.dtype, str] = {np.dtype(np.bool_): "bool"}
-for _t in (np.int8, np.int16, np.int32, np.int64):
-    _FAMILY[np.dtype(_t)] = "int"
-for _t in (np.uint8, np.uint16, np.uint32, np.uint64):
-    _FAMILY[np.dtype(_t)] = "uint"
-_FAMILY[np.dtype(np.float16)] = "half"
-for _t in (np.float32, np.float64):
-    _FAMILY[np.dtype(_t)] = "float"
-for _t in (np.complex64, np.complex128):
-    _FAMILY[np.dtype(_t)] = "complex"
-if bfloat16 is not None:
-    _FAMILY[bfloat16] = "half"
-
-MOVE_AS: dict[np.dtype, np.dtype | None] = {dt: None for dt in _FAMILY}
-MOVE_AS[np.dtype(np.bool_)] = np.dtype(np.uint8)
-MOVE_AS[np.dtype(np.float16)] = np.dtype(np.uint16)
-if bfloat16 is not None:
-    MOVE_AS[bfloat16] = np.dtype(np.uint16)
-
-SUPPORTED_DTYPES = tuple(_FAMILY)
-_SUPPORTED_NAMES = ", ".join(dt.name for dt in SUPPORTED_DTYPES)
-
-
-def family(dtype: np.dtype) -> str:
-    return _FAMILY[dtype]
-
 
 def _check_dtype(a: np.ndarray, op: str, arg: str, group) -> None:
-    if a.dtype not in _FAMILY:
+    if a.dtype not in FAMILY:
         hint = " (install ml_dtypes for bfloat16)" if a.dtype.name == "bfloat16" else ""
         raise located(TypeError, op, f"{arg} has unsupported dtype {a.dtype}; "
-                      f"expected one of {_SUPPORTED_NAMES}{hint}", group)
+                      f"expected one of {SUPPORTED_NAMES}{hint}", group)
 
 
 def _not_array(x, op: str, arg: str, group) -> TypeError:
@@ -171,7 +137,7 @@ def array_in(x, op: str, arg: str, group) -> np.ndarray:
     """Check an array the operation only reads."""
     if type(x) is not _ndarray:
         x = _host_array(x, op, arg, group)
-    if x.dtype not in _FAMILY:
+    if x.dtype not in FAMILY:
         _check_dtype(x, op, arg, group)
     return x
 
@@ -181,10 +147,10 @@ def array_out(x, op: str, arg: str, group) -> np.ndarray:
     if type(x) is not _ndarray:
         x = _host_array(x, op, arg, group)
         if not isinstance(x, _ndarray):  # a GPU array (cupy has no writeable flag)
-            if x.dtype not in _FAMILY:
+            if x.dtype not in FAMILY:
                 _check_dtype(x, op, arg, group)
             return x
-    if x.dtype not in _FAMILY:
+    if x.dtype not in FAMILY:
         _check_dtype(x, op, arg, group)
     if not x.flags.writeable:
         raise located(ValueError, op, f"{arg} is read-only; the result is written into it", group)
@@ -198,10 +164,10 @@ def array_list(xs, op: str, arg: str, group, length: int | None, out: bool) -> l
     if length is not None and len(xs) != length:
         raise located(ValueError, op, f"{arg} has {len(xs)} arrays, expected {length} (the group size)", group)
     if out:  # the common case first: writeable numpy arrays of supported dtypes
-        if all(type(x) is _ndarray and x.dtype in _FAMILY and x.flags.writeable for x in xs):
+        if all(type(x) is _ndarray and x.dtype in FAMILY and x.flags.writeable for x in xs):
             return list(xs)
         return [array_out(x, op, f"{arg}[{i}]", group) for i, x in enumerate(xs)]
-    if all(type(x) is _ndarray and x.dtype in _FAMILY for x in xs):
+    if all(type(x) is _ndarray and x.dtype in FAMILY for x in xs):
         return list(xs)
     return [array_in(x, op, f"{arg}[{i}]", group) for i, x in enumerate(xs)]
 

@@ -10,7 +10,7 @@ raw mpi4py call and torch.distributed (gloo) in the same job, on the same buffer
 For every op and message size, every implementation is warmed up, then timed call by
 call in interleaved rounds (so that noise on a shared machine hits them alike); a
 call's time is the slowest rank's.  Rank 0 reports the median and p10/p90 over the
-calls, algbw and busbw (nccl-tests' definitions, ``spmd/_opsize.py``) and each time
+calls, algbw and busbw (nccl-tests' definitions, ``spmd/optable.py``) and each time
 relative to mpi4py's blocking call, the floor spmd adds its overhead to.  torch's gloo
 backend is initialised inside the same mpiexec job over TCP (rank 0's host, a free
 port it picks) when torch is installed.  ``spmd-persistent`` is the same op as an MPI-4
@@ -358,7 +358,7 @@ def measure(comm, impls: dict, cfg) -> dict[str, np.ndarray]:
 
 
 def _row(op, nbytes, count, impl, times, n, halve):
-    from ._opsize import bus_factor
+    from .optable import bus_factor
 
     t = times / 2 if halve else times
     med = float(np.median(t))

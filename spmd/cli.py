@@ -14,7 +14,7 @@ def _rank_info() -> dict:
     import numpy as np
     from mpi4py import MPI
 
-    from . import __version__
+    from ._version import __version__
     from .arrays import bfloat16
     from .backends.shm import status as shm_status
     from .group import GroupMember

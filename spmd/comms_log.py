@@ -12,7 +12,7 @@ The latency of an operation runs from the moment its Work is created to the mome
 its completion is seen: for a blocking call that is the call itself; for
 ``async_op=True`` it ends at the ``wait()`` or ``is_completed()`` that finds it done,
 so overlap with computation counts as time spent.  Sizes, algbw and busbw follow
-nccl-tests (see ``spmd/_opsize.py``).
+nccl-tests (see ``spmd/optable.py``).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import threading
 import time
 
 from . import work as _work
-from ._opsize import bus_factor, work_bytes
+from .optable import bus_factor, work_bytes
 
 __all__ = ["CommsLogger", "logger", "enable", "disable", "is_enabled", "reset", "stats",
            "summary", "format_size"]
@@ -125,9 +125,9 @@ def format_size(nbytes: float) -> str:
 
 def _gather(local: dict, group):
     """Every rank's snapshot, on every rank (raw mpi4py, so it is not logged itself)."""
-    from .group import _state, resolve
+    from .group import world_state, resolve
 
-    if _state.world is None:
+    if world_state.world is None:
         return [local], 0
     pg = resolve(group, "comms_log.summary")
     if pg is None:

@@ -23,6 +23,10 @@ import socket
 import sys
 import time
 
+from mpi4py import MPI
+
+from .optable import P2P_OPS
+
 __all__ = ["FlightRecorder", "dump_flight_recorder", "recorder", "write_private"]
 
 _monotonic = time.monotonic
@@ -35,10 +39,6 @@ STARTED, COMPLETED = "started", "completed"
 
 # Ops that are not collectives: they get their own sequence numbers per group.  Links
 # between programs (mpmd.py) count as point-to-point: their ranks do unequal work.
-P2P_OPS = frozenset({"send", "recv", "isend", "irecv", "send_object_list", "recv_object_list",
-                     "Link.isend", "Link.irecv", "Link.send", "Link.recv", "Link.broadcast",
-                     "Link.send_object", "Link.recv_object", "Link.broadcast_object"})
-
 FORMAT = "spmd-flight-recorder"
 VERSION = 1
 DEFAULT_SIZE = 2048
@@ -101,6 +101,10 @@ class FlightRecorder:
 
     def __init__(self, size: int = DEFAULT_SIZE):
         self.resize(size)
+        # Set by the reliability layer at init: () -> (WORLD, every live group), for the
+        # dump's group table; and where dumps go by default (None: stderr).
+        self.groups_source = lambda: (None, [])
+        self.dump_dir: str | None = None
 
     def resize(self, size: int) -> None:
         self._size = size = ring_size(size)
@@ -179,12 +183,10 @@ class FlightRecorder:
 
     def snapshot(self, reason: str = "on demand") -> dict:
         """The whole recorder as a JSON-ready dict (the per-rank dump)."""
-        from .group import _state
-
         now_mono, now_wall = _monotonic(), time.time()
-        world = _state.world
+        world, all_groups = self.groups_source()
         groups = {}
-        for g in list(_state.groups):
+        for g in all_groups:
             coll, p2p = counters(g)
             groups[_group_id(g)] = {
                 "name": g._name, "ranks": list(g._ranks),
@@ -203,8 +205,6 @@ class FlightRecorder:
                 "end": round(e[T1] - now_mono + now_wall, 6) if e[T1] is not None else None,
                 "state": state(e), "timed_out": e[TIMED_OUT],
             })
-        from mpi4py import MPI
-
         return {
             "format": FORMAT, "version": VERSION, "reason": reason,
             "rank": world._rank if world is not None else MPI.COMM_WORLD.Get_rank(),
@@ -321,6 +321,4 @@ def dump_flight_recorder(path: str | None = None) -> str | None:
     Returns:
         The file written, or None when it printed to stderr.
     """
-    from . import watchdog
-
-    return dump(path or watchdog.config().dump_dir, "on demand", last=None if path else 32)
+    return dump(path or recorder.dump_dir, "on demand", last=None if path else 32)

@@ -8,6 +8,9 @@ from typing import Sequence
 
 from mpi4py import MPI
 
+from .backend_registry import Backend, make_backend
+from .context import GroupContext
+
 __all__ = [
     "ProcessGroup",
     "GroupMember",
@@ -23,7 +26,7 @@ __all__ = [
 DEFAULT_TIMEOUT = timedelta(minutes=30)  # torch's default for non-NCCL backends
 
 
-class ProcessGroup:
+class ProcessGroup(GroupContext):
     """A set of ranks that communicate together, backed by one MPI communicator.
 
     Groups are made by :func:`spmd.init_process_group` (the default group, WORLD),
@@ -34,20 +37,10 @@ class ProcessGroup:
     traffic runs on it, so match collectives with care).
     """
 
-    def __init__(self, comm: MPI.Comm, ranks: Sequence[int], name: str,
-                 timeout: float, backend: str, desc: str | None = None):
-        self._comm = comm
-        self._rank = comm.Get_rank()
-        self._size = comm.Get_size()
-        self._ranks = tuple(int(r) for r in ranks)
-        self._index = {g: i for i, g in enumerate(self._ranks)}
-        self._name = name
-        self._desc = desc or name
-        self._timeout = timeout
-        self._backend_name = backend
+    def __init__(self, comm: MPI.Intracomm, ranks: Sequence[int], name: str,
+                 timeout: float, backend: str, desc: str | None = None, store=None):
+        super().__init__(comm, ranks, name, timeout, backend, desc, store)
         self._backends: dict = {}
-        self._error: str | None = None  # set when a timeout breaks the group (watchdog.py)
-        self._fr = None                 # the flight recorder's sequence numbers for it
 
     def rank(self) -> int:
         """This process's rank in the group."""
@@ -82,25 +75,10 @@ class ProcessGroup:
     def timeout(self) -> timedelta:
         return timedelta(seconds=self._timeout)
 
-    def _check_alive(self, op: str) -> None:
-        if self._comm is None:
-            raise RuntimeError(f"{op}: group {self._name} was destroyed by destroy_process_group()")
-        if self._error is not None:
-            from .errors import GroupBrokenError
-            raise GroupBrokenError(f"{op}: group {self._name} is broken since {self._error}; "
-                                   "its ranks are out of step, so make a new group or restart "
-                                   f"the job [rank {self._rank}, group {self._name}]")
-
-    def _group_rank(self, global_rank: int) -> int:
-        return self._index.get(global_rank, -1)
-
-    def _global_rank(self, group_rank: int) -> int:
-        return self._ranks[group_rank]
-
     def _backend_for(self, device: str):
         backend = self._backends.get(device)
         if backend is None:
-            backend = _state.make_backend(self, device)
+            backend = make_backend(self, device)
         return backend
 
     def _free(self) -> None:
@@ -135,48 +113,25 @@ class GroupMember:
     NON_GROUP_MEMBER = _NonGroupMember()
 
 
-class _State:
-    """Everything init_process_group creates, in one place."""
+class WorldState:
+    """The groups init_process_group and the group constructors made, in one place."""
 
     def __init__(self) -> None:
         self.world: ProcessGroup | None = None
         self.groups: list[ProcessGroup] = []
-        self.backend_factories: dict = {}
-        # (backend name, device) -> factory, where one name has a class per device
-        # ("mpi" for cuda arrays is the GPU-aware/staging MPI backend).
-        self.device_factories: dict = {}
-        self.backend_devices: dict[str, tuple[str, ...]] = {}  # registered backends
-        self.device_backends: dict[str, str] = {}
-        self.split_hooks: list = []  # hook(parent, child_or_None, color, key) per Split
         self.store = None
-        self.wrap_backend = None  # debug mode: wraps each new backend to check calls (debug.py)
-        self.device_id = None
         self.node_rank = 0
         self.node_size = 1
 
-    def make_backend(self, group: ProcessGroup, device: str):
-        from .world import Backend
 
-        name = Backend.device_map(group._backend_name).get(device)
-        if name is None:
-            raise RuntimeError(f"no backend handles {device} arrays in group {group._name} "
-                               f"(backend {group._backend_name!r})")
-        factory = self.device_factories.get((name, device)) or self.backend_factories[name]
-        backend = factory(group)
-        if self.wrap_backend is not None:
-            backend = self.wrap_backend(backend)
-        group._backends[device] = backend
-        return backend
-
-
-_state = _State()
+world_state = WorldState()
 NON_GROUP_MEMBER = GroupMember.NON_GROUP_MEMBER
 
 
 def __getattr__(name: str):
     # ``spmd.group.WORLD`` follows init/destroy, like torch's ``dist.group.WORLD``.
     if name == "WORLD":
-        return _state.world
+        return world_state.world
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
@@ -186,7 +141,7 @@ def _not_initialized(op: str) -> RuntimeError:
 
 
 def default_group(op: str) -> ProcessGroup:
-    pg = _state.world
+    pg = world_state.world
     if pg is None:
         raise _not_initialized(op)
     return pg
@@ -199,7 +154,7 @@ def resolve(group, op: str) -> ProcessGroup | None:
     without communicating, as torch does.
     """
     if group is None:
-        pg = _state.world
+        pg = world_state.world
         if pg is None:
             raise _not_initialized(op)
         if pg._error is not None:
@@ -210,9 +165,9 @@ def resolve(group, op: str) -> ProcessGroup | None:
             group._check_alive(op)
         return group
     if group is GroupMember.NON_GROUP_MEMBER:
-        if _state.world is None:
+        if world_state.world is None:
             raise _not_initialized(op)
-        warnings.warn(f"Running {op} on global rank {_state.world._rank} which does not "
+        warnings.warn(f"Running {op} on global rank {world_state.world._rank} which does not "
                       "belong to the given group.", stacklevel=3)
         return None
     if isinstance(group, ProcessGroup):
@@ -224,7 +179,7 @@ def resolve(group, op: str) -> ProcessGroup | None:
 
 def _timeout_seconds(timeout, op: str) -> float:
     if timeout is None:
-        return _state.world._timeout
+        return world_state.world._timeout
     if isinstance(timeout, timedelta):
         seconds = timeout.total_seconds()
     elif isinstance(timeout, (int, float)) and not isinstance(timeout, bool):
@@ -238,8 +193,7 @@ def _timeout_seconds(timeout, op: str) -> float:
 
 def _backend_name(backend, op: str) -> str:
     if backend is None:
-        return _state.world._backend_name
-    from .world import Backend
+        return world_state.world._backend_name
     Backend(backend)  # validates the spelling
     return str(backend).lower()
 
@@ -251,8 +205,8 @@ def _ranks_name(ranks: Sequence[int]) -> str:
 
 
 def _register(comm, ranks, name, timeout, backend, desc) -> ProcessGroup:
-    pg = ProcessGroup(comm, ranks, name, timeout, backend, desc)
-    _state.groups.append(pg)
+    pg = ProcessGroup(comm, ranks, name, timeout, backend, desc, world_state.store)
+    world_state.groups.append(pg)
     return pg
 
 
@@ -314,8 +268,8 @@ def _split(parent: ProcessGroup, color: int, key: int, name_of, timeout, backend
         members = [parent._ranks[r] for r in comm.allgather(parent._rank)]
         pg = _register(comm, members, name_of(members), _timeout_seconds(timeout, op),
                        _backend_name(backend, op), desc)
-    for hook in _state.split_hooks:  # e.g. NCCL's commSplit, collective over parent
-        hook(parent, pg, color, key)
+    for backend in list(parent._backends.values()):  # e.g. NCCL's commSplit, collective
+        backend.on_split(pg, color, key)            # over the parent
     return pg
 
 
@@ -332,7 +286,7 @@ def new_subgroups(group_size=None, group=None, timeout=None, backend=None,
     """
     parent = resolve(group, "new_subgroups") if group is not None else default_group("new_subgroups")
     if group_size is None:
-        group_size = _state.node_size
+        group_size = world_state.node_size
     if isinstance(group_size, bool) or not isinstance(group_size, int):
         raise TypeError(f"new_subgroups: group_size must be an int, got {type(group_size).__name__}")
     if group_size <= 0 or parent._size % group_size:

@@ -465,13 +465,13 @@ class DeviceMesh:
 
 
 def _default_or_init() -> ProcessGroup:
-    from .group import _state
+    from .group import world_state
 
-    if _state.world is None:  # torch's meshes initialise the default group too
+    if world_state.world is None:  # torch's meshes initialise the default group too
         from .world import init_process_group
 
         init_process_group()
-    return _state.world
+    return world_state.world
 
 
 def init_device_mesh(device_type: str, mesh_shape, *, mesh_dim_names=None,

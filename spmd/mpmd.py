@@ -22,7 +22,7 @@ from mpi4py import MPI
 
 from .arrays import array_in, array_out, contiguous, is_device_array, movable
 from .errors import DistTimeoutError, located
-from .group import ProcessGroup, _split, _state, _timeout_seconds, default_group
+from .group import ProcessGroup, _split, world_state, _timeout_seconds, default_group
 from .p2p import check_tag
 from .work import Work
 
@@ -120,7 +120,7 @@ def init_program(name: str | None = None, *, timeout=None, backend=None) -> Proc
 
 
 def _current(op: str) -> _Job:
-    if _job is None or _job.world is not _state.world:
+    if _job is None or _job.world is not world_state.world:
         raise RuntimeError(f"{op}: the programs are not known; call spmd.mpmd.init_program() "
                            "on every rank first")
     return _job

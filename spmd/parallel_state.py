@@ -19,7 +19,7 @@ from datetime import timedelta
 import numpy as np
 
 from .group import GroupMember, ProcessGroup
-from .group import _state as _world_state
+from .group import world_state as _world_state
 from .mesh import DeviceMesh
 
 __all__ = [

@@ -32,7 +32,8 @@ from mpi4py import MPI
 
 from . import collectives as _c
 from .arrays import array_in, array_out, movable
-from .backends.mpi import _AVG, _PLANS, MPIBackend, _mview
+from .backends.mpi import MPIBackend
+from .backends.reduction import AVERAGE, mpi_view
 from .errors import located
 from .group import resolve
 from .ops import ReduceOp
@@ -135,7 +136,7 @@ def _reduction(a, op, name: str, pg):
 def _averager(plan, buf, n):
     if not plan.avg:
         return None
-    avg = _AVG[plan.avg]
+    avg = AVERAGE[plan.avg]
     return lambda: avg(buf, n)
 
 
@@ -152,7 +153,7 @@ def all_reduce(tensor, op=_SUM, group=None) -> Plan:
     pg = _group(group, "all_reduce")
     a = array_out(tensor, "persistent.all_reduce", "tensor", pg)
     plan, direct = _reduction(a, op, "persistent.all_reduce", pg)
-    init = (lambda: pg._comm.Allreduce_init(_IN_PLACE, _mview(a, plan), plan.mpi_op)) \
+    init = (lambda: pg._comm.Allreduce_init(_IN_PLACE, mpi_view(a, plan), plan.mpi_op)) \
         if direct else None
     return Plan("all_reduce", pg, [a], init,
                 lambda: _c.all_reduce(a, op, pg, async_op=True),
@@ -182,10 +183,10 @@ def reduce(tensor, dst=None, op=_SUM, group=None, group_dst=None) -> Plan:
         init = None
     elif is_root:
         def init():
-            return comm.Reduce_init(_IN_PLACE, _mview(a, plan), plan.mpi_op, root)
+            return comm.Reduce_init(_IN_PLACE, mpi_view(a, plan), plan.mpi_op, root)
     else:
         def init():
-            return comm.Reduce_init(_mview(a, plan), None, plan.mpi_op, root)
+            return comm.Reduce_init(mpi_view(a, plan), None, plan.mpi_op, root)
     return Plan("reduce", pg, [a], init,
                 lambda: _c.reduce(a, op=op, group=pg, async_op=True, group_dst=root),
                 _averager(plan, a, pg._size) if is_root else None, a)
@@ -226,7 +227,7 @@ def reduce_scatter_tensor(output, input, op=_SUM, group=None) -> Plan:  # noqa: 
     _gather_shapes(out, a, name, pg, False)
     plan, direct = _reduction(a, op, name, pg)
     direct = direct and type(out) is _ndarray and out.flags.c_contiguous
-    init = (lambda: pg._comm.Reduce_scatter_block_init(_mview(a, plan), _mview(out, plan),
+    init = (lambda: pg._comm.Reduce_scatter_block_init(mpi_view(a, plan), mpi_view(out, plan),
                                                        plan.mpi_op)) if direct else None
     return Plan("reduce_scatter_tensor", pg, [out], init,
                 lambda: _c.reduce_scatter_tensor(out, a, op, pg, async_op=True),

@@ -1,6 +1,6 @@
 """Which ranks share a node: node-local and cross-node groups, and a GPU for each rank.
 
-This module is the one place that decides which ranks share a node.  MPI says it
+Where ranks sit among nodes, as groups (spmd.nodes decides which ranks share a node).  MPI says it
 (``Split_type(COMM_TYPE_SHARED)``: the ranks that can share memory); for tests on one
 machine, ``SPMD_PSEUDO_NODE_SIZE=k`` cuts every node further into pseudo-nodes of
 ``k`` consecutive ``COMM_WORLD`` ranks, so that multi-node code paths run on a laptop.
@@ -12,9 +12,10 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from mpi4py import MPI
 
 from .group import ProcessGroup, _backend_name, _register, _split, _timeout_seconds, resolve
+from .nodes import PSEUDO_NODE_ENV, node_layout, pseudo_node_size, split_node
+from .world import get_node_local_rank
 
 __all__ = [
     "PSEUDO_NODE_ENV",
@@ -26,67 +27,6 @@ __all__ = [
     "split_node",
     "visible_device_count",
 ]
-
-PSEUDO_NODE_ENV = "SPMD_PSEUDO_NODE_SIZE"
-
-
-def pseudo_node_size(environ=None) -> int | None:
-    """The pseudo-node size from ``SPMD_PSEUDO_NODE_SIZE``, or None when it is unset.
-
-    Raises:
-        ValueError: the variable is set to something other than a positive integer.
-    """
-    env = os.environ if environ is None else environ
-    value = env.get(PSEUDO_NODE_ENV, "").strip()
-    if not value:
-        return None
-    try:
-        k = int(value)
-    except ValueError:
-        k = 0
-    if k <= 0:
-        raise ValueError(f"{PSEUDO_NODE_ENV}={value!r}: expected a positive integer "
-                         "(the number of consecutive ranks per pseudo-node)")
-    return k
-
-
-def split_node(comm: MPI.Intracomm) -> MPI.Intracomm:
-    """One new communicator per node, holding the ranks of ``comm`` on that node.
-
-    Every rank of ``comm`` must call it.  Ranks keep their relative order.  With
-    ``SPMD_PSEUDO_NODE_SIZE=k``, COMM_WORLD ranks ``i*k .. i*k+k-1`` form pseudo-node
-    ``i`` (within a real node).  The caller frees the result.
-    """
-    host = comm.Split_type(MPI.COMM_TYPE_SHARED, comm.Get_rank())
-    node = _pseudo_split(comm, host)
-    if node is not host:
-        host.Free()
-    return node
-
-
-def _pseudo_split(comm: MPI.Intracomm, host: MPI.Intracomm) -> MPI.Intracomm:
-    k = pseudo_node_size()
-    if k is None:
-        return host
-    return host.Split(MPI.COMM_WORLD.Get_rank() // k, comm.Get_rank())
-
-
-def node_layout(comm: MPI.Intracomm) -> tuple[int, int, int]:
-    """(rank on the node, ranks on the node, ranks on this host) for ``comm``.
-
-    The node is what :func:`split_node` makes (a pseudo-node under
-    ``SPMD_PSEUDO_NODE_SIZE``); the host count is the real one, for telling whether
-    ranks outnumber cores.  Every rank of ``comm`` must call it.
-    """
-    host = comm.Split_type(MPI.COMM_TYPE_SHARED, comm.Get_rank())
-    node = _pseudo_split(comm, host)
-    try:
-        return node.Get_rank(), node.Get_size(), host.Get_size()
-    finally:
-        if node is not host:
-            node.Free()
-        host.Free()
-
 
 @dataclass(frozen=True)
 class NodeTopology:
@@ -196,8 +136,6 @@ def bind_device(local_rank: int | None = None, *, device_count: int | None = Non
         ValueError: a negative ``local_rank`` or ``device_count``.
     """
     if local_rank is None:
-        from .world import get_node_local_rank
-
         local_rank = get_node_local_rank()
     if isinstance(local_rank, bool) or not isinstance(local_rank, int) or local_rank < 0:
         raise ValueError(f"bind_device: local_rank must be a non-negative int, got {local_rank!r}")

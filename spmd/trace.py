@@ -33,7 +33,7 @@ import time
 import numpy as np
 
 from . import work as _work
-from ._opsize import P2P_OPS, work_bytes
+from .optable import P2P_OPS, work_bytes
 
 __all__ = ["Tracer", "start", "stop", "is_tracing", "expand_path", "merge", "main"]
 

@@ -37,10 +37,14 @@ import traceback
 
 from mpi4py import MPI
 
+from . import _wait, debug
 from . import flight_recorder as _fr
 from . import work as _work
 from ._control import Channel
+from .backends.checked import checking
 from .errors import DistTimeoutError
+from .group import world_state
+from .optable import is_p2p
 
 __all__ = ["Config", "config", "diagnose", "reports", "start", "stop"]
 
@@ -147,8 +151,6 @@ def config() -> Config:
 def start(world, cfg: Config) -> None:
     """Called by init_process_group on every rank, after WORLD exists."""
     global _atexit_registered
-    from . import debug
-
     _rt.config = cfg
     _rt.rank, _rt.size = world._rank, world._size
     if cfg.flight_recorder_size > 0:
@@ -157,7 +159,9 @@ def start(world, cfg: Config) -> None:
         _work.add_observer(_fr.recorder)
     else:  # off: no per-call cost, and no sequence numbers in diagnoses
         _work.remove_observer(_fr.recorder)
-    _work._on_timeout = _on_work_timeout
+    _wait.set_diagnosis(_diagnose_timeout)
+    _fr.recorder.groups_source = lambda: (world_state.world, list(world_state.groups))
+    _fr.recorder.dump_dir = cfg.dump_dir
     debug.set_debug_level(cfg.debug)
     _rt.channel = Channel(world._comm, _answer, _tick)
     if cfg.watchdog:
@@ -245,17 +249,13 @@ def where() -> str:
 # ----------------------------------------------------------------------------- diagnosis
 
 def group_key(g) -> dict:
-    from .group import _state
-
-    same = [x for x in list(_state.groups) if x._name == g._name and x._ranks == g._ranks]
+    same = [x for x in list(world_state.groups) if x._name == g._name and x._ranks == g._ranks]
     index = next((i for i, x in enumerate(same) if x is g), 0)
     return {"name": g._name, "ranks": list(g._ranks), "index": index}
 
 
 def _find_group(key: dict):
-    from .group import _state
-
-    same = [x for x in list(_state.groups)
+    same = [x for x in list(world_state.groups)
             if x._name == key["name"] and list(x._ranks) == key["ranks"]]
     return same[key["index"]] if len(same) > key["index"] else None
 
@@ -272,8 +272,6 @@ def _answer(request: dict) -> dict:
     else:
         out.update(_fr.recorder.group_summary(g, request.get("seq")))
         out["broken"] = g._error
-        from .debug import checking
-
         pending = checking.get(g)
         if pending is not None:  # in a debug-mode fingerprint exchange: it reached the op
             op, seq, t0 = pending
@@ -413,18 +411,20 @@ def handle_timeout(op: str, g, seq: int | None, kind: str, waited: float, source
     return text
 
 
-def _on_work_timeout(work, waited: float, exc: DistTimeoutError) -> DistTimeoutError:
-    """Work._poll's hook: a diagnosed DistTimeoutError instead of the plain one."""
-    try:
+def _diagnose_timeout(op: str, g, seq: int | None, kind: str, waited: float, source: str,
+                      work) -> str:
+    """The one wait helper's hook: the diagnosis of any wait that timed out."""
+    if work is not None:
         e = getattr(work, "_fr", None)
         if e is not None:
             e[_fr.TIMED_OUT] = True
             seq, kind = e[_fr.SEQ], e[_fr.COUNTER].kind
         else:
-            seq, kind = None, "p2p" if work._op in _fr.P2P_OPS else "collective"
-        return DistTimeoutError(handle_timeout(work._op, work._group, seq, kind, waited, "wait"))
-    except Exception as err:  # noqa: BLE001 - a failed diagnosis must not hide the timeout
-        return DistTimeoutError(f"{exc} (diagnosis failed: {type(err).__name__}: {err})")
+            kind = "p2p" if is_p2p(op) else "collective"
+    text = handle_timeout(op, g, seq, kind, waited, source)
+    if source != "wait":
+        text += f"\n  (timed out {source})"
+    return text
 
 
 def report(text: str) -> None:

@@ -2,35 +2,22 @@
 
 from __future__ import annotations
 
-import os
-import time
 from datetime import timedelta
 from typing import Any, Callable
 
 from mpi4py import MPI
 
-from .errors import DistTimeoutError
+from ._wait import wait_until
 from .futures import Future
 
 __all__ = ["Work"]
 
 _testall = MPI.Request.Testall
-_monotonic = time.monotonic
-_yield = os.sched_yield
-
-# Set at init: True when this node runs more ranks than it has cores, so waiting
-# ranks give their core away between polls instead of spinning on it.
-_oversubscribed = False
 
 
 # Side paths (comms logger, flight recorder, watchdog) see every Work when it starts
 # and when it completes.  With none registered the cost is one truth test per event.
 _observers: list = []
-
-# Set by spmd.watchdog at init: turns a timeout into a diagnosed DistTimeoutError
-# (where the other ranks are) and marks a timed-out collective's group broken.
-_on_timeout = None
-
 
 def add_observer(observer) -> None:
     """Register an object with ``started(work)`` and ``completed(work)`` methods."""
@@ -43,12 +30,8 @@ def remove_observer(observer) -> None:
         _observers.remove(observer)
 
 
-def set_oversubscribed(flag: bool) -> None:
-    global _oversubscribed
-    _oversubscribed = bool(flag)
-
-
-def _seconds(timeout) -> float:
+def seconds_of(timeout) -> float:
+    """A timeout given as a timedelta or a number of seconds, in seconds."""
     if isinstance(timeout, timedelta):
         timeout = timeout.total_seconds()
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
@@ -121,7 +104,7 @@ class Work:
         Raises:
             DistTimeoutError: the operation did not complete in time.
         """
-        seconds = None if timeout is None else _seconds(timeout)
+        seconds = None if timeout is None else seconds_of(timeout)
         if not self._done:
             # Inlined _test(): this is every blocking call's path.
             reqs = self._reqs
@@ -137,24 +120,9 @@ class Work:
         return True
 
     def _poll(self, seconds: float) -> None:
-        start = _monotonic()
-        deadline = start + seconds
         reqs = self._reqs
         test = reqs[0].Test if len(reqs) == 1 and self._status is None else self._test
-        spins = 0
-        while not test():
-            spins += 1
-            if _oversubscribed:
-                _yield()
-            if not spins & 255 and _monotonic() > deadline:
-                waited = _monotonic() - start
-                exc = DistTimeoutError(
-                    f"{self._op}: did not complete within {waited:.1f} s "
-                    f"[rank {self._group._rank}, group {self._group._name}]"
-                )
-                if _on_timeout is not None:
-                    exc = _on_timeout(self, waited, exc)
-                raise exc
+        wait_until(test, seconds, self._op, self._group, work=self)
 
     def synchronize(self) -> None:
         """Block the host until the operation completes (same as ``wait`` for host arrays)."""

@@ -8,12 +8,14 @@ from datetime import timedelta
 
 from mpi4py import MPI
 
+from . import _gpu, _wait
+from . import backend_registry as registry
 from . import watchdog as _watchdog
-from . import work as _work
 from ._bootstrap import check_same_installation
+from .backend_registry import Backend, register_backend
+from .group import DEFAULT_TIMEOUT, GroupMember, ProcessGroup, default_group, resolve, world_state
 from .launch import check_world_size
-from .topology import node_layout
-from .group import DEFAULT_TIMEOUT, GroupMember, ProcessGroup, _state, default_group, resolve
+from .nodes import node_layout
 
 __all__ = [
     "Backend",
@@ -30,57 +32,6 @@ __all__ = [
     "get_node_local_rank",
 ]
 
-_DEVICES = ("cpu", "cuda")
-
-
-class Backend(str):
-    """A backend name, validated: ``"mpi"``, ``"nccl"`` or a per-device map such as
-    ``"cpu:mpi,cuda:nccl"``.
-
-    ``"gloo"`` is accepted as another name for MPI on host arrays, so code written for
-    torch's CPU backend ports unchanged.
-    """
-
-    UNDEFINED = "undefined"
-    MPI = "mpi"
-    NCCL = "nccl"
-    GLOO = "gloo"
-
-    def __new__(cls, name: str):
-        if not isinstance(name, str):
-            raise TypeError(f"Backend: expected a str, got {type(name).__name__}")
-        value = name.strip().lower()
-        cls.device_map(value)
-        return super().__new__(cls, value)
-
-    @staticmethod
-    def device_map(spec: str) -> dict[str, str]:
-        """``"cpu:mpi,cuda:nccl"`` -> ``{"cpu": "mpi", "cuda": "nccl"}``."""
-        spec = spec.strip().lower()
-        known = ("mpi", "nccl", "gloo", *_state.backend_devices)
-        if ":" not in spec:
-            if spec not in known:
-                raise ValueError(f"Backend: unknown backend {spec!r}; expected one of {known} "
-                                 "or a per-device map like 'cpu:mpi,cuda:nccl'")
-            if spec == "nccl":
-                return {"cuda": "nccl"}
-            if spec == "gloo":
-                return {"cpu": "mpi"}
-            if spec in _state.backend_devices:
-                return {device: spec for device in _state.backend_devices[spec]}
-            return {"cpu": "mpi", "cuda": "mpi"}
-        out: dict[str, str] = {}
-        for part in spec.split(","):
-            device, sep, name = part.strip().partition(":")
-            if not sep or device not in _DEVICES or name not in known:
-                raise ValueError(f"Backend: cannot parse {part!r} in {spec!r}; expected "
-                                 f"device:backend with device in {_DEVICES} and backend in {known}")
-            if device in out:
-                raise ValueError(f"Backend: device {device!r} appears twice in {spec!r}")
-            out[device] = "mpi" if name == "gloo" else name
-        return out
-
-
 def _mpi_backend(group):
     from .backends.mpi import MPIBackend
     return MPIBackend(group)
@@ -96,54 +47,9 @@ def _nccl_backend(group):
     return NCCLBackend(group)
 
 
-_state.backend_factories["mpi"] = _mpi_backend
-_state.device_factories[("mpi", "cuda")] = _cuda_mpi_backend
-_state.backend_factories["nccl"] = _nccl_backend
-
-
-def register_backend(name: str, factory, devices=None) -> None:
-    """Make ``name`` usable in backend strings: ``init_process_group(backend=name)``,
-    ``"cpu:mpi,cuda:<name>"``, ``new_group(backend=...)``.
-
-    Args:
-        name: the backend's name (case-insensitive); it must not be taken.
-        factory: ``factory(group) -> spmd.backends.base.Backend``, called once per group
-            and device the first time an array of that device meets the group; the
-            group's MPI communicator is ``group.comm``.
-        devices: the devices it serves, from ``("cpu", "cuda")`` (both if None).
-
-    Raises:
-        ValueError: the name is taken or malformed, or a device is unknown.
-        TypeError: ``factory`` is not callable.
-    """
-    if not isinstance(name, str) or not name.strip().isidentifier():
-        raise ValueError(f"register_backend: name must be an identifier, got {name!r}")
-    key = name.strip().lower()
-    if key in ("mpi", "nccl", "gloo", "undefined") or key in _state.backend_factories:
-        raise ValueError(f"register_backend: backend {key!r} is already registered")
-    if not callable(factory):
-        raise TypeError(f"register_backend: factory must be callable, got {type(factory).__name__}")
-    devs = _DEVICES if devices is None else tuple(str(d).lower() for d in devices)
-    if not devs or any(d not in _DEVICES for d in devs):
-        raise ValueError(f"register_backend: devices must be a non-empty subset of {_DEVICES}, "
-                         f"got {devices!r}")
-    _state.backend_factories[key] = factory
-    _state.backend_devices[key] = devs
-    setattr(Backend, key.upper(), key)
-
-
-Backend.register_backend = staticmethod(register_backend)
-
-
-def _unavailable(name: str) -> str | None:
-    """Why backend ``name`` cannot run here (None when it can)."""
-    if name not in _state.backend_factories:
-        return "it is not registered"
-    if name == "nccl":
-        from ._gpu import nccl_problem
-
-        return nccl_problem()
-    return None
+registry.backend_factories["mpi"] = _mpi_backend
+registry.device_factories[("mpi", "cuda")] = _cuda_mpi_backend
+registry.backend_factories["nccl"] = _nccl_backend
 
 
 def is_available() -> bool:
@@ -157,18 +63,18 @@ def is_mpi_available() -> bool:
 
 def is_nccl_available() -> bool:
     """True when the NCCL backend can run: CuPy imports and loads its NCCL library."""
-    return _unavailable("nccl") is None
+    return registry.unavailable("nccl") is None
 
 
 def is_initialized() -> bool:
     """True between ``init_process_group()`` and ``destroy_process_group()``."""
-    return _state.world is not None
+    return world_state.world is not None
 
 
 def _installation() -> dict:
     import mpi4py
 
-    from . import __version__
+    from ._version import __version__
 
     return {"spmd": __version__, "mpi4py": mpi4py.__version__,
             "MPI": MPI.Get_library_version().splitlines()[0].strip()}
@@ -218,7 +124,7 @@ def init_process_group(backend=None, init_method=None, timeout=None, world_size=
         RuntimeError: spmd is already initialised, or a backend is not available.
         ValueError: ``rank``/``world_size`` disagree with MPI, or bad backend string.
     """
-    if _state.world is not None:
+    if world_state.world is not None:
         raise RuntimeError("init_process_group: trying to initialize the default process "
                            "group twice; call destroy_process_group() first")
     if backend is None:
@@ -228,15 +134,13 @@ def init_process_group(backend=None, init_method=None, timeout=None, world_size=
         spec = str(Backend(backend))
     devices = Backend.device_map(spec)
     for device, name in devices.items():
-        why = _unavailable(name)
+        why = registry.unavailable(name)
         if why is not None:
             raise RuntimeError(f"init_process_group: backend {name!r} for {device} arrays is not "
                                f"available in this installation: {why} (registered: "
-                               f"{sorted(_state.backend_factories)})")
+                               f"{sorted(registry.backend_factories)})")
     if device_id is not None:
-        from ._gpu import device_index
-
-        device_index(device_id)  # a ValueError for a bad one, before anything is created
+        _gpu.device_index(device_id)  # a ValueError for a bad one, before anything is created
     if init_method not in (None, "env://", "mpi://"):
         warnings.warn(f"init_process_group: init_method={init_method!r} is ignored; the MPI "
                       "launcher provides ranks and rendezvous", stacklevel=2)
@@ -258,19 +162,18 @@ def init_process_group(backend=None, init_method=None, timeout=None, world_size=
     reliability = _watchdog.parse_options(pg_options)
     comm = world.Dup()
     comm.Set_name(f"spmd:{group_name or 'WORLD'}")
-    _state.node_rank, _state.node_size, host_size = node_layout(comm)
-    _work.set_oversubscribed(host_size > _usable_cores())
-    _state.device_backends = devices
-    _state.store = store
-    _state.device_id = device_id
-    pg = ProcessGroup(comm, range(size), group_name or "WORLD", seconds, spec)
+    world_state.node_rank, world_state.node_size, host_size = node_layout(comm)
+    _wait.set_oversubscribed(host_size > _usable_cores())
+    world_state.store = store
+    _gpu.bind_device_id(device_id)
+    pg = ProcessGroup(comm, range(size), group_name or "WORLD", seconds, spec, store=store)
     try:
         check_same_installation(pg, store, _installation())
     except BaseException:
         comm.Free()
         raise
-    _state.world = pg
-    _state.groups = [pg]
+    world_state.world = pg
+    world_state.groups = [pg]
     GroupMember.WORLD = pg
     _watchdog.start(pg, reliability)
     if device_id is not None and devices.get("cuda") == "nccl":
@@ -284,15 +187,16 @@ def destroy_process_group(group=None) -> None:
     call it; using a destroyed group raises RuntimeError.
     """
     if group is None:
-        if _state.world is None:
+        if world_state.world is None:
             raise RuntimeError("destroy_process_group: the default process group is not "
                                "initialized; call spmd.init_process_group() first")
         _watchdog.stop()
-        for pg in reversed(_state.groups):
+        for pg in reversed(world_state.groups):
             pg._free()
-        _state.groups = []
-        _state.world = None
-        _state.store = None
+        world_state.groups = []
+        world_state.world = None
+        world_state.store = None
+        _gpu.bind_device_id(None)
         GroupMember.WORLD = None
         return
     # resolve() refuses a group broken by a timeout; destroying it must still work.
@@ -300,12 +204,12 @@ def destroy_process_group(group=None) -> None:
     pg = group if live else resolve(group, "destroy_process_group")
     if pg is None:
         return
-    if pg is _state.world:
+    if pg is world_state.world:
         destroy_process_group(None)
         return
     pg._free()
-    if pg in _state.groups:
-        _state.groups.remove(pg)
+    if pg in world_state.groups:
+        world_state.groups.remove(pg)
 
 
 def get_backend(group=None) -> str:
@@ -318,7 +222,7 @@ def get_backend(group=None) -> str:
 
 def get_rank(group=None) -> int:
     """This process's rank in ``group`` (global rank if None); -1 if not a member."""
-    pg = _state.world if group is None else group
+    pg = world_state.world if group is None else group
     if pg is None:
         default_group("get_rank")
     if pg is GroupMember.NON_GROUP_MEMBER:
@@ -328,7 +232,7 @@ def get_rank(group=None) -> int:
 
 def get_world_size(group=None) -> int:
     """The size of ``group`` (of the world if None); -1 if this rank is not a member."""
-    pg = _state.world if group is None else group
+    pg = world_state.world if group is None else group
     if pg is None:
         default_group("get_world_size")
     if pg is GroupMember.NON_GROUP_MEMBER:
@@ -350,8 +254,8 @@ def get_node_local_rank(fallback_rank: int | None = None) -> int:
     Raises:
         RuntimeError: not initialised, no launcher variable and no fallback given.
     """
-    if _state.world is not None:
-        return _state.node_rank
+    if world_state.world is not None:
+        return world_state.node_rank
     for var in _LOCAL_RANK_VARS:
         value = os.environ.get(var)
         if value is not None and value.isdigit():

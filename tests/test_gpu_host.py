@@ -8,6 +8,8 @@ timeout and error logic driven by stand-in events and communicators."""
 import collections
 import os
 
+import re
+
 import numpy as np
 import pytest
 from conftest import TEST_TIMEOUT, all_dtypes
@@ -253,10 +255,10 @@ def test_device_map_with_registered_names():
 
 
 def _unregister(name):
-    from spmd.group import _state
+    from spmd import backend_registry
 
-    _state.backend_factories.pop(name, None)
-    _state.backend_devices.pop(name, None)
+    backend_registry.backend_factories.pop(name, None)
+    backend_registry.backend_devices.pop(name, None)
     if hasattr(spmd.Backend, name.upper()):
         delattr(spmd.Backend, name.upper())
 
@@ -441,18 +443,30 @@ def test_nccl_work_waits_on_the_stream_not_the_host(dist):
 
 @pytest.mark.mpi
 def test_nccl_work_timeout_aborts_the_communicator(dist):
-    b = _fake_backend(dist.GroupMember.WORLD)
+    # A group of its own: the timeout breaks it (as every collective timeout does).
+    pg = dist.new_group(list(range(dist.get_world_size())), group_desc="nccl-timeout")
+    b = _fake_backend(pg)
     work, _ = _fake_work(b, op="all_gather")
-    with pytest.raises(spmd.DistTimeoutError, match=r"all_gather: did not complete within "
-                       r"[\d.]+ s; the NCCL communicator was aborted \[rank \d+, group WORLD\]"):
+    with pytest.raises(spmd.DistTimeoutError) as info:
         work.synchronize(timeout=0.05)
+    text = str(info.value)
+    # The one wait helper's diagnosis: op, group, where the other ranks are, group broken.
+    assert re.match(r"all_gather: did not complete within [\d.]+ s", text), text
+    assert "[rank" in text and "group nccl-timeout" in text, text
+    assert "the NCCL communicator was aborted" in text, text
+    assert "is now broken" in text, text
     assert b._comm.aborted
     with pytest.raises(spmd.GroupBrokenError, match=r"broadcast: the group's NCCL communicator was "
                        "aborted after all_gather timed out"):
         b.check("broadcast")
-    blocking, _ = _fake_work(_fake_backend(dist.GroupMember.WORLD), op="barrier", blocking=True)
+    with pytest.raises(spmd.GroupBrokenError):
+        dist.barrier(group=pg)
+    pg2 = dist.new_group(list(range(dist.get_world_size())), group_desc="nccl-timeout-2")
+    blocking, _ = _fake_work(_fake_backend(pg2), op="barrier", blocking=True)
     with pytest.raises(spmd.DistTimeoutError, match="barrier"):
         blocking.wait(timeout=0.02)  # a barrier's wait blocks the host
+    dist.destroy_process_group(pg)
+    dist.destroy_process_group(pg2)
 
 
 @pytest.mark.mpi

@@ -11,6 +11,8 @@ from __future__ import annotations
 import numpy as np
 from mpi4py import MPI
 
+from .reduction import AVERAGE, premul_factor
+
 __all__ = ["Reduction", "accumulate", "finalize"]
 
 _UFUNCS = ((MPI.SUM, np.add), (MPI.PROD, np.multiply), (MPI.MIN, np.minimum),
@@ -24,13 +26,11 @@ class Reduction:
     __slots__ = ("avg", "direct", "factor", "mpi_op", "n", "ufunc", "upcast", "view")
 
     def __init__(self, plan, op, n: int):
-        from .mpi import _AVG, _factor  # not at the top: the MPI backend imports this module
-
         self.ufunc = next(u for m, u in _UFUNCS if m == plan.mpi_op)
         self.view = plan.view
         self.upcast = plan.upcast
-        self.factor = _factor(op) if plan.premul else None
-        self.avg = _AVG[plan.avg] if plan.avg else None
+        self.factor = premul_factor(op) if plan.premul else None
+        self.avg = AVERAGE[plan.avg] if plan.avg else None
         self.n = n
         self.mpi_op = plan.mpi_op
         self.direct = plan.simple

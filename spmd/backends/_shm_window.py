@@ -29,8 +29,8 @@ import time
 import numpy as np
 from mpi4py import MPI
 
-from .. import work as _work
-from ..topology import split_node
+from .. import _wait
+from ..nodes import split_node
 
 __all__ = ["NodeWindow", "nap", "open_window"]
 
@@ -112,7 +112,7 @@ class NodeWindow:
             v = c[0]
             if v < mark:
                 self._misses += 1
-                if _work._oversubscribed:
+                if _wait.oversubscribed:
                     nap()
                 if not self._misses % _POKE_EVERY:
                     # A peer may be blocked in MPI waiting for this rank's progress

@@ -1,78 +1,59 @@
-"""The interface every backend implements: one method per operation, each returning a Work.
+"""The interface every engine implements: one method per operation of the op table.
 
 Arguments arrive validated by the public functions (types, lengths, sizes, roots);
-a backend checks only what depends on it (which dtypes and reduce ops it supports),
+an engine checks only what depends on it (which dtypes and reduce ops it supports),
 and does so before it starts any communication.  Roots and peers are group ranks.
+An engine is given its group's context (``spmd.context.GroupContext``: communicator,
+identity, timeout) and nothing else of the group layer.
 """
 
 from __future__ import annotations
 
-import abc
+from typing import Any
 
-__all__ = ["Backend"]
+from ..optable import ENGINE_OPS, OPS
+
+__all__ = ["DeviceBackend"]
 
 
-class Backend(abc.ABC):
-    """One group's engine for one kind of device."""
+class DeviceBackend:
+    """One group's engine for one kind of device.
+
+    Every operation of ``spmd.optable.ENGINE_OPS`` is a method returning a Work; an
+    engine that lacks one raises NotImplementedError naming the op and the engine.
+    """
 
     name: str = "?"
 
-    def __init__(self, group):
+    def __init__(self, group: Any):
         self.group = group
 
     def shutdown(self) -> None:
-        """Release what the backend holds; the group's communicator is freed by the group."""
+        """Release what the engine holds; the group's communicator is freed by the group."""
 
-    @abc.abstractmethod
-    def broadcast(self, tensor, root): ...
+    def on_split(self, child: Any, color: int, key: int) -> None:
+        """Called on every member after ``Comm.Split`` of the group (``child`` is this
+        rank's new group or None): engines with communicators of their own split them
+        too (NCCL's ``ncclCommSplit``)."""
 
-    @abc.abstractmethod
-    def all_reduce(self, tensor, op): ...
-
-    @abc.abstractmethod
-    def all_reduce_coalesced(self, tensors, op): ...
-
-    @abc.abstractmethod
-    def reduce(self, tensor, root, op): ...
-
-    @abc.abstractmethod
-    def all_gather(self, outputs, tensor): ...
-
-    @abc.abstractmethod
-    def all_gather_into_tensor(self, output, tensor): ...
-
-    @abc.abstractmethod
-    def all_gather_coalesced(self, output_lists, inputs): ...
-
-    @abc.abstractmethod
-    def gather(self, tensor, outputs, root): ...
-
-    @abc.abstractmethod
-    def scatter(self, tensor, inputs, root): ...
-
-    @abc.abstractmethod
-    def reduce_scatter(self, output, inputs, op): ...
-
-    @abc.abstractmethod
-    def reduce_scatter_tensor(self, output, tensor, op): ...
-
-    @abc.abstractmethod
-    def all_to_all(self, outputs, inputs): ...
-
-    @abc.abstractmethod
-    def all_to_all_single(self, output, tensor, output_counts, input_counts): ...
-
-    @abc.abstractmethod
-    def barrier(self): ...
-
-    @abc.abstractmethod
-    def send(self, tensor, peer, tag): ...
-
-    @abc.abstractmethod
-    def recv(self, tensor, peer, tag): ...
-
-    def batch_p2p(self, ops):
+    def batch_p2p(self, ops: list) -> list:
         """Start a batch of ``(sending, tensor, peer, tag)``; return their Works in order.
-        Backends that must launch a batch together (NCCL) override it."""
+        Engines that must launch a batch together (NCCL) override it."""
         return [self.send(a, peer, tag) if sending else self.recv(a, peer, tag)
                 for sending, a, peer, tag in ops]
+
+
+def _missing(name: str):
+    params = ", ".join(OPS[name].params)
+
+    def method(self, *args):
+        raise NotImplementedError(f"{name}: the {self.name} backend does not implement it "
+                                  f"[rank {self.group._rank}, group {self.group._name}]")
+
+    method.__name__ = name
+    method.__doc__ = f"Start ``{name}({params})``; return its Work."
+    return method
+
+
+for _name in ENGINE_OPS:
+    setattr(DeviceBackend, _name, _missing(_name))

@@ -25,9 +25,12 @@ import numpy as np
 from mpi4py import MPI
 
 from .. import _gpu
+from ..arrays import movable
 from ..work import Work
-from .base import Backend
-from .mpi import _PLANS, MPIBackend
+from .base import DeviceBackend
+from ..backend_registry import Backend
+from .mpi import MPIBackend
+from .reduction import PLANS, counts_displs
 
 __all__ = ["CudaMPIBackend"]
 
@@ -39,17 +42,17 @@ def direct_plan(dtype, op):
     """The host plan when a reduction can run on the device buffer as it is (a plain MPI
     op, at most a same-width view), else None."""
     try:
-        plan = _PLANS[op.name][dtype]
+        plan = PLANS[op.name][dtype]
     except (KeyError, AttributeError):
         return None
     return plan if type(plan) is not str and plan.simple else None
 
 
-def _mview(a, plan):
+def mpi_view(a, plan):
     return a if plan.view is None else a.view(plan.view)
 
 
-class CudaMPIBackend(Backend):
+class CudaMPIBackend(DeviceBackend):
     """MPI collectives and point-to-point operations on cupy arrays."""
 
     name = "mpi"
@@ -77,8 +80,6 @@ class CudaMPIBackend(Backend):
 
     @staticmethod
     def _cpu_is_mpi(group) -> bool:
-        from ..world import Backend
-
         return Backend.device_map(group._backend_name).get("cpu") == "mpi"
 
     # -- staging -------------------------------------------------------------------
@@ -154,7 +155,7 @@ class CudaMPIBackend(Backend):
         plan = self.direct_reductions and a.flags.c_contiguous and direct_plan(a.dtype, op)
         if plan:
             self._sync()
-            req = self.comm.Iallreduce(_IN_PLACE, _mview(a, plan), plan.mpi_op)
+            req = self.comm.Iallreduce(_IN_PLACE, mpi_view(a, plan), plan.mpi_op)
             return self._direct([req], "all_reduce", [a], a)
         (h,) = self._down([a])
         return self._staged(self.host.all_reduce(h, op), [(a, h)], [a])
@@ -169,7 +170,7 @@ class CudaMPIBackend(Backend):
         plan = self.direct_reductions and a.flags.c_contiguous and direct_plan(a.dtype, op)
         if plan:
             self._sync()
-            buf = _mview(a, plan)
+            buf = mpi_view(a, plan)
             if is_root:
                 req = self.comm.Ireduce(_IN_PLACE, buf, plan.mpi_op, root)
             else:
@@ -183,7 +184,7 @@ class CudaMPIBackend(Backend):
                 and direct_plan(a.dtype, op))
         if plan:
             self._sync()
-            req = self.comm.Ireduce_scatter_block(_mview(a, plan), _mview(out, plan), plan.mpi_op)
+            req = self.comm.Ireduce_scatter_block(mpi_view(a, plan), mpi_view(out, plan), plan.mpi_op)
             return self._direct([req], "reduce_scatter_tensor", [out], (a, out))
         (h,) = self._down([a])
         (ho,) = self._host_outputs([out])
@@ -199,7 +200,6 @@ class CudaMPIBackend(Backend):
     def broadcast(self, a, root):
         if self.direct and a.flags.c_contiguous:
             self._sync()
-            from ..arrays import movable
 
             req = self.comm.Ibcast(movable(a), root)
             return self._direct([req], "broadcast", [a], a)
@@ -217,7 +217,6 @@ class CudaMPIBackend(Backend):
     def all_gather_into_tensor(self, out, a):
         if self.direct and a.flags.c_contiguous and out.flags.c_contiguous:
             self._sync()
-            from ..arrays import movable
 
             req = self.comm.Iallgather(movable(a), movable(out))
             return self._direct([req], "all_gather_into_tensor", [out], (a, out))
@@ -253,15 +252,13 @@ class CudaMPIBackend(Backend):
     def all_to_all_single(self, out, a, output_counts, input_counts):
         if self.direct and a.flags.c_contiguous and out.flags.c_contiguous:
             self._sync()
-            from ..arrays import movable
-            from .mpi import _counts_displs
 
             src, dst = movable(a), movable(out)
             if input_counts is None:
                 req = self.comm.Ialltoall(src, dst)
             else:
-                req = self.comm.Ialltoallv([src, _counts_displs(input_counts)],
-                                           [dst, _counts_displs(output_counts)])
+                req = self.comm.Ialltoallv([src, counts_displs(input_counts)],
+                                           [dst, counts_displs(output_counts)])
             return self._direct([req], "all_to_all_single", [out], (a, out))
         (h,) = self._down([a])
         (ho,) = self._host_outputs([out])
@@ -276,7 +273,6 @@ class CudaMPIBackend(Backend):
     def send(self, a, peer, tag):
         if self.direct and a.flags.c_contiguous:
             self._sync()
-            from ..arrays import movable
 
             return self._direct([self.comm.Isend(movable(a), peer, tag)], "send", [a], a)
         (h,) = self._down([a])
@@ -285,7 +281,6 @@ class CudaMPIBackend(Backend):
     def recv(self, a, peer, tag):
         if self.direct and a.flags.c_contiguous:
             self._sync()
-            from ..arrays import movable
 
             status = MPI.Status()
             req = self.comm.Irecv(movable(a), MPI.ANY_SOURCE if peer is None else peer, tag)

@@ -11,12 +11,11 @@ from __future__ import annotations
 import numpy as np
 from mpi4py import MPI
 
-from ..arrays import MOVE_AS, SUPPORTED_DTYPES, family, movable
-from ..coalescing import pack_buckets
-from ..errors import located
-from ..ops import ReduceOp
+from ..arrays import MOVE_AS, movable
+from ..packing import pack_buckets
 from ..work import Work
-from .base import Backend
+from .base import DeviceBackend
+from .reduction import AVERAGE, PLANS, Plan, checked_plan, counts_displs, mpi_view, premul_factor
 from .shm import engine_for
 
 __all__ = ["MPIBackend"]
@@ -25,126 +24,6 @@ _IN_PLACE = MPI.IN_PLACE
 _ANY_SOURCE = MPI.ANY_SOURCE
 _F32 = np.dtype(np.float32)
 _U8 = np.dtype(np.uint8)
-
-
-class _Plan:
-    """How one (dtype, ReduceOp) pair is reduced by MPI."""
-
-    __slots__ = ("mpi_op", "view", "upcast", "avg", "premul", "simple")
-
-    def __init__(self, mpi_op, view=None, upcast=None, avg=None, premul=False):
-        self.mpi_op = mpi_op
-        self.view = view        # reinterpret as this dtype (bool as uint8), no copy
-        self.upcast = upcast    # reduce a copy in this dtype (float16/bfloat16 in float32)
-        self.avg = avg          # None, or how to divide the sum by the group size
-        self.premul = premul    # scale a copy of the input by the op's factor first
-        self.simple = upcast is None and avg is None and not premul
-
-
-_MPI_OPS = {"SUM": MPI.SUM, "PRODUCT": MPI.PROD, "MIN": MPI.MIN, "MAX": MPI.MAX,
-            "BAND": MPI.BAND, "BOR": MPI.BOR, "BXOR": MPI.BXOR}
-_BITWISE = ("BAND", "BOR", "BXOR")
-# bool arrays are reduced as uint8 0/1 values: sum and max are "or", product and min "and".
-_BOOL_OPS = {"SUM": MPI.MAX, "PRODUCT": MPI.MIN, "MIN": MPI.MIN, "MAX": MPI.MAX,
-             "BAND": MPI.BAND, "BOR": MPI.BOR, "BXOR": MPI.BXOR}
-
-
-def _plan_for(dtype: np.dtype, name: str) -> _Plan | str:
-    """The plan, or the reason the pair is refused (one sentence)."""
-    fam = family(dtype)
-    if fam == "bool":
-        if name in _BOOL_OPS:
-            return _Plan(_BOOL_OPS[name], view=_U8)
-        return f"ReduceOp.{name} is not defined for bool arrays"
-    if fam in ("int", "uint"):
-        if name in _MPI_OPS:
-            return _Plan(_MPI_OPS[name])
-        if name == "AVG":
-            return _Plan(MPI.SUM, avg=fam)
-        return f"ReduceOp.{name} needs a floating point or complex dtype, got {dtype}"
-    if name in _BITWISE:
-        return f"ReduceOp.{name} needs an integer or bool dtype, got {dtype}"
-    if fam == "complex" and name in ("MIN", "MAX"):
-        return f"ReduceOp.{name} is not defined for complex arrays ({dtype})"
-    upcast = _F32 if fam == "half" else None
-    if name == "AVG":
-        return _Plan(MPI.SUM, upcast=upcast, avg="float")
-    if name == "PREMUL_SUM":
-        return _Plan(MPI.SUM, upcast=upcast, premul=True)
-    return _Plan(_MPI_OPS[name], upcast=upcast)
-
-
-# Built once: plans by op name, then by dtype.  Refusals are stored as strings.
-_PLANS: dict[str, dict[np.dtype, _Plan | str]] = {
-    name: {dt: _plan_for(dt, name) for dt in SUPPORTED_DTYPES} for name in _MPI_OPS
-}
-for _name in ("AVG", "PREMUL_SUM"):
-    _PLANS[_name] = {dt: _plan_for(dt, _name) for dt in SUPPORTED_DTYPES}
-
-
-def _avg_float(buf, n):
-    if buf.dtype.kind == "c":
-        # numpy's complex / real is not correctly rounded; divide each component.
-        buf.real /= n
-        buf.imag /= n
-    else:
-        buf /= n
-
-
-def _avg_uint(buf, n):
-    buf //= n
-
-
-def _avg_int(buf, n):
-    # NCCL truncates toward zero; floor division rounds negative quotients down.
-    fix = (buf < 0) & (np.remainder(buf, n) != 0)
-    buf //= n
-    np.add(buf, fix, out=buf, casting="unsafe")
-
-
-_AVG = {"float": _avg_float, "uint": _avg_uint, "int": _avg_int}
-
-
-def _factor(op: ReduceOp):
-    f = op.factor
-    if hasattr(f, "shape"):
-        f = f.reshape(()).item() if hasattr(f, "reshape") else f.item()
-    return f
-
-
-def checked_plan(plans: dict, dtype, op, opname: str, group):
-    """``plans[op.name][dtype]`` (a backend's reduction plans), or the error that says
-    why ``op`` cannot reduce ``dtype`` arrays (plans hold a message where it cannot)."""
-    try:
-        plan = plans[op.name][dtype]
-    except (KeyError, AttributeError):
-        if not isinstance(op, ReduceOp):
-            raise located(TypeError, opname, f"op must be a ReduceOp, got {type(op).__name__}",
-                          group) from None
-        raise located(ValueError, opname, f"{op!r} cannot be used as a reduction",
-                      group) from None
-    if type(plan) is str:
-        raise located(TypeError, opname, plan, group)
-    if plan.premul:
-        if op.factor is None:
-            raise located(ValueError, opname, "PREMUL_SUM needs a factor: use "
-                          "spmd.make_premul_sum(factor)", group)
-        if isinstance(_factor(op), complex) and family(dtype) != "complex":
-            raise located(TypeError, opname, f"a complex PREMUL_SUM factor cannot scale "
-                          f"{dtype} arrays", group)
-    return plan
-
-
-def _mview(buf: np.ndarray, plan: _Plan) -> np.ndarray:
-    return buf if plan.view is None else buf.view(plan.view)
-
-
-def _counts_displs(counts: list[int]) -> tuple[list[int], list[int]]:
-    displs, total = [], 0
-    for c in counts:
-        displs.append(total)
-        total += c
-    return counts, displs
 
 
 def _pack(arrays: list, dtype: np.dtype) -> np.ndarray:
@@ -176,7 +55,7 @@ def _recv_buffer(out: np.ndarray, dtype=None) -> np.ndarray:
     return np.empty(out.shape, dtype or out.dtype)
 
 
-class MPIBackend(Backend):
+class MPIBackend(DeviceBackend):
     """MPI collectives and point-to-point operations on host (numpy) arrays."""
 
     name = "mpi"
@@ -194,11 +73,11 @@ class MPIBackend(Backend):
 
     # -- helpers -----------------------------------------------------------------
 
-    def _plan(self, dtype: np.dtype, op, opname: str) -> _Plan:
-        return checked_plan(_PLANS, dtype, op, opname, self.group)
+    def _plan(self, dtype: np.dtype, op, opname: str) -> Plan:
+        return checked_plan(PLANS, dtype, op, opname, self.group)
 
     @staticmethod
-    def _stage(a: np.ndarray, plan: _Plan, op, may_modify: bool) -> np.ndarray:
+    def _stage(a: np.ndarray, plan: Plan, op, may_modify: bool) -> np.ndarray:
         """The buffer MPI reduces: ``a`` itself when possible, else a prepared copy."""
         if plan.upcast is not None:
             buf = a.astype(plan.upcast)
@@ -207,12 +86,12 @@ class MPIBackend(Backend):
         else:
             buf = np.array(a, order="C")
         if plan.premul:
-            np.multiply(buf, _factor(op), out=buf, casting="unsafe")
+            np.multiply(buf, premul_factor(op), out=buf, casting="unsafe")
         return buf
 
-    def _finisher(self, out: np.ndarray, buf: np.ndarray, plan: _Plan):
+    def _finisher(self, out: np.ndarray, buf: np.ndarray, plan: Plan):
         """What completion does: divide for AVG, copy a staged result back into ``out``."""
-        avg = _AVG[plan.avg] if plan.avg else None
+        avg = AVERAGE[plan.avg] if plan.avg else None
         if buf is out and avg is None:
             return None
         n = self.size
@@ -236,16 +115,16 @@ class MPIBackend(Backend):
         # The common case (a plain op on a contiguous array) takes two dict lookups;
         # anything else, refusals included, goes through the checked path below.
         try:
-            plan = _PLANS[op.name][a.dtype]
+            plan = PLANS[op.name][a.dtype]
         except (KeyError, AttributeError):
             plan = None
-        if type(plan) is _Plan and plan.simple and a.flags.c_contiguous:
+        if type(plan) is Plan and plan.simple and a.flags.c_contiguous:
             req = self.comm.Iallreduce(_IN_PLACE, a if plan.view is None else a.view(plan.view),
                                        plan.mpi_op)
             return Work([req], "all_reduce", self.group, [a], None, a)
         plan = self._plan(a.dtype, op, "all_reduce")
         buf = self._stage(a, plan, op, True)
-        req = self.comm.Iallreduce(_IN_PLACE, _mview(buf, plan), plan.mpi_op)
+        req = self.comm.Iallreduce(_IN_PLACE, mpi_view(buf, plan), plan.mpi_op)
         return self._work([req], "all_reduce", [a], self._finisher(a, buf, plan), buf)
 
     def all_reduce_coalesced(self, tensors, op):
@@ -264,9 +143,9 @@ class MPIBackend(Backend):
             for p in pack_buckets(arrays, plan.upcast or dt, plan.upcast is None
                                   and not plan.premul):
                 if plan.premul:
-                    np.multiply(p.buf, _factor(op), out=p.buf, casting="unsafe")
-                reqs.append(self.comm.Iallreduce(_IN_PLACE, _mview(p.buf, plan), plan.mpi_op))
-                packed.append((p, _AVG[plan.avg] if plan.avg else None))
+                    np.multiply(p.buf, premul_factor(op), out=p.buf, casting="unsafe")
+                reqs.append(self.comm.Iallreduce(_IN_PLACE, mpi_view(p.buf, plan), plan.mpi_op))
+                packed.append((p, AVERAGE[plan.avg] if plan.avg else None))
         n = self.size
 
         def finish():
@@ -281,10 +160,10 @@ class MPIBackend(Backend):
         if self._shm is not None and a.nbytes >= self._shm.reduce_from:
             return self._shm.reduce(a, root, op)
         try:
-            plan = _PLANS[op.name][a.dtype]
+            plan = PLANS[op.name][a.dtype]
         except (KeyError, AttributeError):
             plan = None
-        if type(plan) is _Plan and plan.simple and a.flags.c_contiguous:
+        if type(plan) is Plan and plan.simple and a.flags.c_contiguous:
             m = a if plan.view is None else a.view(plan.view)
             if self.rank == root:
                 req = self.comm.Ireduce(_IN_PLACE, m, plan.mpi_op, root)
@@ -295,19 +174,19 @@ class MPIBackend(Backend):
         is_root = self.rank == root
         buf = self._stage(a, plan, op, is_root)
         if is_root:
-            req = self.comm.Ireduce(_IN_PLACE, _mview(buf, plan), plan.mpi_op, root)
+            req = self.comm.Ireduce(_IN_PLACE, mpi_view(buf, plan), plan.mpi_op, root)
             return self._work([req], "reduce", [a], self._finisher(a, buf, plan), buf)
-        req = self.comm.Ireduce(_mview(buf, plan), None, plan.mpi_op, root)
+        req = self.comm.Ireduce(mpi_view(buf, plan), None, plan.mpi_op, root)
         return self._work([req], "reduce", [a], None, buf)
 
     def reduce_scatter_tensor(self, out, a, op):
         if self._shm is not None and a.nbytes >= self._shm.reduce_scatter_from:
             return self._shm.reduce_scatter_tensor(out, a, op)
         try:
-            plan = _PLANS[op.name][a.dtype]
+            plan = PLANS[op.name][a.dtype]
         except (KeyError, AttributeError):
             plan = None
-        if type(plan) is _Plan and plan.simple and a.flags.c_contiguous \
+        if type(plan) is Plan and plan.simple and a.flags.c_contiguous \
                 and out.flags.c_contiguous:
             view = plan.view
             req = self.comm.Ireduce_scatter_block(a if view is None else a.view(view),
@@ -317,7 +196,7 @@ class MPIBackend(Backend):
         plan = self._plan(a.dtype, op, "reduce_scatter_tensor")
         buf = self._stage(a, plan, op, False)
         rbuf = _recv_buffer(out, plan.upcast)
-        req = self.comm.Ireduce_scatter_block(_mview(buf, plan), _mview(rbuf, plan), plan.mpi_op)
+        req = self.comm.Ireduce_scatter_block(mpi_view(buf, plan), mpi_view(rbuf, plan), plan.mpi_op)
         return self._work([req], "reduce_scatter_tensor", [out],
                           self._finisher(out, rbuf, plan), (buf, rbuf))
 
@@ -325,10 +204,10 @@ class MPIBackend(Backend):
         plan = self._plan(out.dtype, op, "reduce_scatter")
         buf = _pack(inputs, plan.upcast or out.dtype)
         if plan.premul:
-            np.multiply(buf, _factor(op), out=buf, casting="unsafe")
+            np.multiply(buf, premul_factor(op), out=buf, casting="unsafe")
         rbuf = _recv_buffer(out, plan.upcast)
         counts = [x.size for x in inputs]
-        req = self.comm.Ireduce_scatter(_mview(buf, plan), _mview(rbuf, plan), counts, plan.mpi_op)
+        req = self.comm.Ireduce_scatter(mpi_view(buf, plan), mpi_view(rbuf, plan), counts, plan.mpi_op)
         return self._work([req], "reduce_scatter", [out], self._finisher(out, rbuf, plan),
                           (buf, rbuf))
 
@@ -355,7 +234,7 @@ class MPIBackend(Backend):
         if counts.count(counts[0]) == len(counts):
             req = self.comm.Iallgather(src, movable(rbuf))
         else:
-            req = self.comm.Iallgatherv(src, [movable(rbuf), _counts_displs(counts)])
+            req = self.comm.Iallgatherv(src, [movable(rbuf), counts_displs(counts)])
         return self._work([req], "all_gather", list(outputs),
                           lambda: _unpack_into(outputs, rbuf), (src, rbuf))
 
@@ -414,8 +293,8 @@ class MPIBackend(Backend):
         sbuf = _pack(inputs, inputs[0].dtype if inputs else outputs[0].dtype)
         rcounts = [o.size for o in outputs]
         rbuf = np.empty(sum(rcounts), sbuf.dtype)
-        req = self.comm.Ialltoallv([movable(sbuf), _counts_displs([x.size for x in inputs])],
-                                   [movable(rbuf), _counts_displs(rcounts)])
+        req = self.comm.Ialltoallv([movable(sbuf), counts_displs([x.size for x in inputs])],
+                                   [movable(rbuf), counts_displs(rcounts)])
         return self._work([req], "all_to_all", list(outputs),
                           lambda: _unpack_into(outputs, rbuf), (sbuf, rbuf))
 
@@ -432,8 +311,8 @@ class MPIBackend(Backend):
         if input_counts is None:
             req = self.comm.Ialltoall(src, movable(rbuf))
         else:
-            req = self.comm.Ialltoallv([src, _counts_displs(input_counts)],
-                                       [movable(rbuf), _counts_displs(output_counts)])
+            req = self.comm.Ialltoallv([src, counts_displs(input_counts)],
+                                       [movable(rbuf), counts_displs(output_counts)])
         finish = None if rbuf is out else (lambda: np.copyto(out, rbuf))
         return self._work([req], "all_to_all_single", [out], finish, (src, rbuf))
 

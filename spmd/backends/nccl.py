@@ -31,10 +31,11 @@ import weakref
 import numpy as np
 
 from .. import _gpu
+from .._wait import wait_until
 from .._bootstrap import broadcast_value
 from ..arrays import bfloat16
-from ..errors import DistBackendError, DistTimeoutError, GroupBrokenError, located
-from ..work import Work, _seconds
+from ..errors import DistBackendError, GroupBrokenError, located
+from ..work import Work, seconds_of
 from ._nccl_plans import (
     NCCL_TYPES,
     NOCOLOR,
@@ -44,8 +45,9 @@ from ._nccl_plans import (
     uid_for_cupy,
     uid_to_bytes,
 )
-from .base import Backend
-from .mpi import _factor, checked_plan
+from ..backend_registry import Backend as BackendName
+from .base import DeviceBackend
+from .reduction import checked_plan, premul_factor
 
 __all__ = ["NCCL_TYPES", "NCCLBackend", "NcclWork", "plan_for", "uid_for_cupy", "uid_to_bytes"]
 
@@ -104,7 +106,7 @@ class NcclWork(Work):
 
     def synchronize(self, timeout=None) -> None:
         """Block the host until the operation has completed on the GPU."""
-        seconds = self._group._timeout if timeout is None else _seconds(timeout)
+        seconds = self._group._timeout if timeout is None else seconds_of(timeout)
         if not self._done:
             self._owner.host_wait(self, seconds)
             self._complete()
@@ -150,7 +152,7 @@ def _typed(buf_u8, like):
     return buf_u8.view(like.dtype).reshape(like.shape)
 
 
-class NCCLBackend(Backend):
+class NCCLBackend(DeviceBackend):
     """NCCL collectives and point-to-point operations on cupy arrays."""
 
     name = "nccl"
@@ -169,8 +171,6 @@ class NCCLBackend(Backend):
         self._inflight: collections.deque = collections.deque()
         self._resolved: dict = {}
         self.created_by = None  # "unique id" or "commSplit", for tests and spmd info
-        if _split_hook not in _state().split_hooks:
-            _state().split_hooks.append(_split_hook)
 
     # -- communicator ---------------------------------------------------------------
 
@@ -182,9 +182,8 @@ class NCCLBackend(Backend):
         cp, pg = self._cp, self.group
         device = _gpu.bound_device()
         with cp.cuda.Device(device):
-            pending = getattr(pg, "_nccl_split", None)
+            pending = pg._inherited.pop("cuda", None)
             if pending is not None:
-                pg._nccl_split = None
                 comm, self.created_by = pending, "commSplit"
             else:
                 comm, self.created_by = self._from_unique_id(op), "unique id"
@@ -201,7 +200,7 @@ class NCCLBackend(Backend):
                 value = uid_to_bytes(nccl.get_unique_id())
             except Exception as exc:  # noqa: BLE001 - the others must hear about it too
                 value = b"error:" + f"{type(exc).__name__}: {exc}".encode()
-        raw = broadcast_value(pg, _state().store, "nccl-unique-id", value)
+        raw = broadcast_value(pg, pg._store, "nccl-unique-id", value)
         if raw.startswith(b"error:"):
             raise located(DistBackendError, op, f"ncclGetUniqueId failed on group rank 0: "
                           f"{raw[6:].decode()}", pg)
@@ -210,6 +209,9 @@ class NCCLBackend(Backend):
                                          pg._rank)
         except Exception as exc:
             raise located(DistBackendError, op, f"ncclCommInitRank failed: {exc}", pg) from exc
+
+    def on_split(self, child, color: int, key: int) -> None:
+        _split_hook(self, child, color, key)
 
     def can_split(self) -> bool:
         if not hasattr(self._nccl.NcclCommunicator, "commSplit"):
@@ -262,23 +264,26 @@ class NCCLBackend(Backend):
         self._cp.cuda.get_current_stream().wait_event(event)
 
     def host_wait(self, work: NcclWork, seconds: float) -> None:
-        start = time.monotonic()
-        deadline = start + seconds
         event, spins = work._event, 0
-        while not event.done:
+
+        def done() -> bool:
+            nonlocal spins
+            if event.done:
+                return True
             spins += 1
             if not spins & 63:
-                self.check(work._op)
-                now = time.monotonic()
-                if now > deadline:
-                    self._abort(f"{work._op} timed out")
-                    raise located(DistTimeoutError, work._op, f"did not complete within "
-                                  f"{now - start:.1f} s; the NCCL communicator was aborted",
-                                  self.group)
+                self.check(work._op)  # an asynchronous NCCL error ends the wait at once
+            return False
+
+        def nap() -> None:
             if spins > 4096:
                 time.sleep(50e-6)
             else:
                 os.sched_yield()
+
+        wait_until(done, seconds, work._op, self.group, work=work, nap=nap,
+                   source="waiting on the host; the NCCL communicator was aborted",
+                   on_timeout=lambda: self._abort(f"{work._op} timed out"))
         self.check(work._op)
 
     def _reap(self) -> None:
@@ -351,7 +356,7 @@ class NCCLBackend(Backend):
         cp = self._cp
         if plan.premul:
             buf = cp.array(a, order="C")
-            cp.multiply(buf, _factor(op), out=buf, casting="unsafe")
+            cp.multiply(buf, premul_factor(op), out=buf, casting="unsafe")
             return buf
         return _contig(cp, a)
 
@@ -396,7 +401,7 @@ class NCCLBackend(Backend):
                 plan, t, o, divide = plans[dt]
                 buf = cp.concatenate([_flat_bytes(cp, x) for x in arrays]).view(dt)
                 if plan.premul:
-                    cp.multiply(buf, _factor(op), out=buf, casting="unsafe")
+                    cp.multiply(buf, premul_factor(op), out=buf, casting="unsafe")
                 if buf.size:
                     comm.allReduce(buf.data.ptr, buf.data.ptr, buf.size * plan.count_factor,
                                    t, o, s)
@@ -452,7 +457,7 @@ class NCCLBackend(Backend):
             if sizes.count(sizes[0]) == len(sizes):
                 buf = cp.concatenate([_flat_bytes(cp, x) for x in inputs]).view(out.dtype)
                 if plan.premul:
-                    cp.multiply(buf, _factor(op), out=buf, casting="unsafe")
+                    cp.multiply(buf, premul_factor(op), out=buf, casting="unsafe")
                 if out.size:
                     comm.reduceScatter(buf.data.ptr, rbuf.data.ptr,
                                        out.size * plan.count_factor, t, o, s)
@@ -689,17 +694,11 @@ class NCCLBackend(Backend):
         return works
 
 
-def _state():
-    from ..group import _state as state
-
-    return state
-
-
-def _split_hook(parent, child, color: int, key: int) -> None:
+def _split_hook(backend: NCCLBackend, child, color: int, key: int) -> None:
     """After ``Comm.Split`` of a group whose NCCL communicator exists, split that too
     (``ncclCommSplit`` is collective over the parent: every member calls it)."""
-    backend = parent._backends.get("cuda")
-    if not isinstance(backend, NCCLBackend) or backend._comm is None or backend._broken:
+    parent = backend.group
+    if backend._comm is None or backend._broken:
         return
     if not backend.can_split():
         return
@@ -715,9 +714,7 @@ def _split_hook(parent, child, color: int, key: int) -> None:
         if new is not None:
             new.destroy()
         return
-    from ..world import Backend as BackendName
-
     if BackendName.device_map(child._backend_name).get("cuda") == "nccl":
-        child._nccl_split = new
+        child._inherited["cuda"] = new
     else:
         new.destroy()

@@ -37,91 +37,40 @@ Works first.
 
 from __future__ import annotations
 
-import os
 import threading
-import time
 from collections import deque
 
 import numpy as np
 from mpi4py import MPI
 
-from .. import work as _work
-from ..errors import DistTimeoutError, GroupBrokenError
-from ..work import Work, _seconds
+from .. import _wait
+from .._wait import wait_until
+from ..errors import GroupBrokenError
+from ..work import Work, seconds_of
 from ._shm_reduce import Reduction, accumulate, finalize
+from ._shm_settings import (
+    ALIGN,
+    ALL_GATHER_TO,
+    AUTO_FROM,
+    AUTO_FROM_OVERSUBSCRIBED,
+    HIER_FROM,
+    NEVER,
+    ONE_SHOT_READ,
+    SHM_ENV,
+    SLOT_BYTES,
+    SLOT_BYTES_OVERSUBSCRIBED,
+    SLOTS,
+    shm_mode,
+    status,
+)
 from ._shm_window import nap as _nap
 from ._shm_window import open_window
 
 __all__ = ["SHM_ENV", "ShmEngine", "engine_for", "shm_mode", "status"]
 
-SHM_ENV = "SPMD_SHM"
-_NEVER = 1 << 62
-
-# -- measured constants --------------------------------------------------------------
-# Bytes per slot and slots per rank: a rank's segment is SLOTS x SLOT_BYTES (+4 KiB).
-# 64 MiB float32 all_reduce, 2 ranks on 2 cores (load 4.5, medians of 7): slots of 1, 2,
-# 4, 8 MiB took 28, 38, 41, 40 ms (MPI 62).  4 ranks on the same 2 cores, where every
-# wait costs a trip through the scheduler: 1, 2, 4, 8 MiB took 163, 76, 67, 63 ms
-# (MPI 170).  Hence bigger slots (fewer waits) when ranks outnumber cores.
-SLOT_BYTES = 1 << 20
-SLOT_BYTES_OVERSUBSCRIBED = 4 << 20
-SLOTS = 3                # the fewest the release marks allow; 4 measured no faster
-# One-shot all_reduce/reduce while every rank reads at most this many bytes (local
-# ranks x message) and the message fits one slot: 2 MiB messages at 2 ranks, 1 MiB at 4.
-ONE_SHOT_READ = 4 << 20
-# Sizes (bytes: the array for all_reduce, reduce and broadcast, the input of
-# reduce_scatter_tensor, the output of the all-gathers) from which the engine takes an op
-# in SPMD_SHM=auto mode.  Measured with benchmarks/shm_allreduce.py (float32, medians,
-# load average 4-6 on the 2-core test machine, so +-30% is noise):
-# - 2 ranks on 2 cores: all_reduce 0.9x MPI's speed at 16 KiB, 1.4x at 32 KiB, 1.9x
-#   at 64 KiB, 3-4x from 256 KiB to 4 MiB, 1.0x at 16 MiB, 2.4x at 64 MiB; reduce 1.2x
-#   at 16 KiB, 4.7x at 64 KiB, 6-15x above; reduce_scatter_tensor 1.1x at 64 KiB,
-#   1.2-3.8x above; all-gathers 1.9-2.6x from 256 KiB to 2 MiB but 0.7-0.9x from 4 MiB
-#   (MPI copies large messages once, the window twice); broadcast 0.3-0.7x everywhere.
-# - 4 ranks on 2 cores (oversubscribed): MPI's small-message times swing between 0.05
-#   and 1.6 ms from run to run, the engine's stay near 0.3-0.6 ms; from 64 KiB the
-#   engine was 1.2-11x faster for all_reduce, 2.5-7x for broadcast, the all-gathers and
-#   reduce_scatter_tensor, and from 256 KiB 2.5-6x for reduce.
-# - Measured again on the quiet machine (load < 3): MPI is faster than under load, and
-#   the all-gathers lost their lead: at 2 ranks the engine took 1.1-3x MPI's time from
-#   128 KiB to 1 MiB and tied above; at 4 ranks 2-3x from 16 KiB to 256 KiB, a tie
-#   above.  They stay with MPI in auto mode.  all_reduce at 4 ranks: 1.35x MPI's time
-#   at 64 KiB, a tie at 128 KiB, 0.83x at 256 KiB, 2.1x faster at 64 MiB; at 2 ranks a
-#   tie from 32 KiB to 4 MiB, 1.2x faster at 16 MiB, 2.8x at 64 MiB.  reduce and
-#   reduce_scatter_tensor (2 ranks) 1.1-7x faster from 128 KiB.
-AUTO_FROM = {"all_reduce_from": 32 << 10, "reduce_from": 64 << 10,
-             "reduce_scatter_from": 64 << 10, "broadcast_from": _NEVER,
-             "all_gather_from": _NEVER}
-AUTO_FROM_OVERSUBSCRIBED = {"all_reduce_from": 256 << 10, "reduce_from": 256 << 10,
-                            "reduce_scatter_from": 64 << 10, "broadcast_from": 64 << 10,
-                            "all_gather_from": _NEVER}
-# The all-gathers go back to MPI from this output size (unless ranks outnumber cores).
-ALL_GATHER_TO = 4 << 20
-# Smallest all_reduce the engine takes in auto mode when the group spans several nodes.
-# Pseudo-nodes (2 x 2 ranks on the 2-core host) measured 0.5-0.8x MPI's speed from
-# 64 KiB to 16 MiB and 1.2-1.3x at 64 MiB; real multi-node runs are not measured here.
-HIER_FROM = 32 << 20
-_ALIGN = 64              # bytes: parts of a chunk owned by different ranks start on cache lines
+_NEVER = NEVER
+_ALIGN = ALIGN
 _U8 = np.dtype(np.uint8)
-
-_MODES = {"": "auto", "1": "auto", "auto": "auto", "on": "auto", "true": "auto",
-          "yes": "auto", "0": "off", "off": "off", "false": "off", "no": "off",
-          "force": "force", "always": "force"}
-
-
-def shm_mode(environ=None) -> str:
-    """``"auto"``, ``"off"`` or ``"force"`` from ``SPMD_SHM`` (auto when unset).
-
-    Raises:
-        ValueError: the variable has a value this function does not know.
-    """
-    env = os.environ if environ is None else environ
-    value = env.get(SHM_ENV, "").strip().lower()
-    try:
-        return _MODES[value]
-    except KeyError:
-        raise ValueError(f"{SHM_ENV}={value!r}: expected 0 (off), 1 or auto (where it is "
-                         "faster than MPI) or force (at every size)") from None
 
 
 def engine_for(backend) -> ShmEngine | None:
@@ -185,7 +134,7 @@ class _ShmWork(Work):
 
     def wait(self, timeout=None) -> bool:
         if not self._done and not self._test():
-            self._poll(self._group._timeout if timeout is None else _seconds(timeout))
+            self._poll(self._group._timeout if timeout is None else seconds_of(timeout))
         return super().wait(timeout)
 
 
@@ -205,13 +154,13 @@ class ShmEngine:
         self._backend = backend
         self._group = backend.group
         self.mode = mode
-        self.slot_bytes = SLOT_BYTES_OVERSUBSCRIBED if _work._oversubscribed else SLOT_BYTES
+        self.slot_bytes = SLOT_BYTES_OVERSUBSCRIBED if _wait.oversubscribed else SLOT_BYTES
         self.nslots = SLOTS
         self.one_shot_max = None  # bytes; ONE_SHOT_READ / local ranks unless set
-        sizes = AUTO_FROM_OVERSUBSCRIBED if _work._oversubscribed else AUTO_FROM
+        sizes = AUTO_FROM_OVERSUBSCRIBED if _wait.oversubscribed else AUTO_FROM
         for name, size in sizes.items():
             setattr(self, name, 1 if mode == "force" else size)
-        self.all_gather_to = ALL_GATHER_TO if mode == "auto" and not _work._oversubscribed \
+        self.all_gather_to = ALL_GATHER_TO if mode == "auto" and not _wait.oversubscribed \
             else _NEVER
         self._win = None
         self._reason = None      # why the engine is unavailable, once known
@@ -251,14 +200,8 @@ class ShmEngine:
             raise ValueError(f"the engine needs 3 or more slots, got {self.nslots}")
         group = self._group
         comm, req = group._comm.Idup()
-        deadline = time.monotonic() + group._timeout
-        while not req.Test():
-            if time.monotonic() > deadline:
-                raise DistTimeoutError(f"{op}: setting up the shared-memory engine, the "
-                                       f"ranks of the group did not all arrive within "
-                                       f"{group._timeout:.1f} s [rank {group._rank}, group "
-                                       f"{group._name}]")
-            _nap()
+        wait_until(req.Test, group._timeout, op, group, nap=_nap,
+                   source="setting up the shared-memory engine")
         try:
             win, reason = open_window(comm, self.slot_bytes, self.nslots)
         finally:
@@ -371,7 +314,7 @@ class ShmEngine:
                     if not self._win.reached(wait):
                         return False
                 elif not wait.Test():
-                    if _work._oversubscribed:
+                    if _wait.oversubscribed:
                         _nap()  # as the window's waits do: let the peers have the core
                     return False
             try:
@@ -649,17 +592,3 @@ class ShmEngine:
                     n = min(size, f.size - lo)
                     f[lo:lo + n] = w.slots[j][k][:n]
             self._release[k] = w.seq + 1
-
-
-def status(group) -> str:
-    """What the engine does for ``group`` (WORLD in ``spmd info``); every member calls it."""
-    engine = getattr(group._backend_for("cpu"), "_shm", None)
-    if engine is None:  # the group's backend was made with the engine off, or without it
-        if shm_mode() == "off":
-            return f"off ({SHM_ENV}=0)"
-        return "not used (one rank)" if group._size < 2 else "not used by this backend"
-    try:
-        return engine.describe()
-    except Exception as exc:  # noqa: BLE001 - info reports, it does not fail
-        return f"unavailable, MPI is used: {exc}"
-

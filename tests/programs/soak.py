@@ -16,7 +16,7 @@ from mpi4py import MPI
 
 import spmd
 from spmd import work as _work
-from spmd.group import _state
+from spmd.group import world_state
 
 OPS = int(sys.argv[1]) if len(sys.argv) > 1 else 20000   # at least this many per rank
 WARMUP = 4000
@@ -61,7 +61,7 @@ pair = spmd.new_group([0, 1])                 # rank 2.. are not members
 halves = spmd.split_group(split_ranks=[list(range(0, n, 2)), list(range(1, n, 2))])
 dup = spmd.new_group(list(range(n)), group_desc="dup")
 groups = [world, pair, halves, dup]      # the same list on every rank; pair may be a non-member
-base_groups = len(_state.groups)
+base_groups = len(world_state.groups)
 gc.collect()
 base_comms = live_comms()
 
@@ -136,8 +136,8 @@ if len(tracker.live):
     problems.append(f"{len(tracker.live)} Work objects still alive")
 if live_requests():
     problems.append(f"{live_requests()} MPI requests still pending")
-if len(_state.groups) != base_groups:
-    problems.append(f"{len(_state.groups) - base_groups} groups leaked")
+if len(world_state.groups) != base_groups:
+    problems.append(f"{len(world_state.groups) - base_groups} groups leaked")
 if live_comms() != base_comms:
     problems.append(f"communicators: {live_comms()} alive, {base_comms} at the start")
 if spmd.flight_recorder.recorder.in_flight():

@@ -1,0 +1,3 @@
+"""The version of spmd."""
+
+__version__ = "0.1.0"

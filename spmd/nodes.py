@@ -1,0 +1,69 @@
+"""Which ranks share a node: MPI's shared-memory split, or pseudo-nodes for testing."""
+
+from __future__ import annotations
+
+import os
+
+from mpi4py import MPI
+
+__all__ = ["PSEUDO_NODE_ENV", "node_layout", "pseudo_node_size", "split_node"]
+
+PSEUDO_NODE_ENV = "SPMD_PSEUDO_NODE_SIZE"
+
+
+def pseudo_node_size(environ=None) -> int | None:
+    """The pseudo-node size from ``SPMD_PSEUDO_NODE_SIZE``, or None when it is unset.
+
+    Raises:
+        ValueError: the variable is set to something other than a positive integer.
+    """
+    env = os.environ if environ is None else environ
+    value = env.get(PSEUDO_NODE_ENV, "").strip()
+    if not value:
+        return None
+    try:
+        k = int(value)
+    except ValueError:
+        k = 0
+    if k <= 0:
+        raise ValueError(f"{PSEUDO_NODE_ENV}={value!r}: expected a positive integer "
+                         "(the number of consecutive ranks per pseudo-node)")
+    return k
+
+
+def split_node(comm: MPI.Intracomm) -> MPI.Intracomm:
+    """One new communicator per node, holding the ranks of ``comm`` on that node.
+
+    Every rank of ``comm`` must call it.  Ranks keep their relative order.  With
+    ``SPMD_PSEUDO_NODE_SIZE=k``, COMM_WORLD ranks ``i*k .. i*k+k-1`` form pseudo-node
+    ``i`` (within a real node).  The caller frees the result.
+    """
+    host = comm.Split_type(MPI.COMM_TYPE_SHARED, comm.Get_rank())
+    node = _pseudo_split(comm, host)
+    if node is not host:
+        host.Free()
+    return node
+
+
+def _pseudo_split(comm: MPI.Intracomm, host: MPI.Intracomm) -> MPI.Intracomm:
+    k = pseudo_node_size()
+    if k is None:
+        return host
+    return host.Split(MPI.COMM_WORLD.Get_rank() // k, comm.Get_rank())
+
+
+def node_layout(comm: MPI.Intracomm) -> tuple[int, int, int]:
+    """(rank on the node, ranks on the node, ranks on this host) for ``comm``.
+
+    The node is what :func:`split_node` makes (a pseudo-node under
+    ``SPMD_PSEUDO_NODE_SIZE``); the host count is the real one, for telling whether
+    ranks outnumber cores.  Every rank of ``comm`` must call it.
+    """
+    host = comm.Split_type(MPI.COMM_TYPE_SHARED, comm.Get_rank())
+    node = _pseudo_split(comm, host)
+    try:
+        return node.Get_rank(), node.Get_size(), host.Get_size()
+    finally:
+        if node is not host:
+            node.Free()
+        host.Free()
