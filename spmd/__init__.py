@@ -65,6 +65,7 @@ from .objects import (
 )
 from .ops import ReduceOp, make_premul_sum
 from .p2p import P2POp, batch_isend_irecv, irecv, isend, recv, send
+from .spawn import ProcessContext, spawn
 from .topology import NodeTopology, bind_device, node_topology
 from .work import Work
 from .world import (
@@ -103,6 +104,7 @@ __all__ = [
     "Link",
     "NodeTopology",
     "P2POp",
+    "ProcessContext",
     "ProcessGroup",
     "Program",
     "ReduceOp",
@@ -167,6 +169,7 @@ __all__ = [
     "scatter_object_list",
     "send",
     "send_object_list",
+    "spawn",
     "set_debug_level",
     "set_debug_level_from_env",
     "split_group",
