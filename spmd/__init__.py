@@ -66,6 +66,7 @@ from .objects import (
 from .ops import ReduceOp, make_premul_sum
 from .store import FileStore, HashStore, PrefixStore, Store, TCPStore
 from .p2p import P2POp, batch_isend_irecv, irecv, isend, recv, send
+from .spawn import ProcessContext, spawn
 from .topology import NodeTopology, bind_device, node_topology
 from .work import Work
 from .world import (
@@ -107,6 +108,7 @@ __all__ = [
     "NodeTopology",
     "P2POp",
     "PrefixStore",
+    "ProcessContext",
     "ProcessGroup",
     "Program",
     "ReduceOp",
@@ -173,6 +175,7 @@ __all__ = [
     "scatter_object_list",
     "send",
     "send_object_list",
+    "spawn",
     "set_debug_level",
     "set_debug_level_from_env",
     "split_group",
