@@ -10,8 +10,9 @@ one implementation of the semantics, whatever the array's device.
 When MPI can read device memory (see ``spmd._gpu.mpi_gpu_support``), operations that
 are one contiguous buffer each way and need no arithmetic outside MPI (broadcast,
 all_gather_into_tensor, all_to_all_single, send/recv, and reductions whose plan is a
-plain MPI op) hand the device pointer to MPI directly.  Reductions stay staged on
-Open MPI, whose nonblocking reductions do not work on CUDA buffers.
+plain MPI op) hand the device pointer to MPI directly.  On Open MPI only Isend/Irecv
+do: its CUDA documentation lists every nonblocking collective as not CUDA-aware
+outside UCX, so collectives stay staged there.
 
 Either way the caller's current CUDA stream is synchronised before MPI touches a
 device buffer (MPI knows nothing about streams), and a device pointer is never given
@@ -68,7 +69,8 @@ class CudaMPIBackend(Backend):
         self.rank = group._rank
         support = _gpu.mpi_gpu_support()
         self.support = support
-        self.direct = support.aware
+        self.direct = support.aware  # point to point
+        self.direct_collectives = support.aware and support.nonblocking_collectives
         self.direct_reductions = support.aware and support.nonblocking_reductions
 
     def shutdown(self) -> None:
@@ -197,7 +199,7 @@ class CudaMPIBackend(Backend):
     # -- data movement -----------------------------------------------------------------
 
     def broadcast(self, a, root):
-        if self.direct and a.flags.c_contiguous:
+        if self.direct_collectives and a.flags.c_contiguous:
             self._sync()
             from ..arrays import movable
 
@@ -215,7 +217,7 @@ class CudaMPIBackend(Backend):
         return self._staged(self.host.all_gather(hos, h), list(zip(outputs, hos)), list(outputs))
 
     def all_gather_into_tensor(self, out, a):
-        if self.direct and a.flags.c_contiguous and out.flags.c_contiguous:
+        if self.direct_collectives and a.flags.c_contiguous and out.flags.c_contiguous:
             self._sync()
             from ..arrays import movable
 
@@ -251,7 +253,7 @@ class CudaMPIBackend(Backend):
                             list(outputs))
 
     def all_to_all_single(self, out, a, output_counts, input_counts):
-        if self.direct and a.flags.c_contiguous and out.flags.c_contiguous:
+        if self.direct_collectives and a.flags.c_contiguous and out.flags.c_contiguous:
             self._sync()
             from ..arrays import movable
             from .mpi import _counts_displs

@@ -31,16 +31,22 @@ import weakref
 import numpy as np
 
 from .. import _gpu
-from .._bootstrap import broadcast_value
+from .._bootstrap import broadcast_value, check_distinct_gpus
 from ..arrays import bfloat16
 from ..errors import DistBackendError, DistTimeoutError, GroupBrokenError, located
 from ..work import Work, _seconds
 from ._nccl_plans import (
+    INT_MAX,
     NCCL_TYPES,
     NOCOLOR,
     PLANS,
+    SPLIT_VERSION,
     USE_MPI,
+    byte_units,
+    cupy_count_is_int,
+    host_identity,
     plan_for,
+    runtime_plan,
     uid_for_cupy,
     uid_to_bytes,
 )
@@ -112,8 +118,11 @@ class NcclWork(Work):
             raise self._exc
 
     def source_rank(self) -> int:
+        """The global rank received from, after ``wait()``: the caller's stream is then
+        ordered after the receive, as blocking ``recv()`` promises."""
         if self._peer is None:
             raise RuntimeError(f"{self._op}: source_rank() is only defined for receives")
+        self.wait()
         return self._group._global_rank(self._peer)
 
 
@@ -148,6 +157,19 @@ def _flat_bytes(cp, a):
 
 def _typed(buf_u8, like):
     return buf_u8.view(like.dtype).reshape(like.shape)
+
+
+def _bytes_into(cp, out, src_u8) -> None:
+    """Copy bytes at any offset into ``out``: straight into its bytes when it is
+    contiguous, else through an aligned buffer of its dtype."""
+    if not src_u8.size:
+        return
+    if out.flags.c_contiguous:
+        out.reshape(-1).view(np.uint8)[...] = src_u8
+        return
+    tmp = cp.empty(out.shape, out.dtype)
+    tmp.reshape(-1).view(np.uint8)[...] = src_u8
+    _copy_into(cp, out, tmp)
 
 
 class NCCLBackend(Backend):
@@ -195,6 +217,8 @@ class NCCLBackend(Backend):
 
     def _from_unique_id(self, op: str):
         nccl, pg = self._nccl, self.group
+        bus = self._cp.cuda.Device(_gpu.bound_device()).pci_bus_id
+        check_distinct_gpus(pg, _state().store, host_identity(), bus, op)
         value = None
         if pg._rank == 0:
             try:
@@ -206,18 +230,26 @@ class NCCLBackend(Backend):
             raise located(DistBackendError, op, f"ncclGetUniqueId failed on group rank 0: "
                           f"{raw[6:].decode()}", pg)
         try:
-            return nccl.NcclCommunicator(pg._size, uid_for_cupy(raw, self._cp.__version__),
-                                         pg._rank)
+            return nccl.NcclCommunicator(pg._size, uid_for_cupy(raw), pg._rank)
         except Exception as exc:
             raise located(DistBackendError, op, f"ncclCommInitRank failed: {exc}", pg) from exc
 
     def can_split(self) -> bool:
+        """Whether ``ncclCommSplit`` can run: CuPy has it, and both the NCCL CuPy was
+        built against (CuPy raises below 2.18) and the one loaded are 2.18 or later."""
         if not hasattr(self._nccl.NcclCommunicator, "commSplit"):
             return False
         try:
-            return int(self._nccl.get_version()) >= 21800
-        except Exception:  # noqa: BLE001
+            return min(int(self._nccl.get_version()),
+                       int(self._nccl.get_build_version())) >= SPLIT_VERSION
+        except Exception:  # noqa: BLE001 - no get_build_version: too old to tell
             return False
+
+    def _runtime_version(self) -> int:
+        try:
+            return int(self._nccl.get_version())
+        except Exception:  # noqa: BLE001
+            return 0
 
     def shutdown(self) -> None:
         comm, self._comm = self._comm, None
@@ -302,8 +334,11 @@ class NCCLBackend(Backend):
             if ntype is None:
                 raise located(TypeError, opname, f"this NCCL build has no {plan.nccl_type} "
                               f"for {dtype} arrays; {USE_MPI}", self.group)
+            native_avg, refused = runtime_plan(plan, self._runtime_version())
+            if refused is not None:
+                raise located(TypeError, opname, f"{dtype} arrays: {refused}", self.group)
             nop, divide = getattr(nccl, plan.nccl_op), plan.avg
-            if plan.avg == "float" and hasattr(nccl, "NCCL_AVG"):
+            if native_avg:
                 nop, divide = nccl.NCCL_AVG, None
             got = self._resolved[id(plan)] = (plan, ntype, nop, divide)
         return got
@@ -474,12 +509,19 @@ class NCCLBackend(Backend):
     # -- data movement -----------------------------------------------------------------
 
     def broadcast(self, a, root):
-        cp, u8 = self._cp, self._nccl.NCCL_UINT8
+        cp, nccl = self._cp, self._nccl
+        # Counted in the widest unit that divides the size and the address (a copy of
+        # a strided array is freshly allocated, so aligned).
+        unit, count = byte_units(a.nbytes, a.data.ptr if a.flags.c_contiguous else 0)
+        if count > INT_MAX and cupy_count_is_int(cp.__version__):
+            raise located(ValueError, "broadcast", f"tensor has {a.nbytes} bytes, more than "
+                          f"CuPy {cp.__version__} can broadcast (its count is a C int); CuPy "
+                          "13.4 or later can", self.group)
 
         def body(comm, s):
             buf = _contig(cp, a)
             if a.nbytes:
-                comm.broadcast(buf.data.ptr, buf.data.ptr, a.nbytes, u8, root, s)
+                comm.broadcast(buf.data.ptr, buf.data.ptr, count, getattr(nccl, unit), root, s)
             if self.group._rank != root:
                 _copy_into(cp, a, buf)
             return buf
@@ -535,7 +577,9 @@ class NCCLBackend(Backend):
             for i, outs in enumerate(output_lists):
                 pos = i * sbuf.size
                 for o in outs:
-                    _copy_into(cp, o, _typed(rbuf[pos:pos + o.nbytes], o))
+                    # Pieces of mixed dtypes sit at byte offsets a typed view would read
+                    # misaligned (a fatal CUDA error): move them as bytes.
+                    _bytes_into(cp, o, rbuf[pos:pos + o.nbytes])
                     pos += o.nbytes
             return sbuf, rbuf
 
@@ -706,6 +750,8 @@ def _split_hook(parent, child, color: int, key: int) -> None:
     cp = backend._cp
     nccl_color = color if child is not None and color >= 0 else NOCOLOR
     with cp.cuda.Device(backend._device):
+        # Operations still queued on the parent can deadlock the split (CuPy's warning).
+        backend._stream.synchronize()
         try:
             new = backend._comm.commSplit(nccl_color, key)
         except Exception as exc:
@@ -717,7 +763,7 @@ def _split_hook(parent, child, color: int, key: int) -> None:
         return
     from ..world import Backend as BackendName
 
-    if BackendName.device_map(child._backend_name).get("cuda") == "nccl":
+    if BackendName.device_map(child._backend_name).get("cuda") in ("nccl", "undefined"):
         child._nccl_split = new
     else:
         new.destroy()
