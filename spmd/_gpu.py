@@ -9,6 +9,7 @@ from __future__ import annotations
 import ctypes
 import importlib.util
 import os
+import re
 import warnings
 from typing import NamedTuple
 
@@ -32,6 +33,7 @@ __all__ = [
     "nccl_version",
     "need_cupy",
     "query_cuda_support",
+    "select_device",
 ]
 
 AWARE_ENV = "SPMD_CUDA_AWARE_MPI"
@@ -174,6 +176,22 @@ def bind_device_id(device_id) -> None:
     _bound_device_id = device_id
 
 
+def select_device(device_id) -> int | None:
+    """Make ``device_id`` CuPy's current device (init_process_group's ``device_id``), so
+    that arrays made afterwards, and the streams staging synchronises, are on it.
+
+    Returns:
+        The device index, or None when nothing was selected: ``"cuda"`` without an
+        index, or no CuPy here (then no GPU array can reach spmd anyway).
+    """
+    index = device_index(device_id)
+    cp = cupy_or_none() if index is not None else None
+    if cp is None:
+        return None
+    cp.cuda.Device(index).use()
+    return index
+
+
 def bound_device() -> int:
     """The device this rank works on: init_process_group's ``device_id``, else CuPy's
     current device."""
@@ -190,8 +208,14 @@ class GpuAwareness(NamedTuple):
 
     aware: bool
     reason: str
-    # Open MPI documents that its nonblocking reductions do not work on CUDA buffers.
+    # Open MPI documents that its nonblocking collectives (reductions included) do not
+    # work on CUDA buffers outside UCX; its Isend/Irecv do.
     nonblocking_reductions: bool
+
+    @property
+    def nonblocking_collectives(self) -> bool:
+        """Whether nonblocking collectives may get device buffers (not on Open MPI)."""
+        return self.nonblocking_reductions
 
 
 def mpi_library_paths() -> list[str]:
@@ -253,8 +277,18 @@ def decide_gpu_awareness(library_version: str, query: int | None, env) -> GpuAwa
         return GpuAwareness(aware, f"{AWARE_ENV}={value}", aware and not open_mpi)
     if query is not None:
         aware = query == 1
-        return GpuAwareness(aware, f"MPIX_Query_cuda_support() returned {query} ({first})",
-                            aware and not open_mpi)
+        reason = f"MPIX_Query_cuda_support() returned {query} ({first})"
+        if aware and open_mpi and _open_mpi_major(library_version) < 5:
+            # Before 5 it returns the build-time flag: a build with CUDA support compiled
+            # in but switched off at run time (conda-forge's default) would get device
+            # pointers and segfault.
+            switch = env.get("OMPI_MCA_opal_cuda_support", "").strip().lower()
+            if switch not in ("1", "true", "yes"):
+                return GpuAwareness(False, f"{reason}, but Open MPI < 5 answers for the build, "
+                                    "not the run: set OMPI_MCA_opal_cuda_support=true (or "
+                                    f"{AWARE_ENV}=1) if CUDA support is on", False)
+            reason += " and OMPI_MCA_opal_cuda_support=" + switch
+        return GpuAwareness(aware, reason, aware and not open_mpi)
     upper = library_version.upper()
     if "MVAPICH2-GDR" in upper or "MVAPICH-PLUS" in upper:
         return GpuAwareness(True, f"{first} is built for GPU buffers", True)
@@ -264,6 +298,12 @@ def decide_gpu_awareness(library_version: str, query: int | None, env) -> GpuAwa
                             f"{env.get('MPICH_GPU_SUPPORT_ENABLED', '(unset)')}", aware)
     return GpuAwareness(False, f"{first} has no MPIX_Query_cuda_support and is not known to "
                         f"read GPU memory (set {AWARE_ENV}=1 if it does)", False)
+
+
+def _open_mpi_major(library_version: str) -> int:
+    """The major version in ``Open MPI v4.1.5, ...`` (0 when it cannot be read)."""
+    m = re.search(r"Open MPI v?(\d+)\.", library_version)
+    return int(m.group(1)) if m else 0
 
 
 _query_cache: tuple[int | None, str] | None = None

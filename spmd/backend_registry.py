@@ -52,6 +52,8 @@ class Backend(str):
         spec = spec.strip().lower()
         known = ("mpi", "nccl", "gloo", *backend_devices)
         if ":" not in spec:
+            if spec == "undefined":  # init's default: the GPU backend is picked lazily
+                return {"cpu": "mpi", "cuda": "undefined"}
             if spec not in known:
                 raise ValueError(f"Backend: unknown backend {spec!r}; expected one of {known} "
                                  "or a per-device map like 'cpu:mpi,cuda:nccl'")

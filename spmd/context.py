@@ -29,7 +29,9 @@ class GroupContext:
         _error: why the group is broken (a timeout), or None.
         _inherited: device -> a communicator a split of the parent made for this
             group's engine of that device to adopt (NCCL's ``commSplit``).
-        _bootstrap_seq: how many start-up exchanges ran on this group.
+        _bootstrap_seq: the number the members agreed on for this group's store keys
+            (None until its first start-up exchange through a store).
+        _bootstrap_count: how many start-up exchanges ran on this group.
     """
 
     def __init__(self, comm: MPI.Intracomm, ranks: Sequence[int], name: str, timeout: float,
@@ -47,7 +49,8 @@ class GroupContext:
         self._error: str | None = None
         self._fr: Any = None  # the flight recorder's sequence counters for this group
         self._inherited: dict[str, Any] = {}
-        self._bootstrap_seq = 0
+        self._bootstrap_seq: int | None = None
+        self._bootstrap_count = 0
 
     def _check_alive(self, op: str) -> None:
         if self._comm is None:

@@ -25,15 +25,13 @@ write inputs only between a completed start and the next one.
 from __future__ import annotations
 
 import os
-from types import SimpleNamespace
 
 import numpy as np
 from mpi4py import MPI
 
 from . import collectives as _c
 from .arrays import array_in, array_out, movable
-from .backends.mpi import MPIBackend
-from .backends.reduction import AVERAGE, mpi_view
+from .backends.reduction import AVERAGE, PLANS, checked_plan, mpi_view
 from .errors import located
 from .group import resolve
 from .ops import ReduceOp
@@ -127,7 +125,7 @@ class Plan:
 def _reduction(a, op, name: str, pg):
     """The reduction plan for ``a`` (raises on a refused dtype/op pair), and whether
     MPI can reduce ``a`` itself with an optional division afterwards."""
-    plan = MPIBackend._plan(SimpleNamespace(group=pg), a.dtype, op, name)
+    plan = checked_plan(PLANS, a.dtype, op, name, pg)
     direct = (type(a) is _ndarray and a.flags.c_contiguous and plan.upcast is None
               and not plan.premul)
     return plan, direct

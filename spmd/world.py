@@ -33,8 +33,8 @@ __all__ = [
 ]
 
 def _mpi_backend(group):
-    from .backends.mpi import MPIBackend
-    return MPIBackend(group)
+    from .backends.host import HostBackend
+    return HostBackend(group)
 
 
 def _cuda_mpi_backend(group):
@@ -47,9 +47,15 @@ def _nccl_backend(group):
     return NCCLBackend(group)
 
 
+def _default_cuda_backend(group):
+    # Decided at the group's first GPU array, so host-only programs never load CuPy.
+    return _nccl_backend(group) if is_nccl_available() else _cuda_mpi_backend(group)
+
+
 registry.backend_factories["mpi"] = _mpi_backend
 registry.device_factories[("mpi", "cuda")] = _cuda_mpi_backend
 registry.backend_factories["nccl"] = _nccl_backend
+registry.backend_factories["undefined"] = _default_cuda_backend
 
 
 def is_available() -> bool:
@@ -99,7 +105,8 @@ def init_process_group(backend=None, init_method=None, timeout=None, world_size=
             MPI or host staging), ``"nccl"`` (GPU arrays only), ``"gloo"`` (an alias
             of MPI for host arrays), a per-device map like ``"cpu:mpi,cuda:nccl"``,
             or a name given to :func:`register_backend`.  ``None`` means
-            ``"cpu:mpi,cuda:nccl"`` when CuPy's NCCL can run here, else ``"mpi"``.
+            ``"cpu:mpi,cuda:nccl"`` when CuPy's NCCL can run here, else ``"mpi"``,
+            decided at a group's first GPU array (CuPy is not loaded before).
         init_method: accepted for torch compatibility and ignored: MPI does the
             rendezvous.  A value other than ``env://`` or ``mpi://`` warns.
         timeout: default timeout of blocking operations (30 minutes if None).  Past it
@@ -115,7 +122,8 @@ def init_process_group(backend=None, init_method=None, timeout=None, world_size=
             ``heartbeat_timeout``, ``query_timeout``; unset ones come from the
             ``SPMD_*`` environment variables.
         device_id: the CUDA device this rank uses (an int, ``"cuda:N"``, a
-            ``torch.device``); GPU arrays on another device raise ValueError.  With the
+            ``torch.device``); it becomes CuPy's current device here, and GPU arrays
+            on another device raise ValueError.  With the
             NCCL backend the communicator is created here (eagerly) instead of at the
             first GPU collective, and groups split from WORLD get theirs by
             ``ncclCommSplit`` where NCCL and CuPy have it.
@@ -128,8 +136,9 @@ def init_process_group(backend=None, init_method=None, timeout=None, world_size=
         raise RuntimeError("init_process_group: trying to initialize the default process "
                            "group twice; call destroy_process_group() first")
     if backend is None:
-        # c10d's default: MPI for host arrays, NCCL for GPU arrays when it can run here.
-        spec = "cpu:mpi,cuda:nccl" if is_nccl_available() else "mpi"
+        # c10d's default (MPI for host arrays, NCCL for GPU arrays when it can run here),
+        # decided at the first GPU array: checking NCCL now would load CuPy in every run.
+        spec = Backend.UNDEFINED
     else:
         spec = str(Backend(backend))
     devices = Backend.device_map(spec)
@@ -141,6 +150,8 @@ def init_process_group(backend=None, init_method=None, timeout=None, world_size=
                                f"{sorted(registry.backend_factories)})")
     if device_id is not None:
         _gpu.device_index(device_id)  # a ValueError for a bad one, before anything is created
+        if devices.get("cuda") == Backend.UNDEFINED and is_nccl_available():
+            spec, devices = "cpu:mpi,cuda:nccl", {"cpu": "mpi", "cuda": "nccl"}
     if init_method not in (None, "env://", "mpi://"):
         warnings.warn(f"init_process_group: init_method={init_method!r} is ignored; the MPI "
                       "launcher provides ranks and rendezvous", stacklevel=2)
@@ -166,6 +177,8 @@ def init_process_group(backend=None, init_method=None, timeout=None, world_size=
     _wait.set_oversubscribed(host_size > _usable_cores())
     world_state.store = store
     _gpu.bind_device_id(device_id)
+    if device_id is not None:
+        _gpu.select_device(device_id)  # arrays made from now on land on it; staging syncs it
     pg = ProcessGroup(comm, range(size), group_name or "WORLD", seconds, spec, store=store)
     try:
         check_same_installation(pg, store, _installation())
@@ -199,6 +212,8 @@ def destroy_process_group(group=None) -> None:
         _gpu.bind_device_id(None)
         GroupMember.WORLD = None
         return
+    if isinstance(group, ProcessGroup) and group._comm is None:
+        return  # already destroyed (also by destroying WORLD): a no-op, as in torch
     # resolve() refuses a group broken by a timeout; destroying it must still work.
     live = isinstance(group, ProcessGroup) and group._comm is not None
     pg = group if live else resolve(group, "destroy_process_group")
@@ -217,6 +232,8 @@ def get_backend(group=None) -> str:
     pg = resolve(group, "get_backend")
     if pg is None:
         raise ValueError("get_backend: this rank is not a member of the group")
+    if pg._backend_name == Backend.UNDEFINED:  # init's default, resolved when asked
+        return Backend("cpu:mpi,cuda:nccl" if is_nccl_available() else "mpi")
     return Backend(pg._backend_name)
 
 

@@ -30,6 +30,19 @@ def nccl_skip_reason() -> str | None:
     return None if _gpu.nccl_available() else f"no NCCL: {_gpu.nccl_problem()}"
 
 
+def nccl_ranks_skip_reason(world_size: int) -> str | None:
+    """Why NCCL cannot join ``world_size`` ranks here: they share the one GPU, and NCCL
+    refuses that unless each rank sets its own NCCL_HOSTID (tests/gpu/run.sh does)."""
+    why = nccl_skip_reason()
+    if why is not None:
+        return why
+    if world_size == 1 or os.environ.get("NCCL_HOSTID"):
+        return None
+    return ("NCCL refuses two ranks of one communicator on one GPU; run with a different "
+            "NCCL_HOSTID per rank (and NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1 "
+            "NCCL_SOCKET_IFNAME=lo), as tests/gpu/run.sh does")
+
+
 def cupy():
     why = gpu_skip_reason()
     if why is not None:
@@ -38,12 +51,18 @@ def cupy():
 
 
 def cupy_dtypes(dtypes):
-    """The dtypes CuPy can hold here (bfloat16 needs a CuPy that knows ml_dtypes)."""
+    """The dtypes CuPy can hold and copy here.  Probed with a strided copy, an
+    elementwise kernel: CuPy 13 makes bfloat16 arrays (a memset) but has no copy kernel
+    for them, and the tests build strided inputs with such copies."""
     cp = _gpu.cupy_or_none()
     out = []
     for dt in dtypes:
         try:
-            cp.zeros(1, dt)
+            host = np.arange(6).astype(dt).reshape(2, 3)
+            base = cp.zeros((2, 6), dt)
+            base[:, ::2] = cp.asarray(host)
+            if not np.array_equal(cp.ascontiguousarray(base[:, ::2]).get(), host):
+                continue
         except Exception:  # noqa: BLE001
             continue
         out.append(dt)

@@ -1,13 +1,23 @@
-"""The collective suite with cupy arrays on the MPI backend: through pinned host
-staging, and handed to MPI directly where MPI is GPU-aware.  Every rank checks its
-results against numpy references.  Skips (with the reason) without CuPy or a GPU.
+"""The collective suite with cupy arrays: on the MPI backend through pinned host
+staging, and handed to MPI directly where MPI is GPU-aware; and on NCCL (at world size
+1, or with a different NCCL_HOSTID per rank when ranks share a GPU, as tests/gpu/run.sh
+does).  Every rank checks its results against numpy references.  Skips (with the
+reason) without CuPy or a GPU.
 
-Run on a GPU machine: mpiexec -n {1,2,4} python -m pytest --with-mpi -m mpi tests/test_gpu_collectives.py
+Run on a GPU machine: tests/gpu/run.sh
 """
 
 import numpy as np
 import pytest
-from _gpu_helpers import cupy, cupy_dtypes, gpu_skip_reason, mpi_mode, to_device, to_host
+from _gpu_helpers import (
+    cupy,
+    cupy_dtypes,
+    gpu_skip_reason,
+    mpi_mode,
+    nccl_ranks_skip_reason,
+    to_device,
+    to_host,
+)
 from conftest import _initialised, all_dtypes
 from mpi4py import MPI
 from refs import PREMUL_FACTOR, REDUCE_OPS, assert_equal, make, reduce_ref, supported
@@ -43,27 +53,47 @@ def _finish(work, async_op):
         assert work is None
 
 
-@pytest.fixture(scope="module", params=["staging", "direct"])
+def _expect(gpu, dt, opname) -> str:
+    """"ok", or "raises" (TypeError before anything is sent), or "skip" (no reference)."""
+    if gpu["mode"] != "nccl":
+        return "ok" if supported(dt, opname) else "raises"
+    from spmd.backends._nccl_plans import plan_for
+
+    if type(plan_for(dt, opname)) is str:
+        return "raises"
+    if not supported(dt, opname) or (opname == "PREMUL_SUM" and dt.name == "bfloat16"):
+        return "skip"  # scaling bfloat16 needs CuPy arithmetic on it
+    return "ok"
+
+
+@pytest.fixture(scope="module", params=["staging", "direct", "nccl"])
 def gpu(request):
-    """cupy, and WORLD-sized and parity groups whose GPU arrays take one MPI path."""
+    """cupy, and WORLD-sized and parity groups whose GPU arrays take one path."""
     cp = cupy()
     from spmd import _gpu
 
     mode = request.param
+    dist = _initialised()
+    n = dist.get_world_size()
     if mode == "direct":
         found = _gpu.decide_gpu_awareness(MPI.Get_library_version(),
                                           _gpu.query_cuda_support()[0], {})
         if not found.aware:
             pytest.skip(f"MPI here is not GPU-aware: {found.reason}")
-    dist = _initialised()
-    n = dist.get_world_size()
-    with mpi_mode(mode):
-        world = dist.new_group(backend="cpu:mpi,cuda:mpi", group_desc=f"gpu-{mode}")
+    if mode == "nccl" and nccl_ranks_skip_reason(n) is not None:
+        pytest.skip(nccl_ranks_skip_reason(n))
+    spec = "cpu:mpi,cuda:nccl" if mode == "nccl" else "cpu:mpi,cuda:mpi"
+    with mpi_mode("staging" if mode == "nccl" else mode):
+        world = dist.new_group(backend=spec, group_desc=f"gpu-{mode}")
         halves = [list(range(0, n, 2))] + ([list(range(1, n, 2))] if n > 1 else [])
         parity = dist.split_group(split_ranks=halves, group_desc=f"gpu-{mode}-parity",
-                                  backend="cpu:mpi,cuda:mpi")
+                                  backend=spec)
         for pg in (world, parity):
-            assert pg._backend_for("cuda").direct == (mode == "direct")
+            backend = pg._backend_for("cuda")
+            if mode == "nccl":
+                assert type(backend).__name__ == "NCCLBackend"
+            else:
+                assert backend.direct == (mode == "direct")
     yield {"cp": cp, "dist": dist, "world": world, "parity": parity, "mode": mode}
     if dist.is_initialized():
         dist.destroy_process_group(parity)
@@ -79,9 +109,12 @@ def test_all_reduce(gpu, opname, group_kind, async_op, layout):
     members, me = dist.get_process_group_ranks(pg), dist.get_rank()
     for dt in _dtypes():
         x = to_device(cp, make(me, SHAPES[layout], dt, opname), layout)
-        if not supported(dt, opname):
+        expect = _expect(gpu, dt, opname)
+        if expect == "raises":
             with pytest.raises(TypeError, match="all_reduce: "):
                 dist.all_reduce(x, op=_op(dist, opname), group=pg, async_op=async_op)
+            continue
+        if expect == "skip":
             continue
         expect = reduce_ref([make(r, SHAPES[layout], dt, opname) for r in members], opname, dt)
         _finish(dist.all_reduce(x, op=_op(dist, opname), group=pg, async_op=async_op), async_op)
@@ -95,7 +128,7 @@ def test_reduce_family(gpu, opname, group_kind):
     cp, dist, pg = gpu["cp"], gpu["dist"], gpu[group_kind]
     members, me, gr, n = dist.get_process_group_ranks(pg), dist.get_rank(), pg.rank(), pg.size()
     for dt in _dtypes():
-        if not supported(dt, opname):
+        if _expect(gpu, dt, opname) != "ok":
             continue
         op = _op(dist, opname)
         # reduce to the last member
@@ -201,10 +234,20 @@ def test_point_to_point(gpu):
     right, left = (me + 1) % n, (me - 1) % n
     for dt in _dtypes():
         out = cp.zeros((3, 5), dt)[:, ::2] if dt.itemsize > 1 else cp.zeros((3, 3), dt)
-        recv = dist.irecv(out, src=left, group=pg)
-        dist.send(to_device(cp, make(me, out.shape, dt)), dst=right, group=pg)
-        recv.wait()
-        assert recv.source_rank() == left
+        mine = to_device(cp, make(me, out.shape, dt))
+        if gpu["mode"] == "nccl":
+            # One NCCL stream per group runs its operations in order: a ring of receives
+            # posted first would wait forever, so even ranks send first.
+            for sending in ((True, False) if me % 2 == 0 else (False, True)):
+                if sending:
+                    dist.send(mine, dst=right, group=pg)
+                else:
+                    assert dist.recv(out, src=left, group=pg) == left
+        else:
+            recv = dist.irecv(out, src=left, group=pg)
+            dist.send(mine, dst=right, group=pg)
+            recv.wait()
+            assert recv.source_rank() == left
         _same_bits(to_host(out), make(left, out.shape, dt))
         got = cp.zeros((4,), dt)
         ops = [dist.P2POp(dist.isend, to_device(cp, make(me, (4,), dt, salt=1)), right, pg),
@@ -223,6 +266,7 @@ def test_streams_and_mixed_arguments(gpu):
         x = cp.arange(1 << 20, dtype=cp.float32)
         x *= 2
         dist.all_reduce(x, group=pg)
+    stream.synchronize()  # NCCL orders the side stream after the op, not the host
     np.testing.assert_array_equal(to_host(x)[:3], np.array([0, 2, 4], np.float32) * n)
     with pytest.raises(TypeError, match=r"output_tensor is a cpu array|input_tensor is a cuda array"):
         dist.all_gather_into_tensor(np.zeros(2 * n, np.float32), cp.zeros(2, cp.float32), group=pg)

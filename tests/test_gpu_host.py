@@ -47,6 +47,7 @@ class FakeDLPack:
 # -- GPU-aware MPI detection ----------------------------------------------------------
 
 OMPI = "Open MPI v5.0.3, package: Open MPI builder, ident: 5.0.3, repo rev: v5.0.3"
+OMPI4 = "Open MPI v4.1.6, package: Open MPI conda@builder Distribution, ident: 4.1.6"
 MPICH = "MPICH Version:      4.2.0\nMPICH Release date: Fri Feb  9 2024"
 
 
@@ -64,10 +65,19 @@ MPICH = "MPICH Version:      4.2.0\nMPICH Release date: Fri Feb  9 2024"
      True, True, "MPICH_GPU_SUPPORT_ENABLED=1"),
     ("MPI VERSION    : CRAY MPICH version 8.1.28", None, {}, False, False, "(unset)"),
     ("Intel(R) MPI Library 2021.10", None, {}, False, False, "set SPMD_CUDA_AWARE_MPI=1"),
+    # Open MPI < 5 answers for the build: CUDA must also be switched on for the run.
+    (OMPI4, 1, {}, False, False, "set OMPI_MCA_opal_cuda_support=true"),
+    (OMPI4, 1, {"OMPI_MCA_opal_cuda_support": "false"}, False, False, "Open MPI < 5"),
+    (OMPI4, 1, {"OMPI_MCA_opal_cuda_support": "true"}, True, False,
+     f"returned 1 ({OMPI4}) and OMPI_MCA_opal_cuda_support=true"),
+    (OMPI4, 1, {"SPMD_CUDA_AWARE_MPI": "1"}, True, False, "SPMD_CUDA_AWARE_MPI=1"),
+    (OMPI4, 0, {"OMPI_MCA_opal_cuda_support": "true"}, False, False, "returned 0"),
 ])
 def test_gpu_awareness_decision(version, query, env, aware, nonblocking, reason):
     got = _gpu.decide_gpu_awareness(version, query, env)
     assert (got.aware, got.nonblocking_reductions) == (aware, nonblocking)
+    # Open MPI's nonblocking collectives are not CUDA-aware (outside UCX): staged there.
+    assert got.nonblocking_collectives == (aware and "Open MPI" not in version)
     assert reason in got.reason
 
 
@@ -157,13 +167,21 @@ def test_nccl_type_names():
 
 
 def test_nccl_unique_id_forms():
-    raw = bytes(range(128))
-    as_tuple = plans.uid_for_cupy(raw, "13.6.0")
-    assert isinstance(as_tuple, tuple) and len(as_tuple) == 128
-    assert min(as_tuple) >= -128 and max(as_tuple) <= 127 and as_tuple[200 - 128] == 72
-    assert plans.uid_to_bytes(as_tuple) == raw
-    assert plans.uid_for_cupy(raw, "14.0.1") == raw
-    assert plans.uid_to_bytes(bytearray(raw)) == raw
+    """The id comes back exactly as get_unique_id() gave it: bytes (CuPy 14), or a tuple
+    of chars (CuPy 13), signed on x86 and unsigned on aarch64, never re-signed."""
+    raw = bytes((2 * i + 1) % 256 for i in range(128))  # 1, 3, ..., 255
+    signed = tuple(b - 256 if b > 127 else b for b in raw)  # x86: char is signed
+    unsigned = tuple(raw)                                    # aarch64: char is unsigned
+    for uid in (raw, signed, unsigned):
+        wire = plans.uid_to_bytes(uid)
+        assert isinstance(wire, bytes) and not wire.startswith(b"error:")
+        back = plans.uid_for_cupy(wire)
+        assert back == uid and type(back) is type(uid)
+    assert max(plans.uid_for_cupy(plans.uid_to_bytes(unsigned))) == 255
+    assert min(plans.uid_for_cupy(plans.uid_to_bytes(signed))) == -127
+    assert plans.uid_for_cupy(plans.uid_to_bytes(bytearray(raw))) == raw
+    with pytest.raises(ValueError, match="not an NCCL unique id"):
+        plans.uid_for_cupy(b"garbage")
     assert _gpu.nccl_version_code(21805) == "2.18.5"
     assert _gpu.nccl_version_code(2408) == "2.4.8"
 
@@ -480,3 +498,207 @@ def test_nccl_async_error_aborts_and_names_the_op(dist):
     assert b._comm.aborted
     with pytest.raises(spmd.GroupBrokenError):
         work.is_completed()
+
+
+@pytest.mark.mpi
+def test_nccl_recv_source_rank_orders_the_stream(dist):
+    """Blocking recv() returns work.source_rank(): it must make the caller's stream wait
+    for the receive, or reading the buffer afterwards can see old data."""
+    b = _fake_backend(dist.GroupMember.WORLD)
+    work, event = _fake_work(b, op="recv", peer=0)
+    assert b._cp.stream.waited == []
+    assert work.source_rank() == dist.GroupMember.WORLD.ranks[0]
+    assert b._cp.stream.waited == [event]  # ordered after the receive, host not blocked
+
+
+# -- NCCL versions: split, AVG/bfloat16, broadcast counts ------------------------------------
+
+class FakeNccl:
+    """What spmd reads of ``cupy.cuda.nccl``: version functions and constant names."""
+
+    NCCL_SUM, NCCL_PROD, NCCL_MIN, NCCL_MAX, NCCL_AVG = range(5)
+    NCCL_FLOAT32, NCCL_BFLOAT16, NCCL_INT32, NCCL_UINT8, NCCL_FLOAT16 = range(10, 15)
+
+    def __init__(self, runtime, build=None, split=True):
+        self._runtime, self._build = runtime, build
+        self.NcclCommunicator = type("NcclCommunicator", (), {"commSplit": None} if split else {})
+        if build is not None:
+            self.get_build_version = lambda: self._build
+
+    def get_version(self):
+        return self._runtime
+
+
+@pytest.mark.parametrize("runtime, build, split, expected", [
+    (21805, 21805, True, True),
+    (21805, 21703, True, False),   # CuPy built against NCCL < 2.18 raises in commSplit
+    (21703, 21805, True, False),   # the libnccl loaded is too old
+    (22305, None, True, False),    # no get_build_version: cannot tell, do not split
+    (22305, 22305, False, False),  # CuPy without commSplit
+])
+def test_nccl_can_split_needs_runtime_and_build_versions(runtime, build, split, expected):
+    b = object.__new__(nccl_backend.NCCLBackend)
+    b._nccl = FakeNccl(runtime, build, split)
+    assert b.can_split() is expected
+
+
+@pytest.mark.mpi
+def test_nccl_split_waits_for_the_parent_stream(dist):
+    """ncclCommSplit runs only after the parent's stream has drained (outstanding work on
+    the parent can deadlock a split)."""
+    events = []
+
+    class Stream:
+        def synchronize(self):
+            events.append("parent stream synchronized")
+
+    class Comm:
+        def commSplit(self, color, key):
+            events.append(f"commSplit({color}, {key})")
+            return "child communicator"
+
+    class Device:
+        def __init__(self, index):
+            pass
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+    parent = dist.GroupMember.WORLD
+    b = object.__new__(nccl_backend.NCCLBackend)
+    b._nccl, b._comm, b._broken, b._stream, b._device = FakeNccl(21805, 21805), Comm(), None, \
+        Stream(), 0
+    b._cp = type("cp", (), {"cuda": type("cuda", (), {"Device": Device})})
+    child = type("Child", (), {"_backend_name": "undefined", "_inherited": {}})()
+    b.group = parent
+    b.on_split(child, 3, 1)
+    assert events == ["parent stream synchronized", "commSplit(3, 1)"]
+    assert child._inherited["cuda"] == "child communicator"  # init's default backend takes it
+
+
+@pytest.mark.parametrize("runtime, dtype, op, native_avg, refused", [
+    (21805, "float32", "AVG", True, None),
+    (20903, "float32", "AVG", False, None),     # NCCL 2.9: sum, then divide
+    (20903, "float32", "SUM", False, None),
+    (21805, "bfloat16", "AVG", True, None),
+    (20903, "bfloat16", "SUM", False, "has no bfloat16"),
+    (21805, "int32", "AVG", False, None),       # integer AVG is always sum + truncation
+])
+def test_nccl_avg_and_bfloat16_follow_the_runtime_version(runtime, dtype, op, native_avg, refused):
+    if dtype == "bfloat16":
+        dt = next((d for d in DTYPES if d.name == "bfloat16"), None)
+        if dt is None:
+            pytest.skip("ml_dtypes is not installed")
+    else:
+        dt = np.dtype(dtype)
+    plan = plans.plan_for(dt, op)
+    got_avg, why = plans.runtime_plan(plan, runtime)
+    assert got_avg is native_avg
+    assert (why is None) == (refused is None)
+    if refused:
+        assert refused in why and "backend='cpu:mpi,cuda:mpi'" in why
+
+
+@pytest.mark.mpi
+def test_nccl_plan_uses_avg_only_when_libnccl_has_it(dist):
+    b = object.__new__(nccl_backend.NCCLBackend)
+    b.group, b._resolved = dist.GroupMember.WORLD, {}
+    b._nccl = FakeNccl(20903)  # CuPy defines NCCL_AVG, but libnccl 2.9 has no ncclAvg
+    _, _, nop, divide = b._plan(np.dtype(np.float32), spmd.ReduceOp.AVG, "all_reduce")
+    assert (nop, divide) == (FakeNccl.NCCL_SUM, "float")
+    b._nccl, b._resolved = FakeNccl(21805), {}
+    _, _, nop, divide = b._plan(np.dtype(np.float32), spmd.ReduceOp.AVG, "all_reduce")
+    assert (nop, divide) == (FakeNccl.NCCL_AVG, None)
+    bf16 = next((d for d in DTYPES if d.name == "bfloat16"), None)
+    if bf16 is not None:
+        b._nccl, b._resolved = FakeNccl(20903), {}
+        with pytest.raises(TypeError, match=r"all_reduce: bfloat16 arrays: the NCCL library "
+                           r"loaded \(version code 20903\) has no bfloat16 .* \[rank \d+, "
+                           r"group WORLD\]"):
+            b._plan(bf16, spmd.ReduceOp.SUM, "all_reduce")
+
+
+def test_nccl_broadcast_counts_in_wide_units():
+    assert plans.byte_units(16, 256) == ("NCCL_UINT64", 2)
+    assert plans.byte_units(12, 256) == ("NCCL_UINT32", 3)
+    assert plans.byte_units(6, 256) == ("NCCL_FLOAT16", 3)
+    assert plans.byte_units(16, 258) == ("NCCL_FLOAT16", 8)  # the address decides too
+    assert plans.byte_units(7, 256) == ("NCCL_UINT8", 7)
+    big = 3 * 2**30  # 3 GiB: a byte count over a C int, 8-byte units under it
+    unit, count = plans.byte_units(big, 0)
+    assert unit == "NCCL_UINT64" and count <= plans.INT_MAX < big
+    for version, old in (("13.0.0", True), ("13.3.0", True), ("13.4.0", False),
+                         ("13.6.0", False), ("14.0.1", False), ("12.3.0", False)):
+        assert plans.cupy_count_is_int(version) is old, version
+
+
+def test_nccl_host_identity(monkeypatch):
+    monkeypatch.setenv("NCCL_HOSTID", "rank3")
+    assert plans.host_identity() == "NCCL_HOSTID=rank3"
+    monkeypatch.delenv("NCCL_HOSTID")
+    import socket
+
+    assert plans.host_identity().startswith(socket.gethostname())
+
+
+# -- GPU-aware MPI on Open MPI: only point to point gets device pointers -----------------------
+
+class Recorder:
+    """Stands in for the communicator and the staging helpers: records which path ran."""
+
+    def __init__(self):
+        self.calls = []
+
+    def __getattr__(self, name):
+        def record(*args, **kwargs):
+            self.calls.append(name)
+            return "request"
+        return record
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("library, direct_ops", [
+    (OMPI, {"send", "recv"}),
+    (MPICH, {"send", "recv", "broadcast", "all_gather_into_tensor", "all_to_all_single"}),
+])
+def test_cuda_mpi_paths_per_library(dist, monkeypatch, library, direct_ops):
+    """With a GPU-aware MPI, Open MPI gets device pointers only in Isend/Irecv (its
+    nonblocking collectives are not CUDA-aware outside UCX); MPICH in collectives too."""
+    from spmd.backends import cuda_mpi
+
+    support = _gpu.decide_gpu_awareness(library, 1, {})
+    b = object.__new__(cuda_mpi.CudaMPIBackend)
+    b.group, b.rank = dist.GroupMember.WORLD, dist.get_rank()
+    b.direct = support.aware
+    b.direct_collectives = support.aware and support.nonblocking_collectives
+    b.direct_reductions = support.aware and support.nonblocking_reductions
+    b.comm, b.host = Recorder(), Recorder()
+    staged = []
+    monkeypatch.setattr(b, "_sync", lambda: None, raising=False)
+    monkeypatch.setattr(b, "_down", lambda arrays: [np.zeros(1) for _ in arrays], raising=False)
+    monkeypatch.setattr(b, "_host_outputs", lambda arrays: [np.zeros(1) for _ in arrays],
+                        raising=False)
+    monkeypatch.setattr(b, "_staged", lambda work, pairs, outs: staged.append(work),
+                        raising=False)
+    monkeypatch.setattr(b, "_direct", lambda reqs, op, *rest: op, raising=False)
+    monkeypatch.setattr(cuda_mpi, "Work", None)  # every direct call goes through _direct
+    import spmd.arrays
+
+    monkeypatch.setattr(spmd.arrays, "movable", lambda a: a)
+    a = np.zeros(4)
+    calls = {
+        "send": lambda: b.send(a, 0, 0), "recv": lambda: b.recv(a, 0, 0),
+        "broadcast": lambda: b.broadcast(a, 0),
+        "all_gather_into_tensor": lambda: b.all_gather_into_tensor(a, a),
+        "all_to_all_single": lambda: b.all_to_all_single(a, a, None, None),
+    }
+    for name, call in calls.items():
+        before = len(staged)
+        result = call()
+        went_direct = len(staged) == before
+        assert went_direct == (name in direct_ops), (library, name)
+        if went_direct:
+            assert result == name

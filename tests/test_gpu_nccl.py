@@ -1,13 +1,20 @@
 """The NCCL backend on a real GPU.  NCCL refuses two ranks of one communicator on the
-same GPU, so on a one-GPU machine it runs for real in groups of size 1 (at any world
-size) and as WORLD at world size 1; that still exercises lazy and eager creation, the
-unique-id bootstrap (over MPI and through a store), commSplit, the communication
-stream and its events, Work semantics, and the dtype/op tables.  Skips (with the
-reason) without CuPy, NCCL or a GPU."""
+same GPU, so on a one-GPU machine it runs in groups of size 1 (at any world size), as
+WORLD at world size 1, and with several ranks when each sets its own NCCL_HOSTID
+(tests/gpu/run.sh; the collective suite runs on NCCL then too).  That exercises lazy and
+eager creation, the unique-id bootstrap (over MPI and through a store), commSplit, the
+communication stream and its events, Work semantics, the dtype/op tables, and the
+refusal of two ranks on one GPU.  Skips (with the reason) without CuPy, NCCL or a GPU."""
 
 import numpy as np
 import pytest
-from _gpu_helpers import cupy_dtypes, nccl_skip_reason, to_device, to_host
+from _gpu_helpers import (
+    cupy_dtypes,
+    nccl_ranks_skip_reason,
+    nccl_skip_reason,
+    to_device,
+    to_host,
+)
 from conftest import TEST_TIMEOUT, _initialised, all_dtypes
 from refs import PREMUL_FACTOR, make
 
@@ -31,8 +38,7 @@ def solo():
     dist = _initialised()
     pg, _ = dist.new_subgroups(group_size=1, backend="cpu:mpi,cuda:nccl", group_desc="solo")
     yield _gpu.cupy_or_none(), dist, pg
-    if dist.is_initialized():
-        dist.destroy_process_group(pg)
+    dist.destroy_process_group(pg)  # a no-op when a test re-initialised spmd meanwhile
 
 
 def test_lazy_creation_and_unique_id(solo):
@@ -166,7 +172,7 @@ def test_nccl_only_group_and_store_bootstrap():
         dist.all_reduce(x)
         assert float(x[0]) == 2.0
         assert dist.GroupMember.WORLD._backends["cuda"].created_by == "unique id"
-        assert store.num_keys() >= 1  # the id went through the store
+        assert store.num_keys() == 0  # at size 1 nothing is exchanged, nothing is left
     finally:
         dist.destroy_process_group()
         dist.init_process_group(timeout=TEST_TIMEOUT)
@@ -193,3 +199,144 @@ def test_eager_init_and_comm_split():
     finally:
         dist.destroy_process_group()
         dist.init_process_group(timeout=TEST_TIMEOUT)
+
+
+def test_mixed_dtypes_all_gather_coalesced(solo):
+    """Pieces of mixed dtypes sit at odd byte offsets in the gathered buffer; unpacking
+    them must not read misaligned typed views (a fatal CUDA error)."""
+    cp, dist, pg = solo
+    ins = [cp.arange(3, dtype=cp.int8), cp.arange(2, dtype=cp.float64) + 0.5,
+           (cp.arange(4, dtype=cp.complex64) * (1 + 2j))[::2], cp.arange(3, dtype=cp.int16)]
+    outs = [[cp.zeros(3, cp.int8), cp.zeros((2, 4), cp.float64)[:, 1],
+             cp.zeros(2, cp.complex64), cp.zeros(3, cp.int16)]]
+    dist.all_gather_coalesced(outs, ins, group=pg)
+    for got, want in zip(outs[0], ins):
+        np.testing.assert_array_equal(to_host(got), to_host(want))
+    cp.cuda.runtime.deviceSynchronize()  # a misaligned kernel would fail here at the latest
+
+
+def test_device_id_selects_the_device():
+    """init_process_group(device_id=...) makes it CuPy's current device: arrays made
+    afterwards are on it, and NCCL's communicator is created there at init."""
+    from spmd import _gpu
+
+    dist = _initialised()
+    if dist.get_world_size() != 1:
+        pytest.skip("WORLD on NCCL needs one GPU per rank")
+    cp = _gpu.cupy_or_none()
+    last = cp.cuda.runtime.getDeviceCount() - 1
+    before = cp.cuda.runtime.getDevice()
+    dist.destroy_process_group()
+    try:
+        dist.init_process_group(device_id=f"cuda:{last}", timeout=TEST_TIMEOUT)
+        assert cp.cuda.runtime.getDevice() == last
+        assert dist.get_backend() == "cpu:mpi,cuda:nccl"
+        x = cp.ones(4, cp.float32)
+        assert x.device.id == last
+        dist.all_reduce(x)  # accepted: on the rank's device
+        assert dist.GroupMember.WORLD._backends["cuda"]._device == last
+    finally:
+        dist.destroy_process_group()
+        cp.cuda.Device(before).use()
+        dist.init_process_group(timeout=TEST_TIMEOUT)
+
+
+def _world_nccl(dist, desc):
+    n = dist.get_world_size()
+    why = nccl_ranks_skip_reason(n)
+    if why is not None or n == 1:
+        pytest.skip(why or "needs two ranks")
+    return dist.new_group(backend="cpu:mpi,cuda:nccl", group_desc=desc)
+
+
+def test_blocking_recv_orders_the_callers_stream():
+    """recv() returns when the caller's stream is ordered after the receive: reading
+    the buffer at once sees the new data, never the old."""
+    dist = _initialised()
+    from spmd import _gpu
+
+    cp = _gpu.cupy_or_none()
+    pg = _world_nccl(dist, "nccl-p2p")
+    me, n = dist.get_rank(), dist.get_world_size()
+    count = 1 << 24  # 64 MiB: the receive is still running when recv() returns
+    try:
+        for step in range(3):
+            if me == 0:
+                for peer in range(1, n):
+                    dist.send(cp.full(count, float(step + peer), cp.float32), dst=peer, group=pg)
+            else:
+                buf = cp.full(count, -1.0, cp.float32)
+                assert dist.recv(buf, src=0, group=pg) == 0
+                got = buf[::1 << 20].get()  # on the caller's (current) stream
+                np.testing.assert_array_equal(got, np.full(16, step + me, np.float32))
+    finally:
+        dist.destroy_process_group(pg)
+
+
+def test_uneven_roots_avg_and_complex_on_several_ranks():
+    """The paths a group of one never reaches: grouped calls with uneven sizes, roots
+    other than 0, AVG (NCCL's own) and complex as pairs of reals, byte counts in wide
+    and narrow units."""
+    from spmd import _gpu
+
+    dist = _initialised()
+    cp = _gpu.cupy_or_none()
+    pg = _world_nccl(dist, "nccl-multi")
+    me, n = dist.get_rank(), dist.get_world_size()
+    try:
+        x = cp.full(5, float(me), cp.float32)
+        dist.all_reduce(x, op=dist.ReduceOp.AVG, group=pg)
+        np.testing.assert_allclose(x.get(), np.full(5, (n - 1) / 2), rtol=1e-6)
+        z = cp.full(3, me + 1j * me, cp.complex128)
+        dist.all_reduce(z, group=pg)
+        s = n * (n - 1) / 2
+        np.testing.assert_array_equal(z.get(), np.full(3, s + 1j * s))
+        outs = [cp.zeros(r + 1, cp.int64) for r in range(n)]  # uneven all_gather
+        dist.all_gather(outs, cp.full(me + 1, me, cp.int64), group=pg)
+        for r, o in enumerate(outs):
+            np.testing.assert_array_equal(o.get(), np.full(r + 1, r))
+        root = n - 1
+        for nbytes in (1, 2, 6, 12, 40, 4096 + 3):  # every unit, and odd sizes
+            b = cp.full(nbytes, me, cp.uint8)
+            dist.broadcast(b, src=root, group=pg)
+            np.testing.assert_array_equal(b.get(), np.full(nbytes, root, np.uint8))
+        view = cp.zeros(20, cp.uint8)[1:17]  # a contiguous view at an odd address
+        view[...] = me
+        dist.broadcast(view, src=root, group=pg)
+        np.testing.assert_array_equal(view.get(), np.full(16, root, np.uint8))
+        glist = [cp.zeros(2, cp.float64) for _ in range(n)] if me == root else None
+        dist.gather(cp.full(2, float(me)), glist, dst=root, group=pg)
+        if me == root:
+            for r, g in enumerate(glist):
+                np.testing.assert_array_equal(g.get(), [r, r])
+        ins = [cp.arange(3, dtype=cp.int8), cp.full(2, float(me))]
+        lists = [[cp.zeros(3, cp.int8), cp.zeros(2)] for _ in range(n)]
+        dist.all_gather_coalesced(lists, ins, group=pg)
+        for r, (a, b) in enumerate(lists):
+            np.testing.assert_array_equal(a.get(), [0, 1, 2])
+            np.testing.assert_array_equal(b.get(), [r, r])
+    finally:
+        dist.destroy_process_group(pg)
+
+
+def test_two_ranks_on_one_gpu_get_a_clear_error():
+    """Without NCCL_HOSTID, ranks sharing the GPU are refused before NCCL is called, on
+    every rank alike, with the fixes named (NCCL itself says only "invalid usage")."""
+    import os
+
+    from spmd import _gpu
+
+    dist = _initialised()
+    cp = _gpu.cupy_or_none()
+    n = dist.get_world_size()
+    if n == 1 or os.environ.get("NCCL_HOSTID"):
+        pytest.skip("needs two ranks without NCCL_HOSTID")
+    if cp.cuda.runtime.getDeviceCount() >= n:
+        pytest.skip("each rank could have its own GPU here")
+    pg = dist.new_group(backend="cpu:mpi,cuda:nccl", group_desc="shared-gpu")
+    try:
+        with pytest.raises(RuntimeError, match=r"all_reduce: group ranks 0 and 1 .* would share "
+                           r"one GPU .*backend='cpu:mpi,cuda:mpi'.*NCCL_HOSTID"):
+            dist.all_reduce(cp.ones(2), group=pg)
+    finally:
+        dist.destroy_process_group(pg)

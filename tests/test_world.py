@@ -145,3 +145,66 @@ def test_node_local_rank_before_init(dist, monkeypatch):
         assert dist.get_node_local_rank() == 3
     finally:
         dist.init_process_group(timeout=TEST_TIMEOUT)
+
+
+def test_destroying_a_destroyed_group_is_a_no_op(dist):
+    """As in torch: a group destroyed (also by destroying WORLD) can be destroyed again,
+    so fixtures that clean up after a test that re-initialised spmd do not fail."""
+    sub = dist.new_group(list(range(dist.get_world_size())))
+    dist.destroy_process_group(sub)
+    dist.destroy_process_group(sub)
+    other, _ = dist.new_subgroups(group_size=1)
+    dist.destroy_process_group()  # WORLD and every group with it
+    dist.init_process_group(timeout=TEST_TIMEOUT)
+    dist.destroy_process_group(other)
+    with pytest.raises(RuntimeError, match="destroyed"):
+        dist.all_reduce(np.zeros(1), group=other)
+    x = np.ones(1)
+    dist.all_reduce(x)
+    assert x[0] == dist.get_world_size()
+
+
+class _FakeCupy:
+    """Records which device spmd makes current (the selection logic is spmd's)."""
+
+    def __init__(self):
+        fake = self
+        self.current = 0
+
+        class Device:
+            def __init__(self, index):
+                self.id = index
+
+            def use(self):
+                fake.current = self.id
+
+        self.cuda = type("cuda", (), {
+            "Device": Device,
+            "runtime": type("runtime", (), {"getDevice": staticmethod(lambda: fake.current)}),
+        })
+
+
+def test_device_id_becomes_the_current_device(dist, monkeypatch):
+    from spmd import _gpu
+
+    me, n = dist.get_rank(), dist.get_world_size()
+    fake = _FakeCupy()
+    monkeypatch.setattr(_gpu, "cupy_or_none", lambda: fake)
+    dist.destroy_process_group()
+    try:
+        dist.init_process_group(backend="mpi", device_id=f"cuda:{n - 1 - me}",
+                                timeout=TEST_TIMEOUT)
+        assert fake.current == n - 1 - me  # arrays made from now on land there
+        assert _gpu.bound_device() == n - 1 - me
+        dist.destroy_process_group()
+        fake.current = 5
+        dist.init_process_group(backend="mpi", device_id="cuda", timeout=TEST_TIMEOUT)
+        assert fake.current == 5 and _gpu.bound_device() == 5  # no index: CuPy's current
+        dist.destroy_process_group()
+        dist.init_process_group(backend="mpi", timeout=TEST_TIMEOUT)
+        assert fake.current == 5
+    finally:
+        monkeypatch.undo()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        dist.init_process_group(timeout=TEST_TIMEOUT)

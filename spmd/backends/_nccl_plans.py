@@ -3,12 +3,16 @@ testable without CuPy or a GPU."""
 
 from __future__ import annotations
 
+import os
+import socket
+
 import numpy as np
 
 from ..arrays import SUPPORTED_DTYPES, family
 
-__all__ = ["NCCL_TYPES", "NOCOLOR", "PLANS", "REDUCE_NAMES", "USE_MPI", "NcclPlan", "plan_for",
-           "uid_for_cupy", "uid_to_bytes"]
+__all__ = ["AVG_BF16_VERSION", "INT_MAX", "NCCL_TYPES", "NOCOLOR", "PLANS", "REDUCE_NAMES",
+           "SPLIT_VERSION", "USE_MPI", "NcclPlan", "byte_units", "cupy_count_is_int",
+           "host_identity", "plan_for", "runtime_plan", "uid_for_cupy", "uid_to_bytes"]
 
 # dtype name -> NCCL datatype.  bool travels as uint8 (0/1), complex as pairs of reals.
 NCCL_TYPES = {
@@ -83,19 +87,78 @@ PLANS: dict[str, dict[np.dtype, NcclPlan | str]] = {
 
 
 def uid_to_bytes(uid) -> bytes:
-    """NCCL's unique id as 128 bytes: CuPy 14 returns bytes, CuPy 13 a tuple of chars."""
+    """NCCL's unique id, as ``get_unique_id()`` returned it, in a form that travels.
+
+    CuPy 14 returns bytes; CuPy 13 a tuple of C ``char`` values, signed or unsigned
+    with the platform (x86 vs aarch64), which ``NcclCommunicator`` converts back to
+    ``char``: the values are kept exactly, never re-signed.
+    """
     if isinstance(uid, (bytes, bytearray)):
-        return bytes(uid)
-    return bytes(int(v) & 0xFF for v in uid)
+        return b"bytes:" + bytes(uid)
+    return b"tuple:" + np.asarray([int(v) for v in uid], dtype="<i2").tobytes()
 
 
-def uid_for_cupy(raw: bytes, cupy_version: str):
-    """The id in the form ``NcclCommunicator`` takes: bytes on CuPy >= 14, a tuple of
-    signed chars before."""
-    major = int(cupy_version.split(".")[0])
-    if major >= 14:
-        return bytes(raw)
-    return tuple(b - 256 if b > 127 else b for b in raw)
+def uid_for_cupy(raw: bytes):
+    """The id exactly as rank 0's ``get_unique_id()`` returned it (``uid_to_bytes``'s
+    inverse), the form its ``NcclCommunicator`` takes."""
+    kind, _, data = raw.partition(b":")
+    if kind == b"bytes":
+        return bytes(data)
+    if kind == b"tuple":
+        return tuple(int(v) for v in np.frombuffer(data, dtype="<i2"))
+    raise ValueError(f"not an NCCL unique id from uid_to_bytes: {raw[:16]!r}...")
+
+
+# NCCL 2.10 brought ncclAvg and ncclBfloat16; CuPy defines both names whatever the
+# libnccl it loads, so the runtime version decides.
+AVG_BF16_VERSION = 21000
+SPLIT_VERSION = 21800  # ncclCommSplit
+
+
+def runtime_plan(plan: NcclPlan, version: int) -> tuple[bool, str | None]:
+    """(use NCCL's own AVG, why NCCL cannot reduce it) for ``plan`` on the libnccl of
+    version code ``version``; without ncclAvg, AVG is a sum then a division."""
+    if plan.nccl_type == "NCCL_BFLOAT16" and version < AVG_BF16_VERSION:
+        return False, (f"the NCCL library loaded (version code {version}) has no "
+                       f"bfloat16 (2.10 and later have); {USE_MPI}")
+    return plan.avg == "float" and version >= AVG_BF16_VERSION, None
+
+
+# NCCL datatypes that move N bytes as one element (data movement only: bits are bits).
+_UNITS = ((8, "NCCL_UINT64"), (4, "NCCL_UINT32"), (2, "NCCL_FLOAT16"), (1, "NCCL_UINT8"))
+INT_MAX = 2**31 - 1  # CuPy 13.0-13.3 take broadcast's count as a C int
+
+
+def byte_units(nbytes: int, ptr: int) -> tuple[str, int]:
+    """(NCCL datatype, count) moving ``nbytes`` at address ``ptr`` in the widest unit
+    both divide, so counts stay small (CuPy < 13.4's broadcast overflows at 2**31)."""
+    for width, name in _UNITS:
+        if nbytes % width == 0 and ptr % width == 0:
+            return name, nbytes // width
+    raise AssertionError("unreachable: one byte divides everything")
+
+
+def cupy_count_is_int(version: str) -> bool:
+    """Whether this CuPy takes NCCL broadcast's count as a C int (13.0 to 13.3)."""
+    parts = version.split(".")
+    try:
+        return (13, 0) <= (int(parts[0]), int(parts[1])) < (13, 4)
+    except (IndexError, ValueError):
+        return False
+
+
+def host_identity() -> str:
+    """What NCCL hashes to tell hosts apart: NCCL_HOSTID when set, else the host name
+    and the boot id."""
+    hostid = os.environ.get("NCCL_HOSTID")
+    if hostid:
+        return f"NCCL_HOSTID={hostid}"
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    except OSError:
+        boot = ""
+    return f"{socket.gethostname()}{':' + boot if boot else ''}"
 
 
 NOCOLOR = -1  # NCCL_SPLIT_NOCOLOR

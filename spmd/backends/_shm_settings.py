@@ -80,7 +80,8 @@ def shm_mode(environ=None) -> str:
 
 def status(group) -> str:
     """What the engine does for ``group`` (WORLD in ``spmd info``); every member calls it."""
-    engine = getattr(group._backend_for("cpu"), "_shm", None)
+    host = group._backend_for("cpu")
+    engine = getattr(getattr(host, "inner", host), "shm", None)
     if engine is None:  # the group's backend was made with the engine off, or without it
         if shm_mode() == "off":
             return f"off ({SHM_ENV}=0)"

@@ -1,7 +1,7 @@
 """MPI for GPU (cupy) arrays: device buffers handed to a GPU-aware MPI, else staged
 through pinned host memory.
 
-Design: the host MPIBackend already knows every operation, dtype and reduce-op plan
+Design: the host engine (HostBackend: MPI, shared memory) already knows every operation, dtype and reduce-op plan
 (AVG, PREMUL_SUM, float16 in float32, packing of lists).  So the staging path copies
 the device inputs into pinned host arrays, runs the *same* host operation on them, and
 copies the results back into the caller's device arrays when the Work completes:
@@ -10,8 +10,9 @@ one implementation of the semantics, whatever the array's device.
 When MPI can read device memory (see ``spmd._gpu.mpi_gpu_support``), operations that
 are one contiguous buffer each way and need no arithmetic outside MPI (broadcast,
 all_gather_into_tensor, all_to_all_single, send/recv, and reductions whose plan is a
-plain MPI op) hand the device pointer to MPI directly.  Reductions stay staged on
-Open MPI, whose nonblocking reductions do not work on CUDA buffers.
+plain MPI op) hand the device pointer to MPI directly.  On Open MPI only Isend/Irecv
+do: its CUDA documentation lists every nonblocking collective as not CUDA-aware
+outside UCX, so collectives stay staged there.
 
 Either way the caller's current CUDA stream is synchronised before MPI touches a
 device buffer (MPI knows nothing about streams), and a device pointer is never given
@@ -26,10 +27,10 @@ from mpi4py import MPI
 
 from .. import _gpu
 from ..arrays import movable
+from ..backend_registry import Backend
 from ..work import Work
 from .base import DeviceBackend
-from ..backend_registry import Backend
-from .mpi import MPIBackend
+from .host import HostBackend
 from .reduction import PLANS, counts_displs
 
 __all__ = ["CudaMPIBackend"]
@@ -64,14 +65,17 @@ class CudaMPIBackend(DeviceBackend):
 
         self._empty_pinned = cupyx.empty_pinned
         # The group's own host backend when it is MPI (one engine per group), else ours.
+        # The engine itself, not debug mode's wrapper: the GPU call was checked already.
         host = group._backend_for("cpu") if self._cpu_is_mpi(group) else None
-        self._own_host = not isinstance(host, MPIBackend)
-        self.host = MPIBackend(group) if self._own_host else host
+        host = getattr(host, "inner", host)
+        self._own_host = not isinstance(host, HostBackend)
+        self.host = HostBackend(group) if self._own_host else host
         self.comm = group._comm
         self.rank = group._rank
         support = _gpu.mpi_gpu_support()
         self.support = support
-        self.direct = support.aware
+        self.direct = support.aware  # point to point
+        self.direct_collectives = support.aware and support.nonblocking_collectives
         self.direct_reductions = support.aware and support.nonblocking_reductions
 
     def shutdown(self) -> None:
@@ -198,7 +202,7 @@ class CudaMPIBackend(DeviceBackend):
     # -- data movement -----------------------------------------------------------------
 
     def broadcast(self, a, root):
-        if self.direct and a.flags.c_contiguous:
+        if self.direct_collectives and a.flags.c_contiguous:
             self._sync()
 
             req = self.comm.Ibcast(movable(a), root)
@@ -215,7 +219,7 @@ class CudaMPIBackend(DeviceBackend):
         return self._staged(self.host.all_gather(hos, h), list(zip(outputs, hos)), list(outputs))
 
     def all_gather_into_tensor(self, out, a):
-        if self.direct and a.flags.c_contiguous and out.flags.c_contiguous:
+        if self.direct_collectives and a.flags.c_contiguous and out.flags.c_contiguous:
             self._sync()
 
             req = self.comm.Iallgather(movable(a), movable(out))
@@ -250,7 +254,7 @@ class CudaMPIBackend(DeviceBackend):
                             list(outputs))
 
     def all_to_all_single(self, out, a, output_counts, input_counts):
-        if self.direct and a.flags.c_contiguous and out.flags.c_contiguous:
+        if self.direct_collectives and a.flags.c_contiguous and out.flags.c_contiguous:
             self._sync()
 
             src, dst = movable(a), movable(out)

@@ -16,7 +16,6 @@ from ..packing import pack_buckets
 from ..work import Work
 from .base import DeviceBackend
 from .reduction import AVERAGE, PLANS, Plan, checked_plan, counts_displs, mpi_view, premul_factor
-from .shm import engine_for
 
 __all__ = ["MPIBackend"]
 
@@ -65,11 +64,6 @@ class MPIBackend(DeviceBackend):
         self.comm = group._comm
         self.rank = group._rank
         self.size = group._size
-        self._shm = engine_for(self)  # node-local shared-memory engine, or None
-
-    def shutdown(self) -> None:
-        if self._shm is not None:
-            self._shm.shutdown()
 
     # -- helpers -----------------------------------------------------------------
 
@@ -110,8 +104,6 @@ class MPIBackend(DeviceBackend):
     # -- reductions --------------------------------------------------------------
 
     def all_reduce(self, a, op):
-        if self._shm is not None and a.nbytes >= self._shm.all_reduce_from:
-            return self._shm.all_reduce(a, op)
         # The common case (a plain op on a contiguous array) takes two dict lookups;
         # anything else, refusals included, goes through the checked path below.
         try:
@@ -157,8 +149,6 @@ class MPIBackend(DeviceBackend):
         return Work(reqs, "all_reduce_coalesced", self.group, list(tensors), finish, packed)
 
     def reduce(self, a, root, op):
-        if self._shm is not None and a.nbytes >= self._shm.reduce_from:
-            return self._shm.reduce(a, root, op)
         try:
             plan = PLANS[op.name][a.dtype]
         except (KeyError, AttributeError):
@@ -180,8 +170,6 @@ class MPIBackend(DeviceBackend):
         return self._work([req], "reduce", [a], None, buf)
 
     def reduce_scatter_tensor(self, out, a, op):
-        if self._shm is not None and a.nbytes >= self._shm.reduce_scatter_from:
-            return self._shm.reduce_scatter_tensor(out, a, op)
         try:
             plan = PLANS[op.name][a.dtype]
         except (KeyError, AttributeError):
@@ -214,8 +202,6 @@ class MPIBackend(DeviceBackend):
     # -- data movement -----------------------------------------------------------
 
     def broadcast(self, a, root):
-        if self._shm is not None and a.nbytes >= self._shm.broadcast_from:
-            return self._shm.broadcast(a, root)
         if a.flags.c_contiguous:  # the common case: MPI moves the array itself
             view = MOVE_AS[a.dtype]
             req = self.comm.Ibcast(a if view is None else a.view(view), root)
@@ -226,8 +212,6 @@ class MPIBackend(DeviceBackend):
         return self._work([req], "broadcast", [a], finish, buf)
 
     def all_gather(self, outputs, a):
-        if self._shm is not None and self._shm.gathers(sum(o.nbytes for o in outputs)):
-            return self._shm.all_gather(outputs, a)
         src = movable(_contig(a))
         counts = [o.size for o in outputs]
         rbuf = np.empty(sum(counts), a.dtype)
@@ -239,8 +223,6 @@ class MPIBackend(DeviceBackend):
                           lambda: _unpack_into(outputs, rbuf), (src, rbuf))
 
     def all_gather_into_tensor(self, out, a):
-        if self._shm is not None and self._shm.gathers(out.nbytes):
-            return self._shm.all_gather_into_tensor(out, a)
         if a.flags.c_contiguous and out.flags.c_contiguous:
             view = MOVE_AS[a.dtype]
             if view is None:

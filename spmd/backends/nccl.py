@@ -31,21 +31,26 @@ import weakref
 import numpy as np
 
 from .. import _gpu
+from .._bootstrap import broadcast_value, check_distinct_gpus
 from .._wait import wait_until
-from .._bootstrap import broadcast_value
-from ..arrays import bfloat16
 from ..errors import DistBackendError, GroupBrokenError, located
-from ..work import Work, seconds_of
+from ._nccl_p2p import NcclPointToPoint
 from ._nccl_plans import (
+    INT_MAX,
     NCCL_TYPES,
-    NOCOLOR,
     PLANS,
+    SPLIT_VERSION,
     USE_MPI,
+    byte_units,
+    cupy_count_is_int,
+    host_identity,
     plan_for,
+    runtime_plan,
     uid_for_cupy,
     uid_to_bytes,
 )
-from ..backend_registry import Backend as BackendName
+from ._nccl_split import split_communicator
+from ._nccl_work import NcclWork, _bytes_into, _contig, _copy_into, _flat_bytes, _typed
 from .base import DeviceBackend
 from .reduction import checked_plan, premul_factor
 
@@ -53,106 +58,7 @@ __all__ = ["NCCL_TYPES", "NCCLBackend", "NcclWork", "plan_for", "uid_for_cupy", 
 
 # -- Work ---------------------------------------------------------------------------
 
-class NcclWork(Work):
-    """A started NCCL operation: an end event on the communicator's stream."""
-
-    __slots__ = ("_blocking", "_event", "_owner", "_peer")
-
-    def __init__(self, owner, event, op: str, outputs, keep, blocking=False, peer=None):
-        self._event = event
-        self._owner = owner
-        self._blocking = blocking  # barrier: waiting blocks the host
-        self._peer = peer          # receives: the group rank received from
-        super().__init__([], op, owner.group, outputs, None, keep)
-
-    def _test(self) -> bool:
-        self._owner.check(self._op)
-        return bool(self._event.done)
-
-    def is_completed(self) -> bool:
-        """True once the GPU has passed the operation's end event; never blocks."""
-        if not self._done and self._test():
-            self._complete()
-        return self._done
-
-    def wait(self, timeout=None) -> bool:
-        """Make the caller's current stream wait for the operation (the host does not
-        wait), as c10d's NCCL Work does.  With ``timeout`` (and for barrier) the host
-        waits too, at most that long.
-
-        Raises:
-            DistTimeoutError: the host waited longer than ``timeout``.
-            DistBackendError: NCCL reported an error (the communicator is aborted).
-        """
-        if self._blocking or timeout is not None:
-            self.synchronize(timeout)
-            return True
-        if not self._done:
-            self._owner.check(self._op)
-            self._owner.stream_wait(self._event)
-            future = self._future
-            if future is not None and not future._done:
-                future.set_result(self._outputs)  # ready for use on the current stream
-        if self._exc is not None:
-            raise self._exc
-        return True
-
-    def _complete(self) -> None:
-        future = self._future
-        if future is not None and future._done:  # already set by wait()
-            self._future = None
-        super()._complete()
-        self._future = future
-
-    def synchronize(self, timeout=None) -> None:
-        """Block the host until the operation has completed on the GPU."""
-        seconds = self._group._timeout if timeout is None else seconds_of(timeout)
-        if not self._done:
-            self._owner.host_wait(self, seconds)
-            self._complete()
-        if self._exc is not None:
-            raise self._exc
-
-    def source_rank(self) -> int:
-        if self._peer is None:
-            raise RuntimeError(f"{self._op}: source_rank() is only defined for receives")
-        return self._group._global_rank(self._peer)
-
-
-# -- the backend ----------------------------------------------------------------------
-
-def _contig(cp, a):
-    if a.flags.c_contiguous:
-        return a
-    if bfloat16 is not None and a.dtype == bfloat16:
-        return cp.ascontiguousarray(a.view(np.uint16)).view(bfloat16)
-    return cp.ascontiguousarray(a)
-
-
-def _bits(a):
-    """Same-width unsigned view for copies (CuPy may lack bfloat16 kernels)."""
-    return a.view(np.uint16) if bfloat16 is not None and a.dtype == bfloat16 else a
-
-
-def _copy_into(cp, out, src) -> None:
-    """``out[...] = src`` (same dtype and size), unless they are the same array."""
-    if src is out:
-        return
-    if src.shape != out.shape:
-        src = src.reshape(out.shape)
-    cp.copyto(_bits(out), _bits(src))
-
-
-def _flat_bytes(cp, a):
-    """A contiguous array's bytes (a copy only when ``a`` is not contiguous)."""
-    return _contig(cp, a).reshape(-1).view(np.uint8)
-
-
-def _typed(buf_u8, like):
-    return buf_u8.view(like.dtype).reshape(like.shape)
-
-
-class NCCLBackend(DeviceBackend):
+class NCCLBackend(NcclPointToPoint, DeviceBackend):
     """NCCL collectives and point-to-point operations on cupy arrays."""
 
     name = "nccl"
@@ -194,6 +100,8 @@ class NCCLBackend(DeviceBackend):
 
     def _from_unique_id(self, op: str):
         nccl, pg = self._nccl, self.group
+        bus = self._cp.cuda.Device(_gpu.bound_device()).pci_bus_id
+        check_distinct_gpus(pg, pg._store, host_identity(), bus, op)
         value = None
         if pg._rank == 0:
             try:
@@ -205,21 +113,29 @@ class NCCLBackend(DeviceBackend):
             raise located(DistBackendError, op, f"ncclGetUniqueId failed on group rank 0: "
                           f"{raw[6:].decode()}", pg)
         try:
-            return nccl.NcclCommunicator(pg._size, uid_for_cupy(raw, self._cp.__version__),
-                                         pg._rank)
+            return nccl.NcclCommunicator(pg._size, uid_for_cupy(raw), pg._rank)
         except Exception as exc:
             raise located(DistBackendError, op, f"ncclCommInitRank failed: {exc}", pg) from exc
 
     def on_split(self, child, color: int, key: int) -> None:
-        _split_hook(self, child, color, key)
+        split_communicator(self, child, color, key)
 
     def can_split(self) -> bool:
+        """Whether ``ncclCommSplit`` can run: CuPy has it, and both the NCCL CuPy was
+        built against (CuPy raises below 2.18) and the one loaded are 2.18 or later."""
         if not hasattr(self._nccl.NcclCommunicator, "commSplit"):
             return False
         try:
-            return int(self._nccl.get_version()) >= 21800
-        except Exception:  # noqa: BLE001
+            return min(int(self._nccl.get_version()),
+                       int(self._nccl.get_build_version())) >= SPLIT_VERSION
+        except Exception:  # noqa: BLE001 - no get_build_version: too old to tell
             return False
+
+    def _runtime_version(self) -> int:
+        try:
+            return int(self._nccl.get_version())
+        except Exception:  # noqa: BLE001
+            return 0
 
     def shutdown(self) -> None:
         comm, self._comm = self._comm, None
@@ -307,8 +223,11 @@ class NCCLBackend(DeviceBackend):
             if ntype is None:
                 raise located(TypeError, opname, f"this NCCL build has no {plan.nccl_type} "
                               f"for {dtype} arrays; {USE_MPI}", self.group)
+            native_avg, refused = runtime_plan(plan, self._runtime_version())
+            if refused is not None:
+                raise located(TypeError, opname, f"{dtype} arrays: {refused}", self.group)
             nop, divide = getattr(nccl, plan.nccl_op), plan.avg
-            if plan.avg == "float" and hasattr(nccl, "NCCL_AVG"):
+            if native_avg:
                 nop, divide = nccl.NCCL_AVG, None
             got = self._resolved[id(plan)] = (plan, ntype, nop, divide)
         return got
@@ -479,12 +398,19 @@ class NCCLBackend(DeviceBackend):
     # -- data movement -----------------------------------------------------------------
 
     def broadcast(self, a, root):
-        cp, u8 = self._cp, self._nccl.NCCL_UINT8
+        cp, nccl = self._cp, self._nccl
+        # Counted in the widest unit that divides the size and the address (a copy of
+        # a strided array is freshly allocated, so aligned).
+        unit, count = byte_units(a.nbytes, a.data.ptr if a.flags.c_contiguous else 0)
+        if count > INT_MAX and cupy_count_is_int(cp.__version__):
+            raise located(ValueError, "broadcast", f"tensor has {a.nbytes} bytes, more than "
+                          f"CuPy {cp.__version__} can broadcast (its count is a C int); CuPy "
+                          "13.4 or later can", self.group)
 
         def body(comm, s):
             buf = _contig(cp, a)
             if a.nbytes:
-                comm.broadcast(buf.data.ptr, buf.data.ptr, a.nbytes, u8, root, s)
+                comm.broadcast(buf.data.ptr, buf.data.ptr, count, getattr(nccl, unit), root, s)
             if self.group._rank != root:
                 _copy_into(cp, a, buf)
             return buf
@@ -540,7 +466,9 @@ class NCCLBackend(DeviceBackend):
             for i, outs in enumerate(output_lists):
                 pos = i * sbuf.size
                 for o in outs:
-                    _copy_into(cp, o, _typed(rbuf[pos:pos + o.nbytes], o))
+                    # Pieces of mixed dtypes sit at byte offsets a typed view would read
+                    # misaligned (a fatal CUDA error): move them as bytes.
+                    _bytes_into(cp, o, rbuf[pos:pos + o.nbytes])
                     pos += o.nbytes
             return sbuf, rbuf
 
@@ -648,73 +576,3 @@ class NCCLBackend(DeviceBackend):
             return buf
 
         return self._work("barrier", body, [], None, blocking=True)
-
-    # -- point to point (tags are ignored: NCCL matches by order) -----------------------
-
-    def _p2p_body(self, ops):
-        cp, u8 = self._cp, self._nccl.NCCL_UINT8
-
-        def body(comm, s):
-            bufs = [_flat_bytes(cp, a) if sending else
-                    (a if a.flags.c_contiguous else cp.empty(a.shape, a.dtype)).reshape(-1).view(np.uint8)
-                    for sending, a, _, _ in ops]
-            with self._grouped():
-                for (sending, a, peer, _), buf in zip(ops, bufs):
-                    if buf.size:
-                        (comm.send if sending else comm.recv)(buf.data.ptr, buf.size, u8, peer, s)
-            for (sending, a, _, _), buf in zip(ops, bufs):
-                if not sending:
-                    _copy_into(cp, a, _typed(buf, a))
-            return bufs
-
-        return body
-
-    def _check_peers(self, ops, op: str) -> None:
-        for sending, _, peer, _ in ops:
-            if peer is None:
-                raise located(ValueError, op, "NCCL receives need a source rank (src=None, "
-                              "any source, is MPI-only)", self.group)
-
-    def send(self, a, peer, tag):
-        return self._work("send", self._p2p_body([(True, a, peer, tag)]), [a], a)
-
-    def recv(self, a, peer, tag):
-        self._check_peers([(False, a, peer, tag)], "recv")
-        return self._work("recv", self._p2p_body([(False, a, peer, tag)]), [a], a, peer=peer)
-
-    def batch_p2p(self, ops):
-        self._check_peers(ops, "batch_isend_irecv")
-        end, kept = self._launch("batch_isend_irecv", self._p2p_body(ops))
-        works = []
-        for sending, a, peer, _ in ops:
-            work = NcclWork(self, end, "send" if sending else "recv", [a], (a, kept),
-                            peer=None if sending else peer)
-            self._inflight.append((end, (a, kept), weakref.ref(work)))
-            works.append(work)
-        return works
-
-
-def _split_hook(backend: NCCLBackend, child, color: int, key: int) -> None:
-    """After ``Comm.Split`` of a group whose NCCL communicator exists, split that too
-    (``ncclCommSplit`` is collective over the parent: every member calls it)."""
-    parent = backend.group
-    if backend._comm is None or backend._broken:
-        return
-    if not backend.can_split():
-        return
-    cp = backend._cp
-    nccl_color = color if child is not None and color >= 0 else NOCOLOR
-    with cp.cuda.Device(backend._device):
-        try:
-            new = backend._comm.commSplit(nccl_color, key)
-        except Exception as exc:
-            raise located(DistBackendError, "split", f"ncclCommSplit failed: {exc}",
-                          parent) from exc
-    if child is None:
-        if new is not None:
-            new.destroy()
-        return
-    if BackendName.device_map(child._backend_name).get("cuda") == "nccl":
-        child._inherited["cuda"] = new
-    else:
-        new.destroy()

@@ -100,7 +100,7 @@ def main() -> None:
     # spans nodes), keep their order among the ops started on MPI meanwhile, even where
     # the ranks reach them at different times.
     order = spmd.new_group(list(range(n)))
-    engine = order._backend_for("cpu")._shm
+    engine = order._backend_for("cpu").shm
     assert engine is not None and engine._win is None
     rows = engine.reduce_scatter_from // 4 // n + 1
     src = np.full(n * rows, me + 1, np.int32)

@@ -1,0 +1,71 @@
+"""The host dispatcher: each call on host arrays goes to the shared-memory engine where
+it measured faster than the MPI library (per op and size), to MPI everywhere else.
+
+Ops the engine never takes, and every op when the engine is off, are bound straight to
+the MPI engine's methods at construction, so they cost no extra call.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..optable import ENGINE_OPS
+from .base import DeviceBackend
+from .mpi import MPIBackend
+from .shm import engine_for
+
+__all__ = ["HostBackend"]
+
+# The ops the shared-memory engine may take (the methods below).
+_DISPATCHED = ("all_reduce", "reduce", "reduce_scatter_tensor", "broadcast", "all_gather",
+               "all_gather_into_tensor")
+
+
+class HostBackend(DeviceBackend):
+    """Host arrays of one group: the shared-memory engine in front of MPI."""
+
+    name = "mpi"
+
+    def __init__(self, group: Any):
+        super().__init__(group)
+        self.mpi = MPIBackend(group)
+        # The engine falls back to MPI for a call its window cannot take.
+        self.shm = engine_for(self.mpi)
+        for name in (*ENGINE_OPS, "batch_p2p"):
+            if self.shm is None or name not in _DISPATCHED:
+                setattr(self, name, getattr(self.mpi, name))
+
+    def shutdown(self) -> None:
+        if self.shm is not None:
+            self.shm.shutdown()
+        self.mpi.shutdown()
+
+    def all_reduce(self, a, op):
+        if a.nbytes >= self.shm.all_reduce_from:
+            return self.shm.all_reduce(a, op)
+        return self.mpi.all_reduce(a, op)
+
+    def reduce(self, a, root, op):
+        if a.nbytes >= self.shm.reduce_from:
+            return self.shm.reduce(a, root, op)
+        return self.mpi.reduce(a, root, op)
+
+    def reduce_scatter_tensor(self, out, a, op):
+        if a.nbytes >= self.shm.reduce_scatter_from:
+            return self.shm.reduce_scatter_tensor(out, a, op)
+        return self.mpi.reduce_scatter_tensor(out, a, op)
+
+    def broadcast(self, a, root):
+        if a.nbytes >= self.shm.broadcast_from:
+            return self.shm.broadcast(a, root)
+        return self.mpi.broadcast(a, root)
+
+    def all_gather(self, outputs, a):
+        if self.shm.gathers(sum(o.nbytes for o in outputs)):
+            return self.shm.all_gather(outputs, a)
+        return self.mpi.all_gather(outputs, a)
+
+    def all_gather_into_tensor(self, out, a):
+        if self.shm.gathers(out.nbytes):
+            return self.shm.all_gather_into_tensor(out, a)
+        return self.mpi.all_gather_into_tensor(out, a)
