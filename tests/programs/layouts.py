@@ -66,12 +66,8 @@ def check_kinds(groups: dict, expected: dict, what: str) -> int:
 
 
 def free_mesh(mesh):
-    seen = set()
-    root = mesh._root_mesh()
-    for g in list(root._groups) + [f._groups[0] for f in root._flat.values()]:
-        if g is not None and g is not spmd.GroupMember.WORLD and id(g) not in seen:
-            seen.add(id(g))
-            spmd.destroy_process_group(g)
+    for g in mesh._owned_groups():
+        spmd.destroy_process_group(g)
 
 
 def check_meshes() -> int:
