@@ -1,7 +1,7 @@
 """DeviceMesh and init_device_mesh: groups against independently enumerated rank lists,
 submeshes, flattening, unflattening, concatenating, from_group, one Comm.Split per
-dimension, bad input; and, at 8
-ranks, the same answers as torch's own DeviceMesh (on its fake backend), rank by rank.
+dimension, bad input; and, at 8 ranks, the same answers and group identity as torch's
+own DeviceMesh (on its fake backend), rank by rank.
 
 The 8- and 12-rank layouts run in test_parallel_state.py (tests/programs/layouts.py)."""
 
