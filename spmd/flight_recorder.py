@@ -23,6 +23,8 @@ import socket
 import sys
 import time
 
+from ._lines import write_lines
+
 __all__ = ["FlightRecorder", "dump_flight_recorder", "recorder", "write_private"]
 
 _monotonic = time.monotonic
@@ -306,7 +308,7 @@ def dump(directory: str | None, reason: str, last: int | None = 12) -> str | Non
         path = dump_path(directory, snap["rank"])
         write_private(path, json.dumps(snap, indent=1))
         return path
-    print(format_table(snap, last), file=sys.stderr, flush=True)
+    write_lines(format_table(snap, last), sys.stderr)
     return None
 
 
