@@ -7,9 +7,16 @@ Gradients accumulate (``grad += ...``), as torch's ``.grad`` does, so the same c
 serves one batch and a sum over micro-batches.
 """
 
+import sys
 from itertools import pairwise
 
 import numpy as np
+
+
+def say(line: str) -> None:
+    """Print one line whole: one write with its newline, so ranks' lines never mix."""
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()
 
 
 def init_params(sizes, seed):

@@ -136,8 +136,8 @@ def main():
     if not ok[0] or err[2] != 0.0:
         raise AssertionError(f"rank {rank}/{world} dp_mlp: loss err {err[0]:.3g}, "
                              f"param err {err[1]:.3g}, spread across ranks {err[2]:.3g}")
-    print(f"rank {rank}/{world} dp_mlp OK max_err={err[:2].max():.2e} "
-          f"buckets={len(buckets.buffers)} loss {losses[0]:.4f} -> {losses[-1]:.4f}", flush=True)
+    _mlp.say(f"rank {rank}/{world} dp_mlp OK max_err={err[:2].max():.2e} "
+             f"buckets={len(buckets.buffers)} loss {losses[0]:.4f} -> {losses[-1]:.4f}")
     dist.destroy_process_group()
 
 

@@ -164,8 +164,8 @@ def main():
     if not ok[0]:
         raise AssertionError(f"rank {rank}/{world} pp_1f1b: max error {err[0]:.3g}, "
                              f"{peak[0]} micro-batches in flight")
-    print(f"rank {rank}/{world} pp_1f1b OK max_err={err[0]:.2e} layers {lo}:{hi} "
-          f"in_flight={peak[0]} loss={total[0]:.6f}", flush=True)
+    _mlp.say(f"rank {rank}/{world} pp_1f1b OK max_err={err[0]:.2e} layers {lo}:{hi} "
+             f"in_flight={peak[0]} loss={total[0]:.6f}")
     dist.destroy_process_group()
 
 

@@ -136,8 +136,8 @@ def main():
     if not ok[0]:
         raise AssertionError(f"rank {rank}/{world} three_d: max error {err[0]:.3g}, "
                              f"(pp, dp, tp) coordinates {coords}")
-    print(f"rank {rank}/{world} three_d OK max_err={err[0]:.2e} (pp, dp, tp) = {coords} "
-          f"loss {losses[0]:.4f} -> {losses[-1]:.4f}", flush=True)
+    _mlp.say(f"rank {rank}/{world} three_d OK max_err={err[0]:.2e} (pp, dp, tp) = {coords} "
+             f"loss {losses[0]:.4f} -> {losses[-1]:.4f}")
     dist.destroy_process_group()
 
 

@@ -107,8 +107,8 @@ def main():
     dist.all_reduce(ok, op=dist.ReduceOp.MIN)
     if not ok[0]:
         raise AssertionError(f"rank {rank}/{world} tp_mlp: max error {err[0]:.3g}")
-    print(f"rank {rank}/{world} tp_mlp OK max_err={err[0]:.2e} hidden units "
-          f"{c.start}:{c.stop} of {HIDDEN}", flush=True)
+    _mlp.say(f"rank {rank}/{world} tp_mlp OK max_err={err[0]:.2e} hidden units "
+             f"{c.start}:{c.stop} of {HIDDEN}")
     dist.destroy_process_group()
 
 

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import json
-import sys
 
+from ._lines import write_lines
 from .comms_log import format_size
 
 __all__ = ["add_ratios", "targets", "table", "write_json", "plot"]
@@ -134,9 +134,7 @@ def table(doc: dict) -> str:
 
 def write_json(doc: dict, path: str) -> None:
     if path == "-":
-        json.dump(doc, sys.stdout, indent=1)
-        sys.stdout.write("\n")
-        sys.stdout.flush()
+        write_lines(json.dumps(doc, indent=1))
         return
     with open(path, "w") as f:
         json.dump(doc, f, indent=1)

@@ -19,6 +19,8 @@ import time
 
 from mpi4py import MPI
 
+from ._lines import write_lines
+
 __all__ = ["TAG_BARRIER", "TAG_QUERY", "Channel"]
 
 TAG_QUERY = 101
@@ -69,8 +71,8 @@ class Channel:
                 failures += 1
                 if failures <= 3:
                     import sys
-                    print(f"[rank {self.rank}] spmd control channel: {type(exc).__name__}: "
-                          f"{exc}", file=sys.stderr, flush=True)
+                    write_lines(f"[rank {self.rank}] spmd control channel: "
+                                f"{type(exc).__name__}: {exc}", sys.stderr)
 
     def _reply(self, source: int, buf: bytearray) -> None:
         request = json.loads(buf)

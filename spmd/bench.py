@@ -514,17 +514,18 @@ def bench_command(args) -> int:
     if doc is None:
         return 0
     from ._bench_report import plot, table, write_json
+    from ._lines import write_lines
 
     if args.json is not None:
         write_json(doc, args.json)
     if args.json != "-":
-        print(table(doc), flush=True)
+        write_lines(table(doc))
     if args.plot:
         try:
             plot(doc, args.plot)
         except ImportError:
-            print("spmd bench: --plot needs matplotlib (pip install 'spmd[bench]')",
-                  file=sys.stderr)
+            write_lines("spmd bench: --plot needs matplotlib (pip install 'spmd[bench]')",
+                        sys.stderr)
             return 1
     return 0
 

@@ -6,6 +6,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from ._lines import write_lines
+
 __all__ = ["main"]
 
 
@@ -54,13 +56,11 @@ def info(args) -> int:
         rows = [None] * spmd.get_world_size()
         spmd.all_gather_object(rows, _rank_info())
         if spmd.get_rank() == 0:
-            print(f"spmd info: {len(rows)} rank(s)")
+            lines = [f"spmd info: {len(rows)} rank(s)"]
             for row in rows:
-                print(f"rank {row['rank']}:")
-                for key, value in row.items():
-                    if key != "rank":
-                        print(f"  {key:16s} {value}")
-            sys.stdout.flush()
+                lines.append(f"rank {row['rank']}:")
+                lines += [f"  {key:16s} {value}" for key, value in row.items() if key != "rank"]
+            write_lines("\n".join(lines))
     finally:
         spmd.destroy_process_group()
     return 0

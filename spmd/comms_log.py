@@ -23,6 +23,7 @@ import threading
 import time
 
 from . import work as _work
+from ._lines import write_lines
 from .optable import bus_factor, work_bytes
 
 __all__ = ["CommsLogger", "logger", "enable", "disable", "is_enabled", "reset", "stats",
@@ -203,7 +204,7 @@ def summary(as_dict: bool = False, group=None, file=None):
         return rows
     text = _table(rows, len(per_rank))
     if me == 0:
-        print(text, file=file or sys.stdout, flush=True)
+        write_lines(text, file or sys.stdout)
     return text
 
 

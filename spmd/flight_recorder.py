@@ -25,6 +25,7 @@ import time
 
 from mpi4py import MPI
 
+from ._lines import write_lines
 from .optable import P2P_OPS
 
 __all__ = ["FlightRecorder", "dump_flight_recorder", "recorder", "write_private"]
@@ -306,7 +307,7 @@ def dump(directory: str | None, reason: str, last: int | None = 12) -> str | Non
         path = dump_path(directory, snap["rank"])
         write_private(path, json.dumps(snap, indent=1))
         return path
-    print(format_table(snap, last), file=sys.stderr, flush=True)
+    write_lines(format_table(snap, last), sys.stderr)
     return None
 
 

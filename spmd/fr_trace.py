@@ -16,6 +16,7 @@ import os
 import sys
 from collections.abc import Iterable
 
+from ._lines import write_lines
 from .flight_recorder import COMPLETED, FORMAT, format_table
 from .flight_recorder import ranks_text as _ranks_text
 
@@ -36,10 +37,10 @@ def load(paths: Iterable[str]) -> list[dict]:
             with open(f) as fh:
                 d = json.load(fh)
         except (OSError, ValueError) as exc:
-            print(f"skipping {f}: {exc}", file=sys.stderr)
+            write_lines(f"skipping {f}: {exc}", sys.stderr)
             continue
         if d.get("format") != FORMAT:
-            print(f"skipping {f}: not a spmd flight recorder dump", file=sys.stderr)
+            write_lines(f"skipping {f}: not a spmd flight recorder dump", sys.stderr)
             continue
         dumps.append(d)
     dumps.sort(key=lambda d: d["rank"])
@@ -132,8 +133,8 @@ def main(argv=None) -> int:
     dumps = load(args.paths)
     if args.table:
         for d in dumps:
-            print(format_table(d, last=None))
-    print(analyze(dumps))
+            write_lines(format_table(d, last=None))
+    write_lines(analyze(dumps))
     return 0
 
 

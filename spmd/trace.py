@@ -33,6 +33,7 @@ import time
 import numpy as np
 
 from . import work as _work
+from ._lines import write_lines
 from .optable import P2P_OPS, work_bytes
 
 __all__ = ["Tracer", "start", "stop", "is_tracing", "expand_path", "merge", "main"]
@@ -291,7 +292,7 @@ def add_merge_arguments(p: argparse.ArgumentParser) -> None:
 def _merge_command(args) -> int:
     doc = merge(args.files, args.output, align=args.align)
     n = sum(1 for e in doc["traceEvents"] if e.get("ph") == "X")
-    print(f"{args.output}: {n} events from {len(args.files)} file(s)")
+    write_lines(f"{args.output}: {n} events from {len(args.files)} file(s)")
     return 0
 
 

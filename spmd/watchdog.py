@@ -41,6 +41,7 @@ from . import _wait, debug
 from . import flight_recorder as _fr
 from . import work as _work
 from ._control import Channel
+from ._lines import write_lines
 from .backends.checked import checking
 from .errors import DistTimeoutError
 from .group import world_state
@@ -175,9 +176,9 @@ def start(world, cfg: Config) -> None:
         atexit.register(stop)
         _atexit_registered = True
     if cfg.debug != "OFF" and world._rank == 0:
-        print(f"[rank 0] spmd reliability settings: {dataclasses.asdict(cfg)}; MPI thread "
-              f"level {'multiple' if _rt.channel.threaded else 'below multiple'}",
-              file=sys.stderr, flush=True)
+        write_lines(f"[rank 0] spmd reliability settings: {dataclasses.asdict(cfg)}; MPI thread "
+                    f"level {'multiple' if _rt.channel.threaded else 'below multiple'}",
+                    sys.stderr)
 
 
 def stop() -> None:
@@ -431,7 +432,7 @@ def report(text: str) -> None:
     """Print a rank-tagged report to stderr (and keep it in ``reports``)."""
     reports.append(text)
     tag = f"[rank {_rt.rank}] "
-    print("\n".join(tag + line for line in text.splitlines()), file=sys.stderr, flush=True)
+    write_lines("\n".join(tag + line for line in text.splitlines()), sys.stderr)
 
 
 # ----------------------------------------------------------------------------- watchdog
@@ -516,7 +517,7 @@ def _excepthook(exc_type, exc, tb) -> None:
     text = "".join(traceback.format_exception(exc_type, exc, tb))
     with contextlib.suppress(Exception):  # a closed stdout must not stop the abort
         sys.stdout.flush()
-    sys.stderr.write("".join(tag + line + "\n" for line in text.splitlines()))
+    write_lines("\n".join(tag + line for line in text.splitlines()), sys.stderr)
     if _rt.size > 1:
         if _rt.config.dump_dir and not issubclass(exc_type, DistTimeoutError):  # done already
             try:

@@ -18,13 +18,14 @@ LAYERS = {
         "spmd.futures", "spmd._wait", "spmd.work", "spmd.optable", "spmd.context",
         "spmd.backend_registry", "spmd.packing", "spmd.nodes", "spmd.launch",
         "spmd._control", "spmd.flight_recorder", "spmd._stores", "spmd._filestore", "spmd._tcpstore",
-        "spmd.store", "spmd._bootstrap"],
+        "spmd.store", "spmd._bootstrap", "spmd._lines"],
     2: ["spmd.backends"],
     3: ["spmd.group", "spmd.world", "spmd.watchdog", "spmd.debug"],
     4: ["spmd.collectives", "spmd.p2p", "spmd.objects", "spmd.coalescing", "spmd.persistent",
         "spmd.monitored_barrier", "spmd.bucket_reducer", "spmd.torch"],
     5: ["spmd.mesh", "spmd.parallel_state", "spmd.topology", "spmd.mpmd", "spmd.spawn",
-        "spmd._spawn_child", "spmd.checkpoint"],
+        "spmd._spawn_child", "spmd.checkpoint", "spmd._mesh_args", "spmd._mesh_layout",
+        "spmd._megatron_layout"],
     6: ["spmd.bench", "spmd._bench_report", "spmd.cli", "spmd.__main__", "spmd.comms_log",
         "spmd.trace", "spmd.fr_trace", "spmd"],
 }
@@ -76,7 +77,8 @@ def _layer(mod: str) -> int | None:
     best = None
     for layer, names in LAYERS.items():
         for name in names:
-            if (mod == name or mod.startswith(name + ".")) and (
+            inside = mod.startswith(name + ".") and name != "spmd"  # the package: itself only
+            if (mod == name or inside) and (
                     best is None or len(name) > len(best[1])):
                 best = (layer, name)
     return None if best is None else best[0]

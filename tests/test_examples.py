@@ -18,6 +18,62 @@ def test_quickstart(n):
     assert lines == sorted((str(r), str(n)) for r in range(n)), proc.stdout
 
 
+QUICKSTART_LINE = re.compile(
+    r"quickstart on 4 rank\(s\)"
+    r"|  check +passed on"
+    r"|  (?P<check>\S.*?) +(\d+/\d+ ranks|- \(needs 2 ranks\))"
+    r"|rank (?P<rank>\d)/4 quickstart OK")
+
+
+@pytest.mark.timeout(300)
+def test_quickstart_lines_are_whole():
+    """Unbuffered output is where print() writes text and newline apart and ranks' lines
+    ran together; every line must come out whole, the table in one piece on rank 0."""
+    for _ in range(5):
+        proc = run(mpiexec(4, sys.executable, "examples/quickstart.py"), timeout=120,
+                   PYTHONUNBUFFERED="1")
+        assert proc.returncode == 0, proc.stdout
+        lines = proc.stdout.splitlines()
+        matches = [QUICKSTART_LINE.fullmatch(ln) for ln in lines]
+        assert all(matches), [ln for ln, m in zip(lines, matches) if not m]
+        assert sorted(m["rank"] for m in matches if m["rank"]) == ["0", "1", "2", "3"]
+        table = [i for i, m in enumerate(matches) if not m["rank"]]
+        assert table == list(range(table[0], table[0] + 9)), proc.stdout  # contiguous
+        checks = [m["check"] for m in matches if m["check"]]
+        assert len(checks) == 7 and "isend/irecv around a ring" in checks, checks
+
+
+@pytest.mark.timeout(120)
+def test_parallel_example_lines_are_whole():
+    proc = run(mpiexec(4, sys.executable, "examples/tp_mlp.py"), timeout=90,
+               PYTHONUNBUFFERED="1")
+    assert proc.returncode == 0, proc.stdout
+    line = re.compile(r"rank (\d)/4 tp_mlp OK max_err=\S+ hidden units \d+:\d+ of \d+")
+    lines = proc.stdout.splitlines()
+    assert all(line.fullmatch(ln) for ln in lines), lines
+    assert sorted(line.fullmatch(ln)[1] for ln in lines) == ["0", "1", "2", "3"]
+
+
+def test_write_lines_writes_each_line_once_whole():
+    from spmd._lines import write_lines
+
+    class Recorder:
+        def __init__(self):
+            self.writes, self.flushes = [], 0
+
+        def write(self, text):
+            self.writes.append(text)
+
+        def flush(self):
+            self.flushes += 1
+
+    out = Recorder()
+    write_lines("[rank 2] first\n[rank 2] second", out)
+    write_lines("", out)
+    assert out.writes == ["[rank 2] first\n", "[rank 2] second\n", "\n"]
+    assert out.flushes == 3
+
+
 def run_example(name, n, *args, timeout=60):
     """Run examples/<name>.py on n ranks; each rank must print its own OK line."""
     proc = run(mpiexec(n, sys.executable, f"examples/{name}.py", *args), timeout=timeout)

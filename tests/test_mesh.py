@@ -1,6 +1,7 @@
 """DeviceMesh and init_device_mesh: groups against independently enumerated rank lists,
-submeshes, flattening, from_group, one Comm.Split per dimension, bad input; and, at 8
-ranks, the same answers as torch's own DeviceMesh (on its fake backend), rank by rank.
+submeshes, flattening, unflattening, concatenating, from_group, one Comm.Split per
+dimension, bad input; and, at 8 ranks, the same answers and group identity as torch's
+own DeviceMesh (on its fake backend), rank by rank.
 
 The 8- and 12-rank layouts run in test_parallel_state.py (tests/programs/layouts.py)."""
 
@@ -22,12 +23,10 @@ def _free(dist, *meshes):
     """Destroy the groups the meshes made (never WORLD), once each."""
     seen = set()
     for mesh in meshes:
-        root = mesh._root_mesh()
-        for g in list(root._groups) + [f._groups[0] for f in root._flat.values()]:
-            if g is None or g is dist.GroupMember.WORLD or id(g) in seen:
-                continue
-            seen.add(id(g))
-            dist.destroy_process_group(g)
+        for g in mesh._owned_groups():
+            if id(g) not in seen:
+                seen.add(id(g))
+                dist.destroy_process_group(g)
 
 
 def _sum_of_ranks(dist, pg):
@@ -113,11 +112,66 @@ def test_flatten(dist):
     assert custom.get_group().ranks == mesh.get_group("dp_cp").ranks
     with pytest.raises(ValueError, match="already a dimension"):
         mesh["dp", "cp"]._flatten("tp")
-    with pytest.raises(ValueError, match="already named 'replicate'"):
-        mesh["cp", "tp"]._flatten("replicate")
+    if ref.mesh_groups(shape, (0, 1)) != ref.mesh_groups(shape, (1, 2)):
+        with pytest.raises(ValueError, match="already named 'replicate'"):
+            mesh["cp", "tp"]._flatten("replicate")
+    else:  # the same ranks laid out alike (torch compares layouts): the same mesh
+        assert mesh["cp", "tp"]._flatten("replicate") is custom
     tp = mesh["tp"]
     assert tp._flatten("tp") is tp  # a 1-D mesh flattened into its own name is itself
     _free(dist, mesh)
+
+
+@pytest.mark.mpi
+def test_unflatten_and_concatenate(dist):
+    me, n = dist.get_rank(), dist.get_world_size()
+    line = dist.init_device_mesh("cpu", (n,), mesh_dim_names=("w",))
+    made = []
+    for a, b in [(a, n // a) for a in range(1, n + 1) if n % a == 0]:
+        u = line._unflatten("w", (a, b), ("x", "y"))
+        made.append(u)
+        assert u.shape == (a, b) and u.mesh_dim_names == ("x", "y")
+        assert u.mesh.tolist() == np.arange(n).reshape(a, b).tolist()
+        assert u.get_coordinate() == (me // b, me % b)
+        assert u._get_root_mesh() is line
+        for d, name in enumerate(("x", "y")):
+            want = ref.group_of(ref.mesh_groups((a, b), (d,)), me)
+            assert u.get_group(name).ranks == want
+            assert _sum_of_ranks(dist, u.get_group(name)) == sum(want)
+            # a new group unless it spans the world (WORLD itself, as in torch)
+            assert (u.get_group(name) is dist.GroupMember.WORLD) == (len(want) == n)
+        swapped = dist.DeviceMesh._concatenate([u["y"], u["x"]])
+        assert swapped.shape == (b, a) and swapped.mesh_dim_names == ("y", "x")
+        assert swapped.mesh.tolist() == np.arange(n).reshape(a, b).T.tolist()
+        assert swapped.get_coordinate() == (me % b, me // b)
+        assert swapped.get_all_groups() == [u.get_group("y"), u.get_group("x")]
+        assert all(p is q for p, q in zip(swapped.get_all_groups(),
+                                           [u.get_group("y"), u.get_group("x")]))
+        assert swapped._get_root_mesh() is line
+        again = u._unflatten("x", (a, 1), ("x0", "x1"))  # a dimension of size 1 added
+        assert again.shape == (a, 1, b) and again.get_group("y") is u.get_group("y")
+        assert again.get_group("x1").ranks == [me]
+    with pytest.raises(ValueError, match=rf"sizes \({n + 1}, 1\) hold {n + 1} elements"):
+        line._unflatten(0, (n + 1, 1), ("p", "q"))
+    with pytest.raises(ValueError, match="dim 'v' is not one of mesh_dim_names"):
+        line._unflatten("v", (n,), ("p",))
+    with pytest.raises(ValueError, match="dim 1 is out of range for a 1-D mesh"):
+        line._unflatten(1, (n,), ("p",))
+    with pytest.raises(ValueError, match="has 1 names, expected one per mesh dimension"):
+        line._unflatten(0, (n, 1), ("p",))
+    with pytest.raises(ValueError, match=r"repeats \['p'\]"):
+        line._unflatten(0, (n, 1), ("p", "p"))
+    # names must stay unique (torch lets a repeated name through; spmd refuses it)
+    with pytest.raises(ValueError, match=r"repeats \['y'\]"):
+        dist.DeviceMesh._concatenate([made[0]["y"], made[-1]["y"]])
+    if n > 1:  # at one rank every dimension has size 1, and nothing can overlap
+        with pytest.raises(RuntimeError, match="cannot concatenate overlapping meshes"):
+            dist.DeviceMesh._concatenate([made[-1], line])
+        other = dist.DeviceMesh("cpu", list(range(n))[::-1], mesh_dim_names=("r",))
+        with pytest.raises(RuntimeError, match="derived from different device meshes"):
+            dist.DeviceMesh._concatenate([line, other])
+        _free(dist, other)
+    _free(dist, line)
 
 
 class _CountingComm:
@@ -232,15 +286,20 @@ def test_bad_shapes_and_names(dist):
 def test_bad_dimension_lookups(dist):
     n = dist.get_world_size()
     mesh = dist.init_device_mesh("cpu", (1, n), mesh_dim_names=("dp", "tp"))
-    for bad in ("pp", ("tp", "dp"), ("dp", "dp")):
+    for bad in ("pp", ("dp", "dp")):
         with pytest.raises(KeyError):
             mesh[bad]
         with pytest.raises(ValueError):  # also a ValueError (MeshDimError)
             mesh[bad]
     with pytest.raises(ValueError, match=r"no mesh dimension 'pp'; expected names from \['dp', 'tp'\]"):
         mesh["pp"]
-    with pytest.raises(ValueError, match="must be given in mesh order"):
-        mesh["tp", "dp"]
+    # torch's rule: dimensions in mesh order, where a dimension of size 1 may go anywhere
+    assert mesh["tp", "dp"].shape == (n, 1)
+    if n % 2 == 0 and n > 2:
+        square = dist.init_device_mesh("cpu", (2, n // 2), mesh_dim_names=("x", "y"))
+        with pytest.raises(ValueError, match="must be given in mesh order"):
+            square["y", "x"]
+        _free(dist, square)
     with pytest.raises(RuntimeError, match="the mesh has 2 dimensions; pass mesh_dim"):
         mesh.get_group()
     with pytest.raises(ValueError, match="mesh_dim 2 is out of range for a 2-D mesh"):
@@ -278,3 +337,22 @@ def test_same_answers_as_torch_device_mesh():
     assert sorted(torch_rows) == sorted(spmd_rows) == list(range(8))
     for rank in range(8):
         assert spmd_rows[rank] == torch_rows[rank], f"rank {rank}"
+
+
+def test_layout_splits_that_no_layout_can_express():
+    """Unflattening a flattened (2, 3) of a (2, 2, 3) mesh into (3, 2) would cut the
+    size-3 mode unevenly: refused (torch fails an assertion there), while (2, 3) and
+    (6, 1) give what torch gives (tests/programs/mesh_record.py checks more at 8 ranks)."""
+    from spmd import _mesh_layout as lay
+
+    root = lay.row_major((2, 2, 3))
+    flat = lay.collapse([root[0], root[2]])
+    assert flat == ((2, 6), (3, 1))
+    assert lay.offsets(flat).tolist() == [0, 1, 2, 6, 7, 8]
+    with pytest.raises(ValueError, match="cuts a mode of size 3"):
+        lay.compose(flat, (3, 2))
+    assert lay.compose(flat, (2, 3)) == (((2, 6),), ((3, 1),))
+    assert lay.compose(flat, (6, 1)) == (flat, ())
+    assert lay.compose(((12, 1),), (2, 3, 2)) == (((2, 6),), ((3, 2),), ((2, 1),))
+    assert lay.fits(flat, 12) and not lay.fits(((2, 2), (3, 1)), 12)
+    assert [lay.coordinate(i, flat) for i in (0, 2, 6, 8)] == [0, 2, 3, 5]

@@ -1,6 +1,7 @@
 """parallel_state: every group kind against an independent re-implementation of
-Megatron-LM's RankGenerator, getters, errors; at 8 and 12 ranks a separate job checks
-every group of every layout helper (tests/programs/layouts.py)."""
+Megatron-LM's RankGenerator, embedding groups and virtual pipeline stages, getters,
+errors; at 8, 12 and 16 ranks a separate job checks every group of every layout helper
+(tests/programs/layouts.py)."""
 
 import os
 import re
@@ -165,6 +166,62 @@ def test_state_errors_and_reinit(dist):
     dist.init_process_group(timeout=TEST_TIMEOUT)
 
 
+@pytest.mark.mpi
+def test_embedding_groups_and_virtual_pipeline(dist):
+    ps = dist.parallel_state
+    me, n = dist.get_rank(), dist.get_world_size()
+    for pp in [d for d in range(1, n + 1) if n % d == 0]:
+        vp = 3 if pp > 1 else None
+        ps.initialize_model_parallel(pipeline_model_parallel_size=pp,
+                                     virtual_pipeline_model_parallel_size=vp)
+        stages = ref.group_of(ref.megatron_groups(n, pp=pp)["pp"], me)
+        word, position = ref.embedding_groups(ref.megatron_groups(n, pp=pp)["pp"])
+        in_word = [g for g in word if me in g]
+        if in_word:
+            assert ps.get_embedding_group().ranks == sorted(in_word[0])
+        else:
+            assert ps.get_embedding_group(check_initialized=False) is None
+            with pytest.raises(RuntimeError, match="is in no embedding group"):
+                ps.get_embedding_group()
+        assert ps.is_rank_in_embedding_group() == bool(in_word)
+        assert ps.is_rank_in_position_embedding_group() == any(me in g for g in position)
+        assert any(me in g for g in position) == (me == stages[0])
+        assert (ps.get_position_embedding_group(check_initialized=False) is not None) == \
+            (me == stages[0])
+        assert ps.get_virtual_pipeline_model_parallel_world_size() == vp
+        assert ps.get_virtual_pipeline_model_parallel_rank() == (None if vp is None else 0)
+        for chunk in range(vp or 1):
+            first, last = ref.pipeline_stage_flags(stages.index(me), pp, vp, chunk)
+            assert ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=chunk) == first
+            assert ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=chunk) == last
+            assert ps.is_pipeline_first_stage(vp_stage=chunk) == (me == stages[0])
+        if vp is not None:
+            with pytest.raises(ValueError, match="vp_stage must be passed"):
+                ps.is_pipeline_first_stage(ignore_virtual=False)
+            with pytest.warns(DeprecationWarning):
+                ps.set_virtual_pipeline_model_parallel_rank(2)
+            assert ps.get_virtual_pipeline_model_parallel_rank() == 2
+        if in_word:  # the embedding group carries a real collective
+            x = np.array([float(me)])
+            dist.all_reduce(x, group=ps.get_embedding_group())
+            assert x[0] == sum(in_word[0])
+        ps.destroy_model_parallel()
+        assert ps.get_virtual_pipeline_model_parallel_world_size() is None
+    # a rule of one's own: every rank holds the embeddings of its own stage only
+    ps.initialize_model_parallel(get_embedding_ranks=lambda ranks: ranks[-1:],
+                                 get_position_embedding_ranks=lambda ranks: ranks)
+    assert ps.get_embedding_group().ranks == [me] and ps.is_rank_in_position_embedding_group()
+    ps.destroy_model_parallel()
+    with pytest.raises(RuntimeError, match="needs pipeline_model_parallel_size > 1"):
+        ps.initialize_model_parallel(virtual_pipeline_model_parallel_size=2)
+    with pytest.raises(ValueError, match=rf"returned \[{n}\], expected global ranks"):
+        ps.initialize_model_parallel(get_embedding_ranks=lambda ranks: [n])
+    if n > 1:  # n pipelines (pp = 1) all naming rank 0; at one rank there is one pipeline
+        with pytest.raises(ValueError, match="one embedding group only"):
+            ps.initialize_model_parallel(get_embedding_ranks=lambda ranks: [0])
+    assert not ps.model_parallel_is_initialized()
+
+
 def _layouts(n, k, *args):
     proc = run(mpiexec(n, sys.executable, "tests/programs/layouts.py", *args), timeout=540,
                SPMD_PSEUDO_NODE_SIZE=str(k))
@@ -173,7 +230,9 @@ def _layouts(n, k, *args):
                        r"\((\d+) configurations\), (\d+) topology", proc.stdout, re.MULTILINE)
     assert sorted(int(r[0]) for r in lines) == list(range(n)), proc.stdout[-5000:]
     mesh, pstate, configs, topo = map(int, lines[0][1:])
-    assert mesh > 0 and configs > 0 and pstate == 14 * configs and topo > 0
+    # 14 group kinds and the two embedding kinds per configuration
+    assert configs > 0 and pstate == 16 * configs
+    assert (mesh > 0 and topo > 0) or "--ps-only" in args
 
 
 @pytest.mark.timeout(600)
@@ -184,3 +243,8 @@ def test_every_group_at_8_ranks():
 @pytest.mark.timeout(600)
 def test_every_group_at_12_ranks():
     _layouts(12, 5)  # a selection of configurations; pseudo-nodes [0-4] [5-9] [10-11]
+
+
+@pytest.mark.timeout(600)
+def test_every_parallel_state_group_at_16_ranks():
+    _layouts(16, 4, "--ps-only", "3")  # every third configuration of the selection

@@ -90,6 +90,28 @@ def megatron_groups(world, tp=1, pp=1, cp=1, ep=1, etp=None, order="tp-cp-ep-dp-
     return out
 
 
+def embedding_groups(pp_groups):
+    """Megatron-LM's default embedding ranks per pipeline, as (word, position) lists:
+    the word embeddings on the first and the last stage (one stage: just it), the
+    position embeddings on the first stage."""
+    word, position = [], []
+    for stages in pp_groups:
+        first, last = stages[0], stages[len(stages) - 1]
+        word.append([first] if first == last else [first, last])
+        position.append([first])
+    return word, position
+
+
+def pipeline_stage_flags(stage, stages, vp_size, vp_stage):
+    """(is first, is last) for a rank at ``stage`` of ``stages`` asked with
+    ignore_virtual=False: with a virtual pipeline only its first / last model chunk
+    (``vp_stage``) counts."""
+    first, last = stage == 0, stage == stages - 1
+    if vp_size is not None:
+        first, last = first and vp_stage == 0, last and vp_stage == vp_size - 1
+    return first, last
+
+
 def megatron_rejects(world, tp, pp, cp, ep, etp, order):
     """Why Megatron's initialize_model_parallel refuses these sizes, or None."""
     tokens = order.split("-")

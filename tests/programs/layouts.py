@@ -1,13 +1,16 @@
 """Every group of every layout helper against independently computed rank lists.
 
-Run as ``mpiexec -n N python tests/programs/layouts.py [--all]`` (tests use N = 8 and
-12) with ``SPMD_PSEUDO_NODE_SIZE=k`` set.  Checks, on every rank:
+Run as ``mpiexec -n N python tests/programs/layouts.py [--all | --ps-only K]`` (tests
+use N = 8, 12 and 16) with ``SPMD_PSEUDO_NODE_SIZE=k`` set.  Checks, on every rank:
 
 * init_device_mesh for every shape of N in 1-3 dimensions: each dimension's groups,
   coordinates, local ranks, every submesh of a 3-D mesh and every flattening;
 * parallel_state for Megatron configurations (``--all``: every accepted one; else a
-  selection covering every axis combination and order): all 14 group kinds, getters;
-  configurations Megatron refuses raise ValueError;
+  selection covering every axis combination and order; ``--ps-only K``: every K-th of
+  that selection and nothing else): all 14 group kinds, the embedding and
+  position-embedding groups (Megatron's default rules), getters, virtual pipeline
+  stages (every other configuration with pp > 1 has one); configurations Megatron
+  refuses raise ValueError;
 * node_topology and get_node_local_rank under pseudo-nodes.
 
 For each group kind the groups of all ranks are gathered and must be exactly the
@@ -66,12 +69,8 @@ def check_kinds(groups: dict, expected: dict, what: str) -> int:
 
 
 def free_mesh(mesh):
-    seen = set()
-    root = mesh._root_mesh()
-    for g in list(root._groups) + [f._groups[0] for f in root._flat.values()]:
-        if g is not None and g is not spmd.GroupMember.WORLD and id(g) not in seen:
-            seen.add(id(g))
-            spmd.destroy_process_group(g)
+    for g in mesh._owned_groups():
+        spmd.destroy_process_group(g)
 
 
 def check_meshes() -> int:
@@ -100,24 +99,72 @@ def check_meshes() -> int:
     return checks
 
 
-def init_ps(c):
+def init_ps(c, vp=None):
     ps.initialize_model_parallel(c["tp"], c["pp"], c["cp"], c["ep"], c["order"],
-                                 expert_tensor_parallel_size=c["etp"])
+                                 expert_tensor_parallel_size=c["etp"],
+                                 virtual_pipeline_model_parallel_size=vp)
 
 
-def check_parallel_state(everything: bool) -> tuple[int, int]:
+def check_embedding_and_virtual(pp_groups, vp) -> int:
+    """Embedding and position-embedding groups against Megatron's default rules, and
+    the pipeline-stage questions with a virtual pipeline of ``vp`` chunks (or none)."""
+    me, n = spmd.get_rank(), spmd.get_world_size()
+    word, position = ref.embedding_groups(pp_groups)
+    got = {"embd": ps.get_embedding_group(check_initialized=False),
+           "pos-embd": ps.get_position_embedding_group(check_initialized=False)}
+    rows = [None] * n
+    spmd.all_gather_object(rows, {k: None if g is None else g.ranks for k, g in got.items()})
+    for kind, want, getter in (("embd", word, ps.get_embedding_group),
+                               ("pos-embd", position, ps.get_position_embedding_group)):
+        lists = sorted({tuple(r[kind]) for r in rows if r[kind] is not None})
+        assert lists == sorted(tuple(sorted(g)) for g in want), f"{kind}: {lists} vs {want}"
+        mine = [g for g in want if me in g]
+        if mine:
+            assert got[kind].ranks == sorted(mine[0]) and getter() is got[kind]
+            x = np.array([me], np.int64)
+            spmd.all_reduce(x, group=got[kind])
+            assert int(x[0]) == sum(mine[0]), f"{kind}: all_reduce gave {x}"
+        else:
+            assert got[kind] is None, f"{kind}: rank {me} got {got[kind]}"
+            try:
+                getter()
+            except RuntimeError:
+                pass
+            else:
+                raise AssertionError(f"{kind}: no error for rank {me}, in no such group")
+    in_word = [g for g in word if me in g]
+    assert ps.is_rank_in_embedding_group() == bool(in_word)
+    assert ps.is_rank_in_position_embedding_group() == any(me in g for g in position)
+    assert ps.get_virtual_pipeline_model_parallel_world_size() == vp
+    assert ps.get_virtual_pipeline_model_parallel_rank() == (None if vp is None else 0)
+    stages = ref.group_of(pp_groups, me)
+    for chunk in range(vp or 1):
+        first, last = ref.pipeline_stage_flags(stages.index(me), len(stages), vp, chunk)
+        assert ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=chunk) == first
+        assert ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=chunk) == last
+        # the first listed rank holds the first chunk's embedding, the last the last's
+        expect = bool(in_word) and (me not in (in_word[0][0], in_word[0][-1]) or
+                                    (first if me == in_word[0][0] else last))
+        assert ps.is_rank_in_embedding_group(ignore_virtual=False, vp_stage=chunk) == expect
+    return 2
+
+
+def check_parallel_state(everything: bool, thin: int = 1) -> tuple[int, int]:
     me, n = spmd.get_rank(), spmd.get_world_size()
     configs = ref.megatron_configs(n)
     if not everything:  # every order, sizes with Megatron's default etp, a few others
         configs = [c for c in configs if c["etp"] == c["tp"] and (c["cp"] == 1 or c["ep"] == 1)]
         configs += [c for c in ref.megatron_configs(n, orders=("tp-cp-ep-dp-pp",))
                     if c["etp"] != c["tp"]][::7]
+    configs = configs[::thin]
     checks = 0
-    for c in configs:
-        init_ps(c)
+    for i, c in enumerate(configs):
+        vp = 2 + i % 3 if c["pp"] > 1 and i % 2 == 0 else None  # half with a virtual pipeline
+        init_ps(c, vp)
         groups = {k: get() for k, get in KIND_GETTERS.items()}
         expected = ref.megatron_groups(n, c["tp"], c["pp"], c["cp"], c["ep"], c["etp"], c["order"])
         checks += check_kinds(groups, expected, f"parallel_state {c}")
+        checks += check_embedding_and_virtual(expected["pp"], vp)
         pp = ref.group_of(expected["pp"], me)
         stage = pp.index(me)
         assert ps.get_pipeline_model_parallel_rank() == stage
@@ -164,9 +211,11 @@ def check_topology() -> int:
 def main() -> None:
     spmd.init_process_group()
     me, n = spmd.get_rank(), spmd.get_world_size()
-    mesh_checks = check_meshes()
-    configs, ps_checks = check_parallel_state("--all" in sys.argv)
-    topo_checks = check_topology()
+    ps_only = "--ps-only" in sys.argv
+    mesh_checks = 0 if ps_only else check_meshes()
+    thin = int(sys.argv[sys.argv.index("--ps-only") + 1]) if ps_only else 1
+    configs, ps_checks = check_parallel_state("--all" in sys.argv, thin)
+    topo_checks = 0 if ps_only else check_topology()
     spmd.barrier()
     # One write per line: the launcher merges the ranks' output line by line.
     sys.stdout.write(f"rank {me}/{n} layouts OK: {mesh_checks} mesh, {ps_checks} parallel_state "
