@@ -50,7 +50,9 @@ def _missing(name: str):
         raise NotImplementedError(f"{name}: the {self.name} backend does not implement it "
                                   f"[rank {self.group._rank}, group {self.group._name}]")
 
-    method.__name__ = name
+    method.__name__ = method.__qualname__ = name
+    # Tracebacks name the op, not a generic "method".
+    method.__code__ = method.__code__.replace(co_name=name)
     method.__doc__ = f"Start ``{name}({params})``; return its Work."
     return method
 

@@ -196,7 +196,9 @@ def _checked_method(name: str):
             check_call(self.group, name, fields, pairs)
         return getattr(self.inner, name)(*args)
 
-    method.__name__ = name
+    method.__name__ = method.__qualname__ = name
+    # Tracebacks name the op, not a generic "method".
+    method.__code__ = method.__code__.replace(co_name=name)
     method.__doc__ = f"{name}, after comparing its fingerprint across the group."
     return method
 
