@@ -32,6 +32,7 @@ import time
 
 import numpy as np
 
+from . import flight_recorder as _fr
 from . import work as _work
 from ._lines import write_lines
 from .optable import P2P_OPS, work_bytes
@@ -79,20 +80,24 @@ class Tracer:
         self._lock = threading.Lock()
         self._events: list[tuple] = []
         self._inflight: dict[int, tuple] = {}
-        self._seq: dict = {}   # group -> [collectives, p2p] started
+        self._seq: dict = {}   # group -> [collectives, p2p] started, when the recorder is off
         # One clock for the job: wall-clock microseconds, read through perf_counter.
         self._wall0_us = time.time_ns() / 1e3
         self._clk0 = _clock_ns()
 
     def started(self, work) -> None:
-        g = work._group
-        counters = self._seq.get(g)
-        if counters is None:
-            counters = self._seq[g] = [0, 0]
         kind = 1 if work._op in P2P_OPS else 0
-        with self._lock:
-            counters[kind] += 1
-            seq = counters[kind]
+        entry = getattr(work, "_fr", None)
+        if entry is not None:  # the flight recorder's number: the one every rank agrees on
+            seq = entry[_fr.SEQ]
+        else:  # recorder off: count here
+            g = work._group
+            counters = self._seq.get(g)
+            if counters is None:
+                counters = self._seq[g] = [0, 0]
+            with self._lock:
+                counters[kind] += 1
+                seq = counters[kind]
         self._inflight[id(work)] = (_clock_ns(), seq, kind, work_bytes(work))
 
     def completed(self, work) -> None:

@@ -88,11 +88,17 @@ def test_p2p_numbered_separately(dist, tmp_path):
         path = t.path
     with open(path) as f:
         events = [e for e in json.load(f)["traceEvents"] if e["ph"] == "X"]
-    assert [e["args"]["seq"] for e in events if e["cat"] == "collective"] == [1, 2]
+    # The flight recorder's numbers: consecutive, and the same on every rank of the group.
+    coll = [e["args"]["seq"] for e in events if e["cat"] == "collective"]
+    assert len(coll) == 2 and coll[1] == coll[0] + 1, coll
+    seen = [None] * n
+    dist.all_gather_object(seen, coll)
+    assert all(c == coll for c in seen), seen
     p2p = [e for e in events if e["cat"] == "p2p"]
     if rank < 2:
         assert [e["name"] for e in p2p] == ["send", "send"] if rank == 0 else ["recv", "recv"]
-        assert [e["args"]["seq"] for e in p2p] == [1, 2]
+        p2p_seq = [e["args"]["seq"] for e in p2p]
+        assert p2p_seq[1] == p2p_seq[0] + 1, p2p_seq
         assert all(e["args"]["bytes"] == 24 for e in p2p)
     else:
         assert p2p == []

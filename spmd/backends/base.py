@@ -13,7 +13,7 @@ from typing import Any
 
 from ..optable import ENGINE_OPS, OPS
 
-__all__ = ["DeviceBackend"]
+__all__ = ["DeviceBackend", "install_op_methods"]
 
 
 class DeviceBackend:
@@ -43,19 +43,24 @@ class DeviceBackend:
                 for sending, a, peer, tag in ops]
 
 
-def _missing(name: str):
-    params = ", ".join(OPS[name].params)
+def install_op_methods(cls: type, make: Any, doc: str) -> None:
+    """Give ``cls`` one method per engine op: ``make(name)`` returns its function,
+    renamed after the op so tracebacks say the op; ``doc`` is formatted with ``name``
+    and ``params``."""
+    for name in ENGINE_OPS:
+        method = make(name)
+        method.__name__ = method.__qualname__ = name
+        method.__code__ = method.__code__.replace(co_name=name)
+        method.__doc__ = doc.format(name=name, params=", ".join(OPS[name].params))
+        setattr(cls, name, method)
 
+
+def _missing(name: str):
     def method(self, *args):
         raise NotImplementedError(f"{name}: the {self.name} backend does not implement it "
                                   f"[rank {self.group._rank}, group {self.group._name}]")
 
-    method.__name__ = method.__qualname__ = name
-    # Tracebacks name the op, not a generic "method".
-    method.__code__ = method.__code__.replace(co_name=name)
-    method.__doc__ = f"Start ``{name}({params})``; return its Work."
     return method
 
 
-for _name in ENGINE_OPS:
-    setattr(DeviceBackend, _name, _missing(_name))
+install_op_methods(DeviceBackend, _missing, "Start ``{name}({params})``; return its Work.")

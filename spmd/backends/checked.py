@@ -23,8 +23,8 @@ import numpy as np
 from .._wait import wait_until
 from ..errors import CollectiveMismatchError
 from ..flight_recorder import next_seq, ranks_text
-from ..optable import ENGINE_OPS, OPS
-from .base import DeviceBackend
+from ..optable import OPS
+from .base import DeviceBackend, install_op_methods
 
 __all__ = ["CheckedBackend", "check_call", "checking"]
 
@@ -196,12 +196,8 @@ def _checked_method(name: str):
             check_call(self.group, name, fields, pairs)
         return getattr(self.inner, name)(*args)
 
-    method.__name__ = method.__qualname__ = name
-    # Tracebacks name the op, not a generic "method".
-    method.__code__ = method.__code__.replace(co_name=name)
-    method.__doc__ = f"{name}, after comparing its fingerprint across the group."
     return method
 
 
-for _name in ENGINE_OPS:
-    setattr(CheckedBackend, _name, _checked_method(_name))
+install_op_methods(CheckedBackend, _checked_method,
+                   "{name}, after comparing its fingerprint across the group.")
