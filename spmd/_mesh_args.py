@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .group import _backend_name
+from .group import backend_name_of
 
 __all__ = ["DEVICES", "check_device_type", "check_mesh", "check_names", "check_overrides",
            "check_sizes"]
@@ -61,7 +61,7 @@ def check_overrides(overrides, ndim: int, names, op: str) -> list[str | None]:
         if not isinstance(value, str):
             raise TypeError(f"{op}: backend_override[{key!r}] must be a backend name (str), got "
                             f"{type(value).__name__}")
-        out[dim] = _backend_name(value, op)
+        out[dim] = backend_name_of(value, op)
     return out
 
 

@@ -177,7 +177,7 @@ def resolve(group, op: str) -> ProcessGroup | None:
     raise TypeError(f"{op}: group must be a ProcessGroup or None, got {type(group).__name__}")
 
 
-def _timeout_seconds(timeout, op: str) -> float:
+def timeout_seconds(timeout, op: str) -> float:
     if timeout is None:
         return world_state.world._timeout
     if isinstance(timeout, timedelta):
@@ -191,7 +191,7 @@ def _timeout_seconds(timeout, op: str) -> float:
     return seconds
 
 
-def _backend_name(backend, op: str) -> str:
+def backend_name_of(backend, op: str) -> str:
     if backend is None:
         return world_state.world._backend_name
     Backend(backend)  # validates the spelling
@@ -204,7 +204,7 @@ def _ranks_name(ranks: Sequence[int]) -> str:
     return f"ranks[{ranks[0]},{ranks[1]},...,{ranks[-1]}]({len(ranks)})"
 
 
-def _register(comm, ranks, name, timeout, backend, desc) -> ProcessGroup:
+def register_group(comm, ranks, name, timeout, backend, desc) -> ProcessGroup:
     pg = ProcessGroup(comm, ranks, name, timeout, backend, desc, world_state.store)
     world_state.groups.append(pg)
     return pg
@@ -240,8 +240,8 @@ def new_group(ranks=None, timeout=None, backend=None, pg_options=None,
         ValueError: a rank is out of range or listed twice.
     """
     world = default_group("new_group")
-    seconds = _timeout_seconds(timeout, "new_group")
-    name = _backend_name(backend, "new_group")
+    seconds = timeout_seconds(timeout, "new_group")
+    name = backend_name_of(backend, "new_group")
     if ranks is None:
         ranks = list(range(world._size))
     members = _check_rank_list(ranks, world._size, "new_group")
@@ -257,17 +257,17 @@ def new_group(ranks=None, timeout=None, backend=None, pg_options=None,
     finally:
         mpi_group.Free()
     label = group_desc or _ranks_name(members)
-    return _register(comm, members, label, seconds, name, group_desc)
+    return register_group(comm, members, label, seconds, name, group_desc)
 
 
-def _split(parent: ProcessGroup, color: int, key: int, name_of, timeout, backend, desc, op):
+def split_comm(parent: ProcessGroup, color: int, key: int, name_of, timeout, backend, desc, op):
     """One ``Comm.Split`` of ``parent``: every member of parent must call it."""
     comm = parent._comm.Split(color, key)
     pg = None
     if comm != MPI.COMM_NULL:
         members = [parent._ranks[r] for r in comm.allgather(parent._rank)]
-        pg = _register(comm, members, name_of(members), _timeout_seconds(timeout, op),
-                       _backend_name(backend, op), desc)
+        pg = register_group(comm, members, name_of(members), timeout_seconds(timeout, op),
+                       backend_name_of(backend, op), desc)
     for backend in list(parent._backends.values()):  # e.g. NCCL's commSplit, collective
         backend.on_split(pg, color, key)            # over the parent
     return pg
@@ -296,7 +296,7 @@ def new_subgroups(group_size=None, group=None, timeout=None, backend=None,
     ranks_lists = [list(parent._ranks[i * group_size:(i + 1) * group_size]) for i in range(count)]
     mine = parent._rank // group_size
     label = group_desc or "subgroup"
-    pg = _split(parent, mine, parent._rank, lambda m: f"{label}:{mine}", timeout, backend,
+    pg = split_comm(parent, mine, parent._rank, lambda m: f"{label}:{mine}", timeout, backend,
                 group_desc, "new_subgroups")
     subgroups = [pg if i == mine else GroupMember.NON_GROUP_MEMBER for i in range(len(ranks_lists))]
     return pg, subgroups
@@ -325,7 +325,7 @@ def new_subgroups_by_enumeration(ranks_per_subgroup_list, timeout=None, backend=
             owner[r] = i
     mine = owner.get(world._rank, MPI.UNDEFINED)
     label = group_desc or "subgroup"
-    pg = _split(world, mine, world._rank, lambda m: f"{label}:{mine}", timeout, backend,
+    pg = split_comm(world, mine, world._rank, lambda m: f"{label}:{mine}", timeout, backend,
                 group_desc, "new_subgroups_by_enumeration")
     subgroups = [pg if i == mine else GroupMember.NON_GROUP_MEMBER
                  for i in range(len(ranks_per_subgroup_list))]
@@ -355,7 +355,7 @@ def split_group(parent_pg=None, split_ranks=None, timeout=None, pg_options=None,
                                  "splits must not overlap")
             owner[r] = i
     mine = owner.get(parent._rank, MPI.UNDEFINED)
-    return _split(parent, mine, parent._rank, lambda m: group_desc or _ranks_name(m), timeout,
+    return split_comm(parent, mine, parent._rank, lambda m: group_desc or _ranks_name(m), timeout,
                   backend, group_desc, "split_group")
 
 

@@ -24,10 +24,10 @@ from ._mesh_args import check_device_type, check_mesh, check_names, check_overri
 from .group import (
     GroupMember,
     ProcessGroup,
-    _backend_name,
-    _register,
-    _split,
-    _timeout_seconds,
+    backend_name_of,
+    register_group,
+    split_comm,
+    timeout_seconds,
     default_group,
 )
 
@@ -53,7 +53,7 @@ def _locate(full: np.ndarray, rank: int) -> tuple[int, ...] | None:
 def _dim_group(root: DeviceMesh, modes: lay.Modes, label: str, backend, timeout):
     """This rank's group along a dimension of ``root``'s rank map (``modes``), or None.
 
-    Every rank of WORLD must call it: one ``Comm.Split`` (group.py's ``_split``, so split
+    Every rank of WORLD must call it: one ``Comm.Split`` (group.py's ``split_comm``, so split
     hooks such as NCCL's run too), except where no message is needed (groups of one
     rank; one group spanning the world, which is WORLD itself, as in torch).
     """
@@ -72,10 +72,10 @@ def _dim_group(root: DeviceMesh, modes: lay.Modes, label: str, backend, timeout)
     if size == 1:  # every rank decides alike, from the layout: no message needed
         if root._pos is None:
             return None
-        return _register(MPI.COMM_SELF.Dup(), [world._rank], f"{label}:{color}",
-                         _timeout_seconds(timeout, op), _backend_name(backend, op),
+        return register_group(MPI.COMM_SELF.Dup(), [world._rank], f"{label}:{color}",
+                         timeout_seconds(timeout, op), backend_name_of(backend, op),
                          f"mesh_{label}")
-    return _split(world, color, world._rank, lambda m: f"{label}:{color}", timeout, backend,
+    return split_comm(world, color, world._rank, lambda m: f"{label}:{color}", timeout, backend,
                   f"mesh_{label}", op)
 
 

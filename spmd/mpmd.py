@@ -22,7 +22,7 @@ from mpi4py import MPI
 
 from .arrays import array_in, array_out, contiguous, is_device_array, movable
 from .errors import DistTimeoutError, located
-from .group import ProcessGroup, _split, world_state, _timeout_seconds, default_group
+from .group import ProcessGroup, split_comm, world_state, timeout_seconds, default_group
 from .p2p import check_tag
 from .work import Work
 
@@ -111,7 +111,7 @@ def init_program(name: str | None = None, *, timeout=None, backend=None) -> Proc
     programs = [Program(n, i, tuple(r for r, m in enumerate(names) if m == n),
                         rows[names.index(n)][1]) for i, n in enumerate(order)]
     mine = programs[order.index(names[world._rank])]
-    group = _split(world, mine.index, world._rank, lambda m: f"program:{mine.name}", timeout,
+    group = split_comm(world, mine.index, world._rank, lambda m: f"program:{mine.name}", timeout,
                    backend, f"program_{mine.name}", op)
     if _job is not None and _job.world is world and _job.peer_comm is not None:
         _job.peer_comm.Free()
@@ -164,7 +164,7 @@ def new_link(peer: str, *, timeout=None) -> Link:
     if remote.name == job.mine.name:
         raise ValueError(f"{op}: peer {peer!r} is this rank's own program; a link joins two "
                          f"different programs of {[p.name for p in job.programs]}")
-    seconds = job.group._timeout if timeout is None else _timeout_seconds(timeout, op)
+    seconds = job.group._timeout if timeout is None else timeout_seconds(timeout, op)
     lo, hi = sorted((job.mine.index, remote.index))
     tag = 1 + lo * len(job.programs) + hi  # the same on both sides, distinct per pair
     comm = job.group._comm.Create_intercomm(0, job.peer_comm, remote.ranks[0], tag)

@@ -13,7 +13,7 @@ import os
 from dataclasses import dataclass
 
 
-from .group import ProcessGroup, _backend_name, _register, _split, _timeout_seconds, resolve
+from .group import ProcessGroup, backend_name_of, register_group, split_comm, timeout_seconds, resolve
 from .nodes import PSEUDO_NODE_ENV, node_layout, pseudo_node_size, split_node
 from .world import get_node_local_rank
 
@@ -60,17 +60,17 @@ def node_topology(group=None, *, timeout=None, backend=None) -> NodeTopology:
     parent = resolve(group, op)
     if parent is None:
         raise ValueError(f"{op}: this rank is not a member of group {group!r}")
-    seconds = _timeout_seconds(timeout, op)
-    backend_name = _backend_name(backend, op)
+    seconds = timeout_seconds(timeout, op)
+    backend_name = backend_name_of(backend, op)
     node_comm = split_node(parent._comm)
     local_rank, local_size = node_comm.Get_rank(), node_comm.Get_size()
     members = [parent._ranks[r] for r in node_comm.allgather(parent._rank)]
     # Group rank i of every cross-node group with local rank 0 is the i-th node.
-    cross = _split(parent, local_rank, parent._rank, lambda m: f"cross_node:{local_rank}",
+    cross = split_comm(parent, local_rank, parent._rank, lambda m: f"cross_node:{local_rank}",
                    timeout, backend, "cross_node", op)
     leader = (cross.rank(), cross.size()) if local_rank == 0 else None
     node_rank, num_nodes = node_comm.bcast(leader, root=0)
-    node_group = _register(node_comm, members, f"node:{node_rank}", seconds, backend_name, "node")
+    node_group = register_group(node_comm, members, f"node:{node_rank}", seconds, backend_name, "node")
     return NodeTopology(local_rank, local_size, node_rank, num_nodes, node_group, cross)
 
 
