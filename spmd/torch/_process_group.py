@@ -16,6 +16,7 @@ diagnosis, the flight recorder, debug mode and the comms log as numpy arrays do.
 
 from __future__ import annotations
 
+import sys
 from datetime import timedelta
 
 import torch
@@ -411,6 +412,22 @@ class _FutureWork:
         return self._fut._exc if self._fut._done else None
 
 
+def _keep_excepthook_output() -> None:
+    """Make the hook in place (spmd's: print the traceback, then abort the job) write to
+    the real stderr.  torch wraps it next and hands it a StringIO it prints only after
+    the hook returns, which an aborting hook never does: the traceback would be lost."""
+    prev = sys.excepthook
+
+    def hook(*args):
+        saved, sys.stderr = sys.stderr, sys.__stderr__
+        try:
+            prev(*args)
+        finally:
+            sys.stderr = saved
+
+    sys.excepthook = hook
+
+
 def create(opts, pg_options) -> SpmdProcessGroup:
     """torch's creator for the spmd backend (``Backend.register_backend(extended_api=True)``).
 
@@ -436,6 +453,7 @@ def create(opts, pg_options) -> SpmdProcessGroup:
                 f"says rank {me} of {n}; start the job with mpiexec or srun (not torchrun), "
                 "and leave RANK/WORLD_SIZE unset or equal to MPI's")
         owns = "world" if not owned_before or owns_world() else ""
+        _keep_excepthook_output()
         return SpmdProcessGroup(world, me, n, timeout, owns)
     if max(ranks) >= n:
         raise RuntimeError(f"spmd backend: group of global ranks {ranks} but the MPI job has "
