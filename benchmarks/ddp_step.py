@@ -15,7 +15,6 @@ import statistics
 import time
 
 import torch
-import torch.distributed as dist
 from mpi4py import MPI
 
 import spmd
