@@ -179,5 +179,5 @@ def plot(doc: dict, path: str) -> None:
 
 
 def _impl_order(name: str) -> int:
-    order = ("spmd", "spmd-persistent", "mpi4py", "torch-gloo")
+    order = ("spmd", "spmd-persistent", "mpi4py", "torch-gloo", "torch-spmd")
     return order.index(name) if name in order else len(order)

@@ -13,7 +13,9 @@ call's time is the slowest rank's.  Rank 0 reports the median and p10/p90 over t
 calls, algbw and busbw (nccl-tests' definitions, ``spmd/optable.py``) and each time
 relative to mpi4py's blocking call, the floor spmd adds its overhead to.  torch's gloo
 backend is initialised inside the same mpiexec job over TCP (rank 0's host, a free
-port it picks) when torch is installed.  ``spmd-persistent`` is the same op as an MPI-4
+port it picks) when torch is installed; ``torch-spmd`` is torch.distributed on spmd's
+torch backend (``spmd.torch``), a group made with ``new_group(backend="spmd")`` in
+the same job, on the same tensors' sizes.  ``spmd-persistent`` is the same op as an MPI-4
 persistent collective started each call (``spmd.persistent``).  A fusion section times
 many small all-reduces issued one by one against ``all_reduce_coalesced`` and
 ``coalescing_manager``.
@@ -39,7 +41,7 @@ __all__ = ["main", "run", "add_arguments", "parse_size", "OPS", "IMPLS"]
 
 OPS = ("all_reduce", "broadcast", "reduce", "all_gather_into_tensor", "reduce_scatter_tensor",
        "all_to_all_single", "send_recv", "barrier")
-IMPLS = ("spmd", "mpi4py", "spmd-persistent", "torch-gloo")
+IMPLS = ("spmd", "mpi4py", "spmd-persistent", "torch-gloo", "torch-spmd")
 _PERSISTENT_OPS = ("all_reduce", "broadcast", "reduce", "all_gather_into_tensor",
                    "reduce_scatter_tensor", "all_to_all_single", "barrier")
 _pc = time.perf_counter
@@ -136,7 +138,7 @@ class _Config:
 class _Torch:
     """torch.distributed with gloo, initialised inside this mpiexec job."""
 
-    def __init__(self, comm):
+    def __init__(self, comm, with_spmd: bool = False):
         import torch
         import torch.distributed as dist
 
@@ -158,6 +160,24 @@ class _Torch:
         dist.init_process_group("gloo", init_method=f"tcp://{addr}:{port}",
                                 rank=comm.Get_rank(), world_size=comm.Get_size())
         self.version = torch.__version__
+        self.spmd_group = None
+        if with_spmd:
+            import spmd.torch  # noqa: F401 - registers the backend
+
+            self.spmd_group = dist.new_group(backend="spmd")
+
+    def spmd_view(self):
+        """The same object, its ``dist`` calls bound to the spmd-backed group."""
+        import functools
+
+        group, real = self.spmd_group, self.dist
+
+        class _Bound:
+            def __getattr__(self, name):
+                return functools.partial(getattr(real, name), group=group)
+
+        view = SimpleNamespace(dist=_Bound(), t=self.t)
+        return view
 
     def t(self, a):
         return self.torch.from_numpy(a)  # shares the numpy array's memory
@@ -166,14 +186,14 @@ class _Torch:
         self.dist.destroy_process_group()
 
 
-def _torch_or_none(comm, wanted: bool):
+def _torch_or_none(comm, wanted: bool, with_spmd: bool = False):
     if not wanted:
         return None, "not requested"
     try:
         import torch.distributed  # noqa: F401
     except ImportError:
         return None, "torch is not installed"
-    return _Torch(comm), None
+    return _Torch(comm, with_spmd), None
 
 
 def _counts(op: str, nbytes: int, itemsize: int, n: int) -> tuple[int, int]:
@@ -437,7 +457,8 @@ def run(args) -> dict | None:
     comm = spmd.GroupMember.WORLD.comm
     rank, n = comm.Get_rank(), comm.Get_size()
     cfg = _Config(args, n)
-    torch_, torch_note = _torch_or_none(comm, "torch-gloo" in cfg.impls)
+    with_spmd = "torch-spmd" in cfg.impls
+    torch_, torch_note = _torch_or_none(comm, "torch-gloo" in cfg.impls or with_spmd, with_spmd)
     persistent_ok = "spmd-persistent" in cfg.impls
     progress = _progress(rank == 0 and not args.no_progress,
                          sum(1 if op == "barrier" else len(cfg.sizes) for op in cfg.ops))
@@ -448,6 +469,10 @@ def run(args) -> dict | None:
             for size in sizes:
                 count, nbytes = _counts(op, size, cfg.dtype.itemsize, n) if size else (0, 0)
                 impls, plans = _case(op, count, cfg.dtype, spmd, comm, torch_, persistent_ok)
+                if with_spmd and torch_ is not None:  # the torch calls, on the spmd group
+                    bound, _ = _case(op, count, cfg.dtype, spmd, comm, torch_.spmd_view(), False)
+                    if "torch-gloo" in bound:
+                        impls["torch-spmd"] = bound["torch-gloo"]
                 impls = {k: v for k, v in impls.items() if k in cfg.impls}
                 try:
                     times = measure(comm, impls, cfg)

@@ -59,6 +59,20 @@ for n in $SHM_OFF_SIZES; do
     mpi_run "mpi n=$n shm=off" "$n" SPMD_SHM=0
 done
 
+# torch's own distributed test suite against the spmd torch backend, when torch is here.
+if "$PYTHON" -c "import torch.distributed, expecttest" 2>/dev/null; then
+    for n in ${TORCH_SUITE_SIZES:-2 3}; do
+        echo "=== torch distributed_test on the spmd backend, $n ranks ==="
+        timeout -k 10 "$LIMIT" "$MPIEXEC" "${MPIFLAGS[@]}" -n "$n" "$PYTHON" \
+            tests/torch_backend/run_torch_suite.py
+        rc=$?
+        [ $rc -ne 0 ] && failed+=("torch suite n=$n (exit $rc)")
+        summary+=("torch suite n=$n: exit $rc")
+    done
+else
+    echo "=== torch distributed_test: skipped (torch or expecttest is not installed) ==="
+fi
+
 echo "=== tests that launch their own jobs ==="
 timeout -k 10 "$LIMIT" "$PYTHON" -m pytest -q -p no:cacheprovider -m "not mpi" -rs tests/
 rc=$?

@@ -1,0 +1,92 @@
+"""Registers spmd as torch.distributed's ``"spmd"`` backend, cheaply, at ``import torch``.
+
+torch calls :func:`register` for the ``torch.backends`` entry point while it imports
+(``TORCH_DEVICE_BACKEND_AUTOLOAD=0`` turns that off; ``import spmd.torch`` registers
+explicitly).  This module lives outside the ``spmd`` package on purpose: importing
+``spmd`` imports ``mpi4py.MPI``, which initialises MPI, and a plain ``import torch``
+must not start MPI.  Nothing here imports spmd or mpi4py until a process group with
+the spmd backend is made; then ``spmd.torch`` does the work.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import warnings
+from urllib.parse import parse_qs, urlparse
+
+__all__ = ["BACKEND", "register"]
+
+BACKEND = "spmd"
+_DEVICES = ["cpu", "cuda"]  # a list: torch iterates a string character by character
+_torch_env_handler = None
+
+
+def _create(opts, pg_options):
+    """torch's creator: the ProcessGroup of one group (imports spmd, starting MPI)."""
+    from spmd.torch._process_group import create
+
+    return create(opts, pg_options)
+
+
+def _requested_backend() -> str:
+    """The backend argument of the ``init_process_group`` call running now, or ''.
+
+    The env:// rendezvous does not know which backend it serves; only a job that asks
+    for spmd gets the MPI rendezvous, so other backends keep torch's behaviour.
+    """
+    frame = sys._getframe(1)
+    for _ in range(8):
+        if frame is None:
+            break
+        if frame.f_code.co_name == "init_process_group" and \
+                frame.f_globals.get("__name__") == "torch.distributed.distributed_c10d":
+            return str(frame.f_locals.get("backend", "")).lower()
+        frame = frame.f_back
+    return ""
+
+
+def _env_rendezvous(url: str, timeout=None, **kwargs):
+    """torch's env:// rendezvous, or spmd's over MPI for an spmd job that lacks the
+    variables (MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE) torch's needs."""
+    query = parse_qs(urlparse(url).query)
+    have = all(os.environ.get(v) for v in ("MASTER_ADDR", "MASTER_PORT")) and \
+        ("rank" in query or os.environ.get("RANK")) and \
+        ("world_size" in query or os.environ.get("WORLD_SIZE"))
+    if not have and BACKEND in _requested_backend():
+        from spmd.torch._store import mpi_rendezvous
+
+        rank = int(query["rank"][0]) if "rank" in query else -1
+        size = int(query["world_size"][0]) if "world_size" in query else -1
+        yield mpi_rendezvous(rank, size, timeout)
+        raise RuntimeError("Unable to perform re-rendezvous using the spmd MPI rendezvous")
+    if timeout is None:
+        yield from _torch_env_handler(url, **kwargs)
+    else:
+        yield from _torch_env_handler(url, timeout=timeout, **kwargs)
+
+
+def register() -> None:
+    """Register the ``"spmd"`` backend with torch.distributed (idempotent, never raises).
+
+    Cheap: it neither imports spmd nor starts MPI; the first process group made with
+    the backend does.
+    """
+    global _torch_env_handler
+    try:
+        import torch.distributed as dist
+
+        if not dist.is_available():
+            return
+        if BACKEND.upper() not in dist.Backend._plugins:
+            dist.Backend.register_backend(BACKEND, _create, extended_api=True, devices=_DEVICES)
+        import importlib
+
+        # The module, not torch.distributed.rendezvous (a function of the same name).
+        handlers = importlib.import_module("torch.distributed.rendezvous")._rendezvous_handlers
+        if handlers.get("env") is not _env_rendezvous and "env" in handlers:
+            _torch_env_handler = handlers["env"]
+            handlers["env"] = _env_rendezvous
+    except Exception as exc:  # noqa: BLE001 - a failure here must not break `import torch`
+        warnings.warn(f"spmd: could not register the torch.distributed backend: {exc}",
+                      stacklevel=2)

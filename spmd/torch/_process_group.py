@@ -1,0 +1,469 @@
+"""The torch ProcessGroup of the spmd backend: torch's ops on an spmd group.
+
+torch's C++ ``Backend`` cannot be subclassed from Python in torch 2.13, but
+``ProcessGroup`` can: torch then uses the object as the whole group.  Its C++
+trampoline forwards allreduce, broadcast, allgather, all_gather_single, reduce_scatter,
+reduce_scatter_single, all_to_all_single, barrier, send, recv and the coalesced forms to
+the Python methods here; reduce, gather, scatter, alltoall, recv_anysource and
+allgather_coalesced are called from torch's Python.  A Python method hides every
+pybind overload of its name, so each accepts torch's option objects and the older
+positional forms (a single tensor, a root, an op).
+
+Every op is one of spmd's public collectives on numpy views of the tensors, started
+with ``async_op=True``: torch tensors get the shared-memory engine, timeouts with
+diagnosis, the flight recorder, debug mode and the comms log as numpy arrays do.
+"""
+
+from __future__ import annotations
+
+import sys
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch._C._distributed_c10d import (
+    AllToAllOptions,
+    BroadcastOptions,
+    GatherOptions,
+    ReduceOptions,
+    ScatterOptions,
+)
+
+import spmd
+
+from ._store import ensure_spmd, owns_world, release_world
+from ._tensors import host_in, host_out, reduce_op, same_storage
+from ._work import SpmdWork
+
+__all__ = ["SpmdProcessGroup", "create"]
+
+_SUM = dist.ReduceOp.SUM
+
+
+def _timeout(opts) -> float | None:
+    t = getattr(opts, "timeout", None)
+    if isinstance(t, timedelta) and t.total_seconds() > 0:
+        return t.total_seconds()
+    return None  # kUnsetTimeout (-1 ms): the group's
+
+
+def _one(tensors, op: str, arg: str) -> torch.Tensor:
+    """The single tensor of torch's one-element tensor lists (or a bare tensor)."""
+    if isinstance(tensors, torch.Tensor):
+        return tensors
+    if not isinstance(tensors, (list, tuple)) or len(tensors) != 1:
+        got = len(tensors) if isinstance(tensors, (list, tuple)) else type(tensors).__name__
+        raise ValueError(f"{op}: {arg} must hold exactly one tensor (one per process), got "
+                         f"{got}")
+    return tensors[0]
+
+
+def _reduce_of(opts, default=_SUM):
+    if opts is None:
+        return reduce_op(default)
+    if isinstance(opts, (dist.ReduceOp, dist.ReduceOp.RedOpType)):
+        return reduce_op(opts)
+    return reduce_op(opts.reduceOp)
+
+
+class SpmdProcessGroup(dist.ProcessGroup):
+    """A torch.distributed ProcessGroup whose ops run on an spmd ProcessGroup.
+
+    Made by torch for ``init_process_group("spmd")`` and ``new_group(...)`` (also via
+    DeviceMesh and ``new_subgroups``); every rank of the group must make the same calls
+    in the same order, as with any torch backend.
+    """
+
+    def __init__(self, group: spmd.ProcessGroup, rank: int, size: int,
+                 timeout: timedelta | None, owns: str):
+        super().__init__(rank, size)
+        self._spmd = group
+        self._owns = owns  # "world": destroy spmd with it; "group": free its group; ""
+        self._timeout = timeout
+        self._name = ""
+        self._desc = ""
+        self._coalescing: list | None = None
+
+    # -- identity ---------------------------------------------------------------------
+
+    @property
+    def spmd_group(self) -> spmd.ProcessGroup:
+        """The spmd ProcessGroup underneath (for spmd's own API on the same ranks)."""
+        return self._spmd
+
+    def getBackendName(self) -> str:
+        return "spmd"
+
+    def name(self) -> str:
+        return "spmd"
+
+    _get_backend_name = getBackendName
+
+    def getGroupName(self) -> str:
+        return self._name
+
+    def setGroupName(self, name: str) -> None:
+        self._name = name
+
+    def getGroupDesc(self) -> str:
+        return self._desc
+
+    def setGroupDesc(self, desc: str) -> None:
+        self._desc = desc
+
+    _set_group_name = setGroupName
+    _set_group_desc = setGroupDesc
+
+    @property
+    def group_name(self) -> str:
+        return self._name
+
+    @property
+    def group_desc(self) -> str:
+        return self._desc
+
+    def __repr__(self) -> str:
+        return (f"<SpmdProcessGroup {self._name or '?'} rank={self.rank()} size={self.size()} "
+                f"spmd={self._spmd.name}>")
+
+    # -- plumbing ---------------------------------------------------------------------
+
+    def _work(self, works, outputs, op, opts=None, finish=None) -> SpmdWork:
+        work = SpmdWork(works, outputs, op, self._spmd, finish, _timeout(opts))
+        if self._coalescing is not None:
+            self._coalescing.append(work)
+        return work
+
+    # -- collectives ------------------------------------------------------------------
+
+    def allreduce(self, tensors, opts=None, op=None, timeout=None):
+        """All-reduce one tensor in place (``opts``: AllreduceOptions or a ReduceOp)."""
+        t = _one(tensors, "allreduce", "tensors")
+        red = _reduce_of(op if op is not None else opts)
+        a = host_out(t, "all_reduce", "tensor", True)
+        w = spmd.all_reduce(a, red, group=self._spmd, async_op=True)
+        return self._work([w], [t], "all_reduce", opts)
+
+    def allreduce_coalesced(self, tensors, opts=None):
+        """All-reduce a list of tensors, fused into one collective per dtype bucket."""
+        red = _reduce_of(opts)
+        arrays = [host_out(t, "all_reduce_coalesced", f"tensors[{i}]", True)
+                  for i, t in enumerate(tensors)]
+        with spmd.coalescing_manager(group=self._spmd, async_ops=True) as cm:
+            for a in arrays:
+                spmd.all_reduce(a, red, group=self._spmd, async_op=True)
+        return self._work(list(cm.works), list(tensors), "all_reduce_coalesced", opts)
+
+    def broadcast(self, tensors, opts=None):
+        """Broadcast from group rank ``opts.rootRank`` (or ``broadcast(tensor, root)``)."""
+        t = _one(tensors, "broadcast", "tensors")
+        if isinstance(opts, int):
+            root = opts
+        else:
+            opts = opts or BroadcastOptions()
+            if opts.rootTensor != 0:
+                raise ValueError(f"broadcast: rootTensor={opts.rootTensor}; one tensor per "
+                                 "process means rootTensor 0")
+            root = opts.rootRank
+        a = host_out(t, "broadcast", "tensor")
+        w = spmd.broadcast(a, group_src=root, group=self._spmd, async_op=True)
+        return self._work([w], [t], "broadcast", None if isinstance(opts, int) else opts)
+
+    def reduce(self, tensors, opts=None, op=None):
+        """Reduce into group rank ``opts.rootRank`` (or ``reduce(tensor, root, op)``)."""
+        t = _one(tensors, "reduce", "tensors")
+        if isinstance(opts, int):
+            root, red, opts = opts, reduce_op(op if op is not None else _SUM), None
+        else:
+            opts = opts or ReduceOptions()
+            root, red = opts.rootRank, reduce_op(opts.reduceOp)
+        mine = self._spmd.rank() == root
+        a = (host_out if mine else host_in)(t, "reduce", "tensor", True)
+        w = spmd.reduce(a, group_dst=root, op=red, group=self._spmd, async_op=True)
+        return self._work([w], [t], "reduce", opts)
+
+    def allgather(self, output_tensors, input_tensors, opts=None):
+        """All-gather (list form; sizes may differ per rank)."""
+        t = _one(input_tensors, "allgather", "input_tensors")
+        outs = output_tensors[0] if output_tensors and isinstance(output_tensors[0], (list, tuple)) \
+            else output_tensors
+        if len(output_tensors) != 1 and outs is not output_tensors:
+            raise ValueError("allgather: output_tensors must hold one list (one per process)")
+        if any(same_storage(o, t) for o in outs):
+            t = t.clone()
+        a = host_in(t, "all_gather", "tensor")
+        arrays = [host_out(o, "all_gather", f"tensor_list[{i}]") for i, o in enumerate(outs)]
+        w = spmd.all_gather(arrays, a, group=self._spmd, async_op=True)
+        return self._work([w], output_tensors, "all_gather", opts)
+
+    def all_gather_single(self, output, input, opts=None):
+        """All-gather into one tensor (``all_gather_into_tensor``)."""
+        if same_storage(output, input):
+            input = input.clone()
+        a = host_in(input, "all_gather_into_tensor", "input_tensor")
+        out = host_out(output, "all_gather_into_tensor", "output_tensor")
+        w = spmd.all_gather_into_tensor(out, a, group=self._spmd, async_op=True)
+        return self._work([w], [output], "all_gather_into_tensor", opts)
+
+    _allgather_base = all_gather_single
+
+    def all_gather_single_coalesced(self, outputs, inputs, opts=None):
+        """Several all_gather_into_tensor calls as one fused all-gather."""
+        pairs = []
+        for i, (o, x) in enumerate(zip(outputs, inputs)):
+            if same_storage(o, x):
+                x = x.clone()
+            pairs.append((host_out(o, "all_gather_into_tensor", f"outputs[{i}]"),
+                          host_in(x, "all_gather_into_tensor", f"inputs[{i}]")))
+        with spmd.coalescing_manager(group=self._spmd, async_ops=True) as cm:
+            for out, a in pairs:
+                spmd.all_gather_into_tensor(out, a, group=self._spmd, async_op=True)
+        return self._work(list(cm.works), list(outputs), "all_gather_coalesced", opts)
+
+    allgather_into_tensor_coalesced = all_gather_single_coalesced
+
+    def allgather_coalesced(self, output_lists, input_list, opts=None):
+        """All-gather a list of tensors: ``output_lists[rank][j]`` gets rank's input j."""
+        ins = [host_in(t, "all_gather_coalesced", f"input_tensor_list[{j}]")
+               for j, t in enumerate(input_list)]
+        outs = [[host_out(o, "all_gather_coalesced", f"output_tensor_lists[{r}][{j}]")
+                 for j, o in enumerate(row)] for r, row in enumerate(output_lists)]
+        fut = spmd.all_gather_coalesced(outs, ins, group=self._spmd, async_op=True)
+        return self._work([_FutureWork(fut)], output_lists, "all_gather_coalesced", opts)
+
+    def gather(self, output_tensors, input_tensors, opts=None):
+        """Gather into group rank ``opts.rootRank``: ``output_tensors`` is
+        ``[gather_list]`` there and ``[]`` elsewhere."""
+        opts = opts or GatherOptions()
+        t = _one(input_tensors, "gather", "input_tensors")
+        root = opts.rootRank
+        outs = None
+        if self._spmd.rank() == root:
+            lst = output_tensors[0] if output_tensors else []
+            outs = [host_out(o, "gather", f"gather_list[{i}]") for i, o in enumerate(lst)]
+            if any(same_storage(o, t) for o in lst):
+                t = t.clone()
+        a = host_in(t, "gather", "tensor")
+        w = spmd.gather(a, outs, group_dst=root, group=self._spmd, async_op=True)
+        return self._work([w], output_tensors, "gather", opts)
+
+    def scatter(self, output_tensors, input_tensors, opts=None):
+        """Scatter from group rank ``opts.rootRank``: ``input_tensors`` is
+        ``[scatter_list]`` there and ``[]`` elsewhere."""
+        opts = opts or ScatterOptions()
+        t = _one(output_tensors, "scatter", "output_tensors")
+        root = opts.rootRank
+        ins = None
+        if self._spmd.rank() == root:
+            lst = input_tensors[0] if input_tensors else []
+            ins = [host_in(x.clone() if same_storage(x, t) else x, "scatter",
+                           f"scatter_list[{i}]") for i, x in enumerate(lst)]
+        out = host_out(t, "scatter", "tensor")
+        w = spmd.scatter(out, ins, group_src=root, group=self._spmd, async_op=True)
+        return self._work([w], [t], "scatter", opts)
+
+    def reduce_scatter(self, output_tensors, input_tensors, opts=None):
+        """Reduce-scatter, list form (sizes may differ per destination)."""
+        t = _one(output_tensors, "reduce_scatter", "output_tensors")
+        lst = input_tensors[0] if input_tensors and isinstance(input_tensors[0], (list, tuple)) \
+            else input_tensors
+        red = _reduce_of(opts)
+        ins = [host_in(x.clone() if same_storage(x, t) else x, "reduce_scatter",
+                       f"input_list[{i}]", True) for i, x in enumerate(lst)]
+        out = host_out(t, "reduce_scatter", "output", True)
+        w = spmd.reduce_scatter(out, ins, red, group=self._spmd, async_op=True)
+        return self._work([w], [t], "reduce_scatter", opts)
+
+    def reduce_scatter_single(self, output, input, opts=None):
+        """Reduce-scatter one tensor into equal chunks (``reduce_scatter_tensor``)."""
+        if same_storage(output, input):
+            input = input.clone()
+        red = _reduce_of(opts)
+        a = host_in(input, "reduce_scatter_tensor", "input", True)
+        out = host_out(output, "reduce_scatter_tensor", "output", True)
+        w = spmd.reduce_scatter_tensor(out, a, red, group=self._spmd, async_op=True)
+        return self._work([w], [output], "reduce_scatter_tensor", opts)
+
+    _reduce_scatter_base = reduce_scatter_single
+
+    def reduce_scatter_single_coalesced(self, outputs, inputs, opts=None):
+        """Several reduce_scatter_tensor calls, fused per dtype."""
+        red = _reduce_of(opts)
+        pairs = []
+        for i, (o, x) in enumerate(zip(outputs, inputs)):
+            if same_storage(o, x):
+                x = x.clone()
+            pairs.append((host_out(o, "reduce_scatter_tensor", f"outputs[{i}]", True),
+                          host_in(x, "reduce_scatter_tensor", f"inputs[{i}]", True)))
+        with spmd.coalescing_manager(group=self._spmd, async_ops=True) as cm:
+            for out, a in pairs:
+                spmd.reduce_scatter_tensor(out, a, red, group=self._spmd, async_op=True)
+        return self._work(list(cm.works), list(outputs), "reduce_scatter_coalesced", opts)
+
+    reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced
+
+    def alltoall(self, output_tensors, input_tensors, opts=None):
+        """All-to-all, list form (sizes may differ per pair)."""
+        ins = [host_in(x.clone() if any(same_storage(x, o) for o in output_tensors) else x,
+                       "all_to_all", f"input_tensor_list[{i}]")
+               for i, x in enumerate(input_tensors)]
+        outs = [host_out(o, "all_to_all", f"output_tensor_list[{i}]")
+                for i, o in enumerate(output_tensors)]
+        w = spmd.all_to_all(outs, ins, group=self._spmd, async_op=True)
+        return self._work([w], list(output_tensors), "all_to_all", opts)
+
+    def all_to_all_single(self, output, input, output_split_sizes=None,
+                          input_split_sizes=None, opts=None):
+        """All-to-all of one tensor split along dimension 0 (splits optional)."""
+        if isinstance(output_split_sizes, AllToAllOptions):  # (output, input, opts)
+            opts, output_split_sizes = output_split_sizes, None
+        if same_storage(output, input):
+            input = input.clone()
+        a = host_in(input, "all_to_all_single", "input")
+        out = host_out(output, "all_to_all_single", "output")
+        outs = [int(s) for s in output_split_sizes] if output_split_sizes else None
+        ins = [int(s) for s in input_split_sizes] if input_split_sizes else None
+        w = spmd.all_to_all_single(out, a, outs, ins, group=self._spmd, async_op=True)
+        return self._work([w], [output], "all_to_all_single", opts)
+
+    alltoall_base = all_to_all_single
+
+    def barrier(self, opts=None):
+        """Every rank of the group enters before any leaves."""
+        w = spmd.barrier(group=self._spmd, async_op=True)
+        return self._work([w], [], "barrier", opts)
+
+    # -- point to point ---------------------------------------------------------------
+
+    def send(self, tensors, dst_rank: int, tag: int = 0):
+        """Start sending to group rank ``dst_rank`` (nonblocking: batches cannot deadlock)."""
+        t = _one(tensors, "send", "tensors")
+        a = host_in(t, "send", "tensor")
+        w = spmd.isend(a, group_dst=dst_rank, group=self._spmd, tag=tag)
+        return self._work([w], [t], "send")
+
+    def recv(self, tensors, src_rank: int, tag: int = 0):
+        """Start receiving from group rank ``src_rank``."""
+        t = _one(tensors, "recv", "tensors")
+        a = host_out(t, "recv", "tensor")
+        w = spmd.irecv(a, group_src=src_rank, group=self._spmd, tag=tag)
+        return self._work([w], [t], "recv")
+
+    def recv_anysource(self, tensors, tag: int = 0):
+        """Start receiving from any rank; ``_source_rank()`` tells which (group rank)."""
+        t = _one(tensors, "recv", "tensors")
+        a = host_out(t, "recv", "tensor")
+        w = spmd.irecv(a, group=self._spmd, tag=tag)
+        work = self._work([w], [t], "recv")
+        work._src_work = w
+        return work
+
+    # -- coalescing (C++ callers and torch's _coalescing_manager with a device) --------
+
+    def start_coalescing(self, device=None) -> None:
+        """Collect the Works of the ops that follow, until :meth:`end_coalescing`.
+
+        The ops start as they are issued (spmd's ops are nonblocking), so sends and
+        receives of a batch cannot deadlock each other.
+        """
+        if self._coalescing is not None:
+            raise RuntimeError("start_coalescing: this group is already coalescing")
+        self._coalescing = []
+
+    def end_coalescing(self, device=None):
+        """One Work for everything issued since :meth:`start_coalescing`."""
+        works, self._coalescing = self._coalescing or [], None
+        return SpmdWork(works, [t for w in works for t in (w._outputs or [])],
+                        "coalesced", self._spmd)
+
+    _start_coalescing = start_coalescing
+    _end_coalescing = end_coalescing
+
+    # -- lifecycle --------------------------------------------------------------------
+
+    def shutdown(self) -> None:
+        """Free the spmd group underneath (WORLD too, when the backend started spmd)."""
+        if self._owns == "group":
+            if spmd.is_initialized() and self._spmd._comm is not None:
+                spmd.destroy_process_group(self._spmd)
+        elif self._owns == "world" and owns_world() and spmd.is_initialized():
+            spmd.destroy_process_group()
+            release_world()
+        self._owns = ""
+
+    def abort(self) -> None:
+        self.shutdown()
+
+
+class _FutureWork:
+    """An spmd Future (what spmd's coalesced all-gather returns) seen as a Work."""
+
+    def __init__(self, fut):
+        self._fut = fut
+
+    def wait(self, timeout=None) -> bool:
+        self._fut.wait()
+        return True
+
+    def is_completed(self) -> bool:
+        return self._fut.done()
+
+    def exception(self):
+        return self._fut._exc if self._fut._done else None
+
+
+def _keep_excepthook_output() -> None:
+    """Make the hook in place (spmd's: print the traceback, then abort the job) write to
+    the real stderr.  torch wraps it next and hands it a StringIO it prints only after
+    the hook returns, which an aborting hook never does: the traceback would be lost."""
+    prev = sys.excepthook
+
+    def hook(*args):
+        saved, sys.stderr = sys.stderr, sys.__stderr__
+        try:
+            prev(*args)
+        finally:
+            sys.stderr = saved
+
+    sys.excepthook = hook
+
+
+def create(opts, pg_options) -> SpmdProcessGroup:
+    """torch's creator for the spmd backend (``Backend.register_backend(extended_api=True)``).
+
+    The default group wraps spmd's WORLD (spmd is initialised here if it is not yet);
+    a subgroup is ``spmd.new_group`` of its global ranks, in torch's group-rank order,
+    which only the members call, as torch only calls the creator on members.
+
+    Raises:
+        RuntimeError: torch's ranks disagree with MPI's (the job was not started by an
+            MPI launcher, or by one that spmd's MPI does not match).
+    """
+    timeout = opts.timeout if isinstance(opts.timeout, timedelta) else None
+    settings = pg_options if isinstance(pg_options, dict) else None
+    owned_before = spmd.is_initialized()
+    ensure_spmd(timeout, settings)
+    ranks = list(opts.global_ranks_in_group)
+    world = spmd.GroupMember.WORLD
+    n, me = spmd.get_world_size(), spmd.get_rank()
+    if not ranks:
+        if opts.group_size != n or opts.group_rank != me:
+            raise RuntimeError(
+                f"spmd backend: torch says rank {opts.group_rank} of {opts.group_size} but MPI "
+                f"says rank {me} of {n}; start the job with mpiexec or srun (not torchrun), "
+                "and leave RANK/WORLD_SIZE unset or equal to MPI's")
+        owns = "world" if not owned_before or owns_world() else ""
+        _keep_excepthook_output()
+        return SpmdProcessGroup(world, me, n, timeout, owns)
+    if max(ranks) >= n:
+        raise RuntimeError(f"spmd backend: group of global ranks {ranks} but the MPI job has "
+                           f"{n} ranks [rank {me}]")
+    group = spmd.new_group(ranks, timeout=timeout, sort_ranks=False)
+    if group.rank() != opts.group_rank:
+        raise RuntimeError(f"spmd backend: group rank {group.rank()} from MPI but "
+                           f"{opts.group_rank} from torch for ranks {ranks} [rank {me}]")
+    return SpmdProcessGroup(group, opts.group_rank, opts.group_size, timeout, "group")
+
+
+
+

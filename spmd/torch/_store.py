@@ -1,0 +1,77 @@
+"""The rendezvous of an spmd job: a torch TCPStore whose address travels over MPI.
+
+torch wants a key-value store for every process group; under ``mpiexec``/``srun``
+nobody set ``MASTER_ADDR`` or ``RANK``, and need not: MPI already knows the ranks.
+Rank 0 starts a TCPStore on a free port and broadcasts its address over spmd's WORLD.
+"""
+
+from __future__ import annotations
+
+import socket
+from datetime import timedelta
+
+import spmd
+
+__all__ = ["mpi_rendezvous", "owns_world"]
+
+_owned = {"world": False}
+
+
+def owns_world() -> bool:
+    """True when the backend (not the user) initialised spmd, so it tears it down too."""
+    return _owned["world"]
+
+
+def ensure_spmd(timeout: timedelta | None, pg_options=None) -> None:
+    """Initialise spmd's WORLD if nobody has (the backend then owns it)."""
+    if not spmd.is_initialized():
+        spmd.init_process_group(timeout=timeout, pg_options=pg_options)
+        _owned["world"] = True
+
+
+def release_world() -> None:
+    """Forget that the backend owns WORLD (after it destroyed it)."""
+    _owned["world"] = False
+
+
+def _host(hosts: list[str]) -> str:
+    if len(set(hosts)) == 1:
+        return "127.0.0.1"
+    try:
+        return socket.gethostbyname(hosts[0])
+    except OSError:
+        return hosts[0]
+
+
+def mpi_rendezvous(rank: int, world_size: int, timeout: timedelta | None):
+    """(store, rank, world_size) for ``init_process_group``, agreed over MPI.
+
+    Every rank of the MPI job calls it.
+
+    Raises:
+        ValueError: ``rank`` or ``world_size`` was given and disagrees with MPI.
+    """
+    import torch.distributed as dist
+
+    ensure_spmd(timeout)
+    me, n = spmd.get_rank(), spmd.get_world_size()
+    if world_size not in (-1, None) and world_size != n:
+        raise ValueError(f"init_process_group: world_size={world_size} but the MPI job has "
+                         f"{n} ranks [rank {me}]")
+    if rank not in (-1, None) and rank != me:
+        raise ValueError(f"init_process_group: rank={rank} but MPI says this is rank {me} "
+                         f"(of {n})")
+    seconds = timeout if timeout is not None else timedelta(minutes=30)
+    hosts = [None] * n
+    spmd.all_gather_object(hosts, socket.gethostname())
+    address = [None]
+    store = None
+    if me == 0:
+        host = _host(hosts)
+        store = dist.TCPStore(host, 0, n, True, seconds, wait_for_workers=False)
+        address[0] = (host, store.port)
+    spmd.broadcast_object_list(address, src=0)
+    if me != 0:
+        host, port = address[0]
+        store = dist.TCPStore(host, port, n, False, seconds)
+    return store, me, n

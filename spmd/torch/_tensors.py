@@ -1,0 +1,97 @@
+"""Torch tensors as spmd arrays, and torch's reduce ops as spmd's.
+
+CPU tensors become numpy arrays sharing their memory (no copy, strided views
+included), so spmd's collectives write results straight into the tensors.  CUDA
+tensors go to spmd as they are (spmd takes them through DLPack).  Dtypes numpy lacks
+(bfloat16 through ml_dtypes; float8 and complex32 as integers of their width) can be
+moved; only those spmd can reduce can be reduced.
+"""
+
+from __future__ import annotations
+
+import torch
+
+import spmd
+from spmd.arrays import bfloat16 as _np_bf16
+
+__all__ = ["host_in", "host_out", "reduce_op", "same_storage"]
+
+# Dtypes numpy cannot hold: moved as unsigned integers of the same width.
+_AS_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+_NUMPY_LESS = {torch.complex32, torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e4m3fnuz,
+               torch.float8_e5m2fnuz}
+_bf16 = torch.bfloat16
+
+
+def _view(t: torch.Tensor, op: str, arg: str, reduces: bool):
+    dtype = t.dtype
+    if dtype is _bf16:
+        if _np_bf16 is None:
+            raise TypeError(f"{op}: {arg} is a bfloat16 tensor; install ml_dtypes "
+                            "(pip install spmd[bf16]) to move it")
+        return t.view(torch.int16).numpy().view(_np_bf16)
+    if dtype in _NUMPY_LESS:
+        if reduces:
+            raise TypeError(f"{op}: {arg} has dtype {dtype}, which spmd moves but cannot "
+                            "reduce")
+        return t.view(_AS_INT[t.element_size()]).numpy()
+    return t.numpy()
+
+
+def host_in(t, op: str, arg: str, reduces: bool = False):
+    """What spmd reads for tensor ``t``: a numpy view (CPU) or the tensor (CUDA)."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{op}: {arg} must be a torch.Tensor, got {type(t).__name__}")
+    if t.device.type != "cpu":
+        return t
+    if t.requires_grad:
+        t = t.detach()
+    if t.is_conj() or t.is_neg():
+        t = t.resolve_conj().resolve_neg()  # a lazy view: its values, materialised
+    return _view(t, op, arg, reduces)
+
+
+def host_out(t, op: str, arg: str, reduces: bool = False):
+    """What spmd writes for tensor ``t``: a numpy view sharing its memory (CPU)."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{op}: {arg} must be a torch.Tensor, got {type(t).__name__}")
+    if t.device.type != "cpu":
+        return t
+    if t.requires_grad:
+        t = t.detach()
+    if t.is_conj() or t.is_neg():
+        raise TypeError(f"{op}: {arg} is a lazy conjugate/negative view; results cannot be "
+                        "written into it (call resolve_conj()/resolve_neg() first)")
+    return _view(t, op, arg, reduces)
+
+
+def same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """True when two tensors may overlap in memory (MPI forbids that between the
+    buffers of one call: FSDP2's all-gather input is a view into its output)."""
+    try:
+        return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr() and \
+            a.numel() > 0 and b.numel() > 0
+    except (RuntimeError, NotImplementedError):  # tensors without storage
+        return False
+
+
+_OPS = {name: getattr(spmd.ReduceOp, name) for name in
+        ("SUM", "AVG", "PRODUCT", "MIN", "MAX", "BAND", "BOR", "BXOR")}
+
+
+def reduce_op(op) -> spmd.ReduceOp:
+    """spmd's ReduceOp for torch's ``ReduceOp`` or ``ReduceOp.RedOpType``."""
+    kind = getattr(op, "op", op)
+    name = getattr(kind, "name", None)
+    if name == "PREMUL_SUM":
+        factor = getattr(op, "factor", None)
+        if factor is None:
+            raise ValueError("PREMUL_SUM needs a factor: make it with "
+                             "torch.distributed._make_nccl_premul_sum(factor)")
+        if isinstance(factor, torch.Tensor):
+            factor = factor.detach().cpu().reshape(()).item()
+        return spmd.make_premul_sum(factor)
+    try:
+        return _OPS[name]
+    except KeyError:
+        raise ValueError(f"unsupported reduce op {op!r}") from None

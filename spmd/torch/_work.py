@@ -1,0 +1,249 @@
+"""torch Work objects over spmd Works, and the thread that completes their futures.
+
+DDP's C++ reducer waits on a Work's *future* and never calls ``wait()``; MPI only
+progresses inside MPI calls.  So a Work whose future was asked for is handed to a
+poller thread that tests it (MPI_THREAD_MULTIPLE, spmd's default) until it completes
+and then completes the future, running its callbacks on that thread, as gloo runs
+them on its own.  ``wait()`` goes through spmd's wait, so a timeout ends in spmd's
+diagnosed DistTimeoutError.
+"""
+
+from __future__ import annotations
+
+import atexit
+import threading
+import time
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+import spmd
+
+__all__ = ["SpmdWork"]
+
+_monotonic = time.monotonic
+
+
+def _seconds(timeout) -> float | None:
+    """Seconds of a wait timeout; None for none (c10d's kNoTimeout is 0 ms)."""
+    if timeout is None:
+        return None
+    if isinstance(timeout, timedelta):
+        timeout = timeout.total_seconds()
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
+        raise TypeError(f"Work.wait: timeout must be a timedelta or seconds, got "
+                        f"{type(timeout).__name__}")
+    return float(timeout) if timeout > 0 else None
+
+
+class SpmdWork(dist.Work):
+    """The handle torch gets for an operation on an spmd process group.
+
+    It completes when all its spmd Works have completed and its ``finish`` step (a
+    copy back into the caller's tensors, where one was needed) has run.  The future's
+    value is the op's output tensors.
+    """
+
+    def __init__(self, works: list, outputs, op: str, group, finish=None,
+                 timeout: float | None = None):
+        super().__init__()
+        self._works = works
+        self._outputs = outputs
+        self._op = op
+        self._group = group       # the spmd ProcessGroup
+        self._finish = finish
+        self._timeout = timeout   # the op's own timeout (options.timeout), seconds
+        self._lock = threading.Lock()
+        self._done = False
+        self._exc: BaseException | None = None
+        self._future = None
+
+    def _run_finish(self) -> None:
+        finish, self._finish = self._finish, None
+        if finish is not None:
+            finish()
+
+    def _settle(self, exc: BaseException | None) -> None:
+        """Mark done (under the lock), then complete the future outside any lock."""
+        self._exc = exc
+        self._done = True
+        self._works = ()
+
+    def _fire(self) -> None:
+        fut = self._future
+        if fut is None or fut.done():
+            return
+        if self._exc is None:
+            fut.set_result(self._outputs)
+        else:
+            fut.set_exception(self._exc)
+
+    def wait(self, timeout=None) -> bool:
+        """Block until the operation completes; return True.
+
+        Args:
+            timeout: a timedelta (or seconds); the op's or its group's timeout if None.
+
+        Raises:
+            spmd.DistTimeoutError: it did not complete in time (naming the ranks that
+                did not get there).
+        """
+        if not self._done:
+            seconds = _seconds(timeout)
+            if seconds is None:
+                seconds = self._timeout
+            with self._lock:
+                if not self._done:
+                    deadline = None if seconds is None else _monotonic() + seconds
+                    try:
+                        for w in self._works:
+                            left = None if deadline is None else \
+                                max(deadline - _monotonic(), 1e-3)
+                            w.wait(left)
+                        self._run_finish()
+                    except BaseException as exc:  # noqa: BLE001 - kept for exception()
+                        self._settle(exc)
+                    else:
+                        self._settle(None)
+            self._fire()
+        if self._exc is not None:
+            raise self._exc
+        return True
+
+    def _poll(self) -> bool:
+        """Test once without blocking (skipped while another thread holds the Work)."""
+        if self._done:
+            return True
+        if not self._lock.acquire(blocking=False):
+            return False
+        try:
+            if self._done:
+                return True
+            try:
+                if not all(w.is_completed() for w in self._works):
+                    return False
+                for w in self._works:
+                    if w.exception() is not None:
+                        raise w.exception()
+                self._run_finish()
+            except BaseException as exc:  # noqa: BLE001 - kept for wait()/exception()
+                self._settle(exc)
+            else:
+                self._settle(None)
+        finally:
+            self._lock.release()
+        self._fire()
+        return True
+
+    def is_completed(self) -> bool:
+        """True once the operation has completed (or failed); never blocks."""
+        return self._poll()
+
+    def is_success(self) -> bool:
+        """True once the operation has completed without error."""
+        return self._poll() and self._exc is None
+
+    def exception(self):
+        """The error the operation ended with, or None."""
+        return self._exc
+
+    def result(self) -> list:
+        """The output tensors (waits first)."""
+        self.wait()
+        return list(self._outputs) if self._outputs is not None else []
+
+    def synchronize(self) -> None:
+        """Block until the operation completes (host tensors: same as wait)."""
+        self.wait()
+
+    def source_rank(self) -> int:
+        """For a receive from any source: the sender's rank in the group (waits first)."""
+        self.wait()
+        src = getattr(self, "_src_work", None)
+        if src is None:
+            raise RuntimeError(f"{self._op}: source_rank() is only defined for receives from "
+                               "any source")
+        return spmd.get_group_rank(self._group, src.source_rank())
+
+    _source_rank = source_rank  # what torch's recv(src=None) calls
+
+    def get_future(self) -> torch.futures.Future:
+        """A future completed with the output tensors when the operation completes,
+        also when nobody waits on this Work (a poller thread watches it)."""
+        if self._future is None:
+            fut = torch.futures.Future(devices=self._devices())
+            with self._lock:
+                self._future = fut
+            if self._done:
+                self._fire()
+            else:
+                _poller.add(self)
+        return self._future
+
+    def _devices(self) -> list:
+        outs = self._outputs if isinstance(self._outputs, list) else []
+        flat = [t for o in outs for t in (o if isinstance(o, list) else [o])]
+        return sorted({str(t.device) for t in flat if isinstance(t, torch.Tensor)
+                       and t.device.type == "cuda"})
+
+    def __repr__(self) -> str:
+        state = "completed" if self._done else "pending"
+        return f"<SpmdWork {self._op} {state} group={self._group.name}>"
+
+
+class _Poller:
+    """One daemon thread per process testing the Works whose futures were asked for.
+
+    It sleeps on a condition while nothing is pending; while something is, it tests
+    every pending Work and backs off from 10 us to 200 us between rounds in which
+    nothing completed, so a long collective costs little CPU.
+    """
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._pending: list[SpmdWork] = []
+        self._thread: threading.Thread | None = None
+        self._stopped = False
+
+    def add(self, work: SpmdWork) -> None:
+        with self._cond:
+            if self._stopped:
+                return
+            self._pending.append(work)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="spmd-torch-poller",
+                                                daemon=True)
+                self._thread.start()
+            self._cond.notify()
+
+    def stop(self) -> None:
+        with self._cond:
+            self._stopped = True
+            self._cond.notify()
+        t = self._thread
+        if t is not None and t is not threading.current_thread():
+            t.join(timeout=5)
+
+    def _run(self) -> None:
+        idle = 0
+        while True:
+            with self._cond:
+                while not self._pending and not self._stopped:
+                    self._cond.wait()
+                    idle = 0
+                if self._stopped:
+                    return
+                works = list(self._pending)
+            done = [w for w in works if w._poll()]
+            if done:
+                with self._cond:
+                    self._pending = [w for w in self._pending if not w._done]
+                idle = 0
+            else:
+                idle = min(idle + 1, 5)
+                time.sleep(1e-5 * (1 << idle) if idle < 5 else 2e-4)
+
+
+_poller = _Poller()
+atexit.register(_poller.stop)  # before mpi4py finalises MPI (atexit runs in reverse)

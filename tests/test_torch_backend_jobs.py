@@ -1,0 +1,61 @@
+"""The spmd torch backend from the outside: autoload without MPI, unmodified DDP
+scripts under mpiexec with no environment variables, and a rank that skips a
+collective.  Every job runs under a wall-clock limit."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+
+import pytest
+from _launch import ROOT, clean_env, mpiexec, run
+
+pytest.importorskip("torch", reason="torch is not installed")
+DIR = "tests/torch_backend"
+
+
+def _plain(*args, **env):
+    return subprocess.run([sys.executable, f"{DIR}/check_autoload.py", *args], cwd=ROOT,
+                          env=clean_env(**env), capture_output=True, text=True, timeout=120, check=False)
+
+
+def test_import_torch_registers_without_starting_mpi():
+    proc = _plain()
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout.splitlines()[0]) == \
+        {"registered": True, "mpi4py.MPI": False, "spmd": False}
+
+
+def test_autoload_off_then_explicit_import():
+    proc = _plain("explicit", TORCH_DEVICE_BACKEND_AUTOLOAD="0")
+    assert proc.returncode == 0, proc.stderr
+    lines = [json.loads(line) for line in proc.stdout.splitlines()]
+    assert lines[0]["registered"] is False and lines[0]["mpi4py.MPI"] is False
+    assert lines[1] == {"registered": True}
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 4])
+def test_unmodified_ddp_script(n):
+    env = clean_env()
+    for var in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        env.pop(var, None)
+    proc = subprocess.run(mpiexec(n, sys.executable, f"{DIR}/ddp_script.py"), cwd=ROOT, env=env,
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                          timeout=240, check=False)
+    assert proc.returncode == 0, proc.stdout[-4000:]
+    for r in range(n):
+        assert f"rank {r} of {n}: DDP matches single-process training" in proc.stdout
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_skipped_all_reduce_names_the_rank(n):
+    proc = run(mpiexec(n, sys.executable, f"{DIR}/skip_all_reduce.py", "3"), timeout=120)
+    out = proc.stdout
+    assert proc.returncode != 0
+    assert "DistTimeoutError: all_reduce: did not complete within" in out, out[-4000:]
+    straggler = n - 1
+    m = re.search(r"ranks that have not reached all_reduce #\d+:\s*\n.*rank (\d+):", out)
+    assert m and int(m.group(1)) == straggler, out[-4000:]
+    assert "time.sleep(600)" in out  # where the straggler is
