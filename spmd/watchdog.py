@@ -422,6 +422,8 @@ def _diagnose_timeout(op: str, g, seq: int | None, kind: str, waited: float, sou
             seq, kind = e[_fr.SEQ], e[_fr.COUNTER].kind
         else:
             kind = "p2p" if is_p2p(op) else "collective"
+    elif seq is None and kind == "collective":  # a wait before the op's Work exists
+        seq = _fr.next_seq(g)
     text = handle_timeout(op, g, seq, kind, waited, source)
     if source != "wait":
         text += f"\n  (timed out {source})"

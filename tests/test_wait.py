@@ -1,0 +1,76 @@
+"""The one wait helper: waits outside Work (the shared-memory window set-up, debug mode's
+fingerprint exchange) time out into the same diagnosis as a Work, naming the rank that
+did not arrive, and leave the group broken."""
+
+from __future__ import annotations
+
+import os
+import time
+from datetime import timedelta
+
+import numpy as np
+import pytest
+
+import spmd
+from spmd import debug
+
+pytestmark = pytest.mark.mpi
+
+TIMEOUT = timedelta(seconds=1.5)
+
+
+def _straggler_case(dist, make_group, expect_source: str):
+    n = dist.get_world_size()
+    if n < 2:
+        pytest.skip("needs a rank that does not arrive")
+    late = n - 1
+    pg = make_group()
+    if dist.get_rank() == late:
+        # Never reaches the op; its control thread still answers the diagnosis.
+        time.sleep(TIMEOUT.total_seconds() + 6.0)
+    else:
+        with pytest.raises(spmd.DistTimeoutError) as info:
+            spmd.all_reduce(np.ones(4), group=pg)
+        text = str(info.value)
+        assert text.startswith("all_reduce: did not complete within"), text
+        assert "ranks that have not reached all_reduce #1:" in text, text
+        assert f"rank {late}:" in text, text            # the missing rank, named
+        assert expect_source in text, text              # which wait it was
+        assert "is now broken" in text, text
+        with pytest.raises(spmd.GroupBrokenError):
+            spmd.all_reduce(np.ones(4), group=pg)
+    dist.barrier()  # WORLD is unaffected
+    dist.destroy_process_group(pg)
+
+
+def test_stalled_shared_memory_setup_times_out_with_diagnosis(dist):
+    def make():
+        saved = os.environ.get("SPMD_SHM")
+        os.environ["SPMD_SHM"] = "force"  # the group's host engine takes every op
+        try:
+            pg = dist.new_group(list(range(dist.get_world_size())), timeout=TIMEOUT,
+                                group_desc="stalled-shm")
+            pg._backend_for("cpu")  # engine made now, window at its first op
+        finally:
+            if saved is None:
+                del os.environ["SPMD_SHM"]
+            else:
+                os.environ["SPMD_SHM"] = saved
+        return pg
+
+    _straggler_case(dist, make, "setting up the shared-memory engine")
+
+
+def test_stalled_debug_check_times_out_with_diagnosis(dist):
+    def make():
+        before = debug.get_debug_level()
+        debug.set_debug_level("DETAIL")  # engines made from now on check their calls
+        try:
+            pg = dist.new_group(list(range(dist.get_world_size())), timeout=TIMEOUT,
+                                group_desc="stalled-debug")
+            pg._backend_for("cpu")
+        finally:
+            debug.set_debug_level(before)
+        return pg
+
+    _straggler_case(dist, make, "in debug mode")
