@@ -5,7 +5,8 @@ Importing spmd initialises MPI through mpi4py (thread level MULTIPLE); set
 """
 
 from . import futures, mpmd, parallel_state, topology
-from . import coalescing, comms_log, persistent, trace
+from . import checkpoint, coalescing, comms_log, persistent, trace
+from .bucket_reducer import BucketReducer
 from .coalescing import coalescing_manager
 from .collectives import (
     all_gather,
@@ -88,6 +89,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "Backend",
+    "BucketReducer",
     "CollectiveMismatchError",
     "DebugLevel",
     "DeviceMesh",
@@ -120,6 +122,7 @@ __all__ = [
     "bind_device",
     "broadcast",
     "broadcast_object_list",
+    "checkpoint",
     "coalescing",
     "coalescing_manager",
     "comms_log",
