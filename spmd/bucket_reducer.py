@@ -30,6 +30,7 @@ on the wire, reduced in float32 and rounded once, cast back into the gradients.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from itertools import pairwise
 from typing import Any
 
 import numpy as np
@@ -42,7 +43,7 @@ from .group import ProcessGroup, resolve
 from .ops import ReduceOp
 from .work import Work
 
-__all__ = ["BucketReducer", "DEFAULT_FIRST_BUCKET_CAP_MB"]
+__all__ = ["DEFAULT_FIRST_BUCKET_CAP_MB", "BucketReducer"]
 
 DEFAULT_FIRST_BUCKET_CAP_MB = 1.0  # DDP's dist._DEFAULT_FIRST_BUCKET_BYTES
 _MIB = 1 << 20
@@ -56,7 +57,7 @@ def _is_gpu(a: Any) -> bool:
 class _Bucket:
     """One bucket: its gradients, how many are still unmarked, its reduction in flight."""
 
-    __slots__ = ("indices", "arrays", "wire", "pending", "work", "packed", "gpu_buf")
+    __slots__ = ("arrays", "gpu_buf", "indices", "packed", "pending", "wire", "work")
 
     def __init__(self, indices: list[int], arrays: list, wire: np.dtype) -> None:
         self.indices = indices
@@ -160,7 +161,7 @@ class BucketReducer:
                     bounds.append((lo, hi, i))
         # Two gradients sharing memory would be reduced twice.
         bounds.sort()
-        for (_, hi, i), (lo, _, j) in zip(bounds, bounds[1:]):
+        for (_, hi, i), (lo, _, j) in pairwise(bounds):
             if lo < hi:
                 raise located(ValueError, op, f"grads[{i}] and grads[{j}] share memory; each "
                               "gradient must be its own array", pg)

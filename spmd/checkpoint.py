@@ -62,7 +62,7 @@ from .errors import located
 from .group import ProcessGroup, resolve
 from .objects import all_gather_object
 
-__all__ = ["Shard", "save", "load", "INDEX_FILE", "VALUES_FILE"]
+__all__ = ["INDEX_FILE", "VALUES_FILE", "Shard", "load", "save"]
 
 INDEX_FILE = "index.json"
 VALUES_FILE = "values.pkl"
