@@ -171,10 +171,13 @@ class Shard:
         if not isinstance(dims, Mapping):
             raise TypeError("checkpoint.Shard.from_mesh: dims must map array dimensions to "
                             f"mesh dimensions, got {type(dims).__name__}")
-        groups = [mesh.get_group(m) for m in dims.values()]
-        if len({id(g) for g in groups}) != len(groups):
+        names = mesh.mesh_dim_names or ()
+        which = [names.index(m) if isinstance(m, str) and m in names else m
+                 for m in dims.values()]
+        if len(set(which)) != len(which):
             raise ValueError(f"checkpoint.Shard.from_mesh: dims {dict(dims)} names a mesh "
                              "dimension twice")
+        groups = [mesh.get_group(m) for m in dims.values()]
         gshape, offset = list(data.shape), [0] * data.ndim
         for d, g in zip(dims, groups):
             piece = cls.split(data, d, None, g)

@@ -162,7 +162,7 @@ class BucketReducer:
         # Two gradients sharing memory would be reduced twice.
         bounds.sort()
         for (_, hi, i), (lo, _, j) in pairwise(bounds):
-            if lo < hi:
+            if lo < hi and np.shares_memory(grads[i], grads[j]):
                 raise located(ValueError, op, f"grads[{i}] and grads[{j}] share memory; each "
                               "gradient must be its own array", pg)
 

@@ -120,8 +120,13 @@ def _holds_arrays(d: Mapping) -> bool:
                or (isinstance(v, Mapping) and _holds_arrays(v)) for v in d.values())
 
 
-def _flatten(state: Any, arg: str) -> list[tuple[str, Mapping, str, Any]]:
-    """``(name, parent dict, key, leaf)`` for every leaf, names joined with ``.``."""
+def _flatten(state: Any, arg: str, entries: Mapping | None = None
+             ) -> list[tuple[str, Mapping, str, Any]]:
+    """``(name, parent dict, key, leaf)`` for every leaf, names joined with ``.``.
+
+    A nested dict is walked into when it holds arrays or, on load (``entries`` given),
+    when the checkpoint has no entry of its name (a template of arrays to come).
+    """
     if not isinstance(state, Mapping):
         raise _Reject(TypeError, f"{arg} must be a dict, got {type(state).__name__}")
     out: list = []
@@ -135,7 +140,8 @@ def _flatten(state: Any, arg: str) -> list[tuple[str, Mapping, str, Any]]:
                               "is not usable as a file name: expected a non-empty str without "
                               "'/', '\\' or NUL, not starting with '.'")
             name = prefix + key
-            if isinstance(v, Mapping) and _holds_arrays(v):
+            if isinstance(v, Mapping) and (_holds_arrays(v) if entries is None
+                                           else name not in entries):
                 walk(v, name + ".")
                 continue
             if name in seen or len(name.encode()) > 240:
@@ -480,7 +486,8 @@ def _read_index(path: str) -> dict:
         except (OSError, ValueError) as exc:
             raise _Reject(ValueError, f"cannot read the header of {fname!r}: {exc}") from None
         want = np.lib.format.dtype_to_descr(_dtype_of(entry["dtype"]))
-        if fortran or shape != tuple(entry["shape"]) or descr != want:
+        # Compared as dtypes: numpy reads '<V2' (bfloat16) back as '|V2'.
+        if fortran or shape != tuple(entry["shape"]) or np.dtype(descr) != np.dtype(want):
             raise _Reject(ValueError, f"{fname!r} holds a {'Fortran' if fortran else 'C'}-order "
                           f"{descr} array of shape {shape}; the index says C-order {want} "
                           f"{tuple(entry['shape'])}")
@@ -560,10 +567,8 @@ def load(target: dict[str, Any], path: str | os.PathLike, group: Any = None) -> 
     path = os.fspath(path)
     mine: dict = {}
     try:
-        leaves = _flatten(target, "target")
-        mine["wants"] = [name for name, _, _, leaf in leaves if leaf is not None and (
-            isinstance(leaf, Shard) or is_array(leaf))] + [
-            name for name, _, _, leaf in leaves if leaf is None]
+        if not isinstance(target, Mapping):
+            raise _Reject(TypeError, f"target must be a dict, got {type(target).__name__}")
         if pg.rank() == 0:
             mine["entries"] = _read_index(path)
     except _Reject as rej:
@@ -573,15 +578,18 @@ def load(target: dict[str, Any], path: str | os.PathLike, group: Any = None) -> 
     _raise_first(op, [g.get("error") for g in gathered], pg)
     entries = gathered[0]["entries"]
     try:
-        reads = {name for name, _, _, leaf in leaves
-                 if _check_target(name, leaf, entries.get(name)) is not None}
-        error = None
+        leaves = _flatten(target, "target", entries)
+        reads = [name for name, _, _, leaf in leaves
+                 if _check_target(name, leaf, entries.get(name)) is not None]
+        status = {"error": None, "reads": reads}
     except _Reject as rej:
-        reads, error = set(), (rej.kind.__name__, rej.msg)
+        status = {"error": (rej.kind.__name__, rej.msg), "reads": []}
+    statuses: list = [None] * pg.size()
+    all_gather_object(statuses, status, group=pg)
+    _raise_first(op, [s["error"] for s in statuses], pg)
     # Every rank takes part in the collective read of every array some rank wants.
-    wanted = sorted({n for g in gathered for n in g["wants"]
-                     if entries.get(n, {}).get("kind") == "array"})
-    _barrier_raise(op, error, pg)
+    wanted = sorted({n for s in statuses for n in s["reads"]})
+    reads = set(reads)
 
     by_name = {name: (parent, key, leaf) for name, parent, key, leaf in leaves}
     for name in wanted:
