@@ -67,7 +67,8 @@ def test_roundtrip_every_dtype(dist, where):
     state["step"], state["cfg"], state["shape"] = 1200, {"lr": 3e-4, "names": ["x"]}, (7, 5)
     path = os.path.join(where, "c")
     ckpt.save(state, path)
-    index = json.load(open(os.path.join(path, ckpt.INDEX_FILE)))
+    with open(os.path.join(path, ckpt.INDEX_FILE)) as f:
+        index = json.load(f)
     assert index["entries"]["step"] == {"kind": "value", "json": 1200}
     assert index["entries"]["shape"] == {"kind": "value", "pickle": True}  # a tuple
     for name, g in ref.items():
