@@ -86,10 +86,25 @@ def _view(fh: MPI.File, offset: int, itemsize: int, gshape: tuple[int, ...],
         return etype
     if not gshape:  # a 0-d array is one element
         gshape, shape, start = (1,), (1,), (0,)
+    if _contiguous_in_file(gshape, start, shape):
+        # One byte range (row blocks, the common case): a plain view at its start lets
+        # ROMIO write it directly instead of going through its strided-access machinery.
+        first = int(np.ravel_multi_index(start, gshape)) * itemsize
+        fh.Set_view(offset + first, etype, etype)
+        return etype
     ftype = types.keep(etype.Create_subarray(list(gshape), list(shape), list(start),
                                              order=MPI.ORDER_C)).Commit()
     fh.Set_view(offset, etype, ftype)
     return etype
+
+
+def _contiguous_in_file(gshape, start, shape) -> bool:
+    """Whether a block is one run of the C-order global array: whole in every dimension
+    after the first one it does not span, and one element thick before it."""
+    d = 0
+    while d < len(shape) and shape[d] == 1:
+        d += 1
+    return all(n == g for n, g in zip(shape[d + 1:], gshape[d + 1:]))
 
 
 _NOTHING = np.empty(0, np.uint8)
