@@ -52,10 +52,10 @@ def make_state(mib, rank, size):
     return blocks, (n_rows, 1024), lo
 
 
-def timed(fn):
+def timed(fn, *args):
     spmd.barrier()
     t0 = time.perf_counter()
-    fn()
+    fn(*args)
     spmd.barrier()
     t = np.array([time.perf_counter() - t0])
     spmd.all_reduce(t, op=spmd.ReduceOp.MAX)
@@ -165,8 +165,8 @@ def main():
     for r in range(args.repeat):
         for impl in impls:
             path = os.path.join(root, f"{impl.name.replace('/', '_').replace(' ', '_')}-{r}")
-            times[impl.name, "save"].append(timed(lambda: impl.save(path)))
-            times[impl.name, "load"].append(timed(lambda: impl.load(path)))
+            times[impl.name, "save"].append(timed(impl.save, path))
+            times[impl.name, "load"].append(timed(impl.load, path))
             spmd.barrier()
             if rank == 0:
                 shutil.rmtree(path)

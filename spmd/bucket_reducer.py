@@ -15,9 +15,9 @@ Gradients are assigned to buckets in reverse registration order (backward makes 
 last layer's gradients first), one dtype per bucket; a bucket is closed once it
 holds ``bucket_cap_mb`` MiB (the first one at ``first_bucket_cap_mb``, small so that
 communication starts early), as DDP's ``compute_bucket_assignment_by_size`` does.
-When every gradient of a bucket is marked, the bucket is packed into one flat buffer
-(one copy; a single contiguous gradient is reduced where it is) and all-reduced with
-``async_op=True``.  Buckets start strictly in bucket order on every rank, because the
+When every gradient of a bucket is marked, the bucket is packed into its flat buffer
+(allocated once; one vectorised copy; a single contiguous gradient is reduced where it
+is) and all-reduced with ``async_op=True``; ``wait()`` copies the results back.  Buckets start strictly in bucket order on every rank, because the
 ranks' collectives are matched by the order they are issued in: a bucket completed
 early waits for the ones before it.  ``mark_ready`` also polls the buckets in flight,
 so MPI progresses them while backward computes (MPI progresses only inside MPI calls).
@@ -36,7 +36,6 @@ from typing import Any
 import numpy as np
 
 from .arrays import SUPPORTED_DTYPES, bfloat16
-from .coalescing import Packed, pack_buckets
 from .collectives import all_reduce
 from .errors import located
 from .group import ProcessGroup, resolve
@@ -57,16 +56,22 @@ def _is_gpu(a: Any) -> bool:
 class _Bucket:
     """One bucket: its gradients, how many are still unmarked, its reduction in flight."""
 
-    __slots__ = ("arrays", "gpu_buf", "indices", "packed", "pending", "wire", "work")
+    __slots__ = ("arrays", "buf", "indices", "pending", "work")
 
     def __init__(self, indices: list[int], arrays: list, wire: np.dtype) -> None:
         self.indices = indices
         self.arrays = arrays
-        self.wire = wire             # dtype of the buffer that is all-reduced
         self.pending = len(indices)
         self.work: Work | None = None
-        self.packed: Packed | None = None
-        self.gpu_buf: Any = None
+        a = arrays[0]
+        if len(arrays) == 1 and np.dtype(a.dtype) == wire and a.flags.c_contiguous:
+            self.buf = None
+        elif isinstance(a, np.ndarray):
+            self.buf = np.empty(sum(x.size for x in arrays), wire)
+        else:
+            import cupy
+
+            self.buf = cupy.empty(sum(x.size for x in arrays), wire)
 
 
 class BucketReducer:
@@ -234,14 +239,17 @@ class BucketReducer:
                 break
 
     def _start(self, b: _Bucket) -> None:
-        if self._gpu:
+        buf = b.buf
+        if buf is None:  # a lone contiguous gradient of the wire dtype: reduced in place
+            buf = b.arrays[0]
+        elif self._gpu:
             import cupy
 
-            buf = cupy.concatenate([a.ravel() for a in b.arrays]).astype(b.wire, copy=False)
-            b.gpu_buf = buf
+            cupy.concatenate([a.ravel() for a in b.arrays], out=buf)
         else:
-            b.packed = pack_buckets(b.arrays, b.wire, True, limit=1 << 62)[0]
-            buf = b.packed.buf
+            # One vectorised copy (casting to the wire dtype) into the bucket's own
+            # buffer, allocated once: a fresh buffer per step would page-fault anew.
+            np.concatenate([a.reshape(-1) for a in b.arrays], out=buf, casting="unsafe")
         b.work = all_reduce(buf, op=self._op, group=self._pg, async_op=True)
 
     def wait(self) -> None:
@@ -262,16 +270,14 @@ class BucketReducer:
         try:
             for b in self._buckets:
                 b.work.wait()
-                if b.gpu_buf is not None:
+                if b.buf is not None:
                     pos = 0
                     for a in b.arrays:
-                        a[...] = b.gpu_buf[pos:pos + a.size].reshape(a.shape)
+                        a[...] = b.buf[pos:pos + a.size].reshape(a.shape)
                         pos += a.size
-                else:
-                    b.packed.unpack()
         finally:
             for b in self._buckets:
-                b.pending, b.work, b.packed, b.gpu_buf = len(b.indices), None, None, None
+                b.pending, b.work = len(b.indices), None
             self._marked = [False] * len(self._grads)
             self._next = 0
 
