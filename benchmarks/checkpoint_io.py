@@ -5,7 +5,7 @@ Run: mpiexec -n 4 python benchmarks/checkpoint_io.py [--mib 1024] [--repeat 3] [
 The state is ``--mib`` MiB of float32 in total, four arrays whose rows are split over
 the ranks (each rank holds 1/N of every array).  Each implementation saves it into a
 fresh directory and loads it back into preallocated arrays, ``--repeat`` times in
-interleaved rounds; rank 0 prints the median time (the slowest rank's) and GiB/s.
+interleaved rounds (the order rotated each round); rank 0 prints the median time (the slowest rank's) and GiB/s.
 
 - ``spmd``: ``checkpoint.save``/``load``: one .npy per global array, MPI-IO, synced,
   renamed into place.
@@ -150,6 +150,7 @@ def main():
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--dir", default=None, help="where to write (default: a temp dir)")
     parser.add_argument("--no-torch", action="store_true")
+    parser.add_argument("--verbose", action="store_true", help="print every round's times")
     args = parser.parse_args()
 
     spmd.init_process_group()
@@ -163,10 +164,15 @@ def main():
         impls.append(TorchDCP(blocks, gshape, lo))
     times = {(impl.name, what): [] for impl in impls for what in ("save", "load")}
     for r in range(args.repeat):
-        for impl in impls:
+        # Rotated each round: whoever writes after another's big write may be throttled
+        # by the kernel's write-back of that data, so nobody always goes first.
+        for impl in impls[r % len(impls):] + impls[:r % len(impls)]:
             path = os.path.join(root, f"{impl.name.replace('/', '_').replace(' ', '_')}-{r}")
             times[impl.name, "save"].append(timed(impl.save, path))
             times[impl.name, "load"].append(timed(impl.load, path))
+            if rank == 0 and args.verbose:
+                print(f"round {r} {impl.name}: save {times[impl.name, 'save'][-1]:.2f} s, "
+                      f"load {times[impl.name, 'load'][-1]:.2f} s", flush=True)
             spmd.barrier()
             if rank == 0:
                 shutil.rmtree(path)

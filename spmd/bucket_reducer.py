@@ -126,6 +126,9 @@ class BucketReducer:
             raise located(TypeError, op_name, "compression='bf16' needs ml_dtypes "
                           "(pip install spmd[bf16])", pg)
         self._check_grads(grads, compression, op_name)
+        if compression == "bf16" and _is_gpu(grads[0]):
+            raise located(TypeError, op_name, "compression='bf16' is for numpy gradients (CuPy "
+                          "has no bfloat16); use 'fp16' for GPU gradients", pg)
         self._grads = grads
         self._gpu = _is_gpu(grads[0])
         wire = {None: None, "bf16": bfloat16, "fp16": np.dtype(np.float16)}[compression]

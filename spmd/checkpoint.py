@@ -56,6 +56,7 @@ from typing import Any
 import numpy as np
 
 from . import _mpiio
+from ._ckpt_plan import Reject, check_bounds, coverage, flatten, replicated_block
 from ._shard import Shard, is_array
 from .arrays import SUPPORTED_DTYPES, bfloat16
 from .errors import located
@@ -76,14 +77,6 @@ _fault_hook: Callable[[str], None] | None = None
 def _fault(stage: str) -> None:
     if _fault_hook is not None:
         _fault_hook(stage)
-
-
-class _Reject(Exception):
-    """A problem found on one rank, raised on every rank once the ranks have compared."""
-
-    def __init__(self, kind: type[Exception], msg: str) -> None:
-        super().__init__(msg)
-        self.kind, self.msg = kind, msg
 
 
 _KINDS = {"TypeError": TypeError, "ValueError": ValueError, "KeyError": ValueError,
@@ -107,51 +100,9 @@ def _dtype_name(dt: np.dtype) -> str:
 def _dtype_of(name: str) -> np.dtype:
     if name == "bfloat16":
         if bfloat16 is None:
-            raise _Reject(TypeError, "the checkpoint holds bfloat16 arrays: install ml_dtypes")
+            raise Reject(TypeError, "the checkpoint holds bfloat16 arrays: install ml_dtypes")
         return bfloat16
     return np.dtype(name)
-
-
-# -- flattening --------------------------------------------------------------------------
-
-
-def _holds_arrays(d: Mapping) -> bool:
-    return any(isinstance(v, Shard) or is_array(v)
-               or (isinstance(v, Mapping) and _holds_arrays(v)) for v in d.values())
-
-
-def _flatten(state: Any, arg: str, entries: Mapping | None = None
-             ) -> list[tuple[str, Mapping, str, Any]]:
-    """``(name, parent dict, key, leaf)`` for every leaf, names joined with ``.``.
-
-    A nested dict is walked into when it holds arrays or, on load (``entries`` given),
-    when the checkpoint has no entry of its name (a template of arrays to come).
-    """
-    if not isinstance(state, Mapping):
-        raise _Reject(TypeError, f"{arg} must be a dict, got {type(state).__name__}")
-    out: list = []
-    seen: dict[str, str] = {}
-
-    def walk(d: Mapping, prefix: str) -> None:
-        for key, v in d.items():
-            if not isinstance(key, str) or not key or key.startswith(".") or any(
-                    c in key for c in "/\\\0"):
-                raise _Reject(ValueError, f"{arg} key {key!r} under {prefix or 'the top'!r} "
-                              "is not usable as a file name: expected a non-empty str without "
-                              "'/', '\\' or NUL, not starting with '.'")
-            name = prefix + key
-            if isinstance(v, Mapping) and (_holds_arrays(v) if entries is None
-                                           else name not in entries):
-                walk(v, name + ".")
-                continue
-            if name in seen or len(name.encode()) > 240:
-                raise _Reject(ValueError, f"{arg} entry {name!r} is ambiguous or too long "
-                              "(nested keys are joined with '.')")
-            seen[name] = name
-            out.append((name, d, key, v))
-
-    walk(state, "")
-    return sorted(out, key=lambda e: e[0])
 
 
 def _array_desc(name: str, leaf: Any, arg: str) -> dict:
@@ -159,63 +110,12 @@ def _array_desc(name: str, leaf: Any, arg: str) -> dict:
     data = leaf.data if isinstance(leaf, Shard) else leaf
     dt = np.dtype(data.dtype)
     if dt not in SUPPORTED_DTYPES:
-        raise _Reject(TypeError, f"{arg}[{name!r}] has dtype {dt}; expected one of "
+        raise Reject(TypeError, f"{arg}[{name!r}] has dtype {dt}; expected one of "
                       f"{', '.join(d.name for d in SUPPORTED_DTYPES)}")
     if isinstance(leaf, Shard):
         return {"kind": "shard", "dtype": _dtype_name(dt), "gshape": leaf.global_shape,
                 "start": leaf.offset, "shape": leaf.shape}
     return {"kind": "array", "dtype": _dtype_name(dt), "gshape": tuple(data.shape)}
-
-
-def _check_bounds(name: str, desc: dict, arg: str) -> None:
-    for lo, n, g in zip(desc["start"], desc["shape"], desc["gshape"]):
-        if lo < 0 or lo + n > g:
-            raise _Reject(ValueError, f"{arg}[{name!r}]: block {desc['shape']} at offset "
-                          f"{desc['start']} does not fit in global_shape {desc['gshape']}")
-
-
-def _coverage(name: str, blocks: list[tuple[int, tuple, tuple]], gshape: tuple) -> dict:
-    """Which rank writes which block of a sharded array; the blocks must tile it.
-
-    Identical blocks (replicas) are written by the lowest rank; any other overlap, or
-    a gap, is an error.
-    """
-    writer: dict[tuple, int] = {}
-    for rank, start, shape in blocks:
-        if np.prod(shape, dtype=np.int64) > 0:
-            writer.setdefault((start, shape), rank)
-    total = int(np.prod(gshape, dtype=np.int64))
-    if writer and gshape:
-        keys = list(writer)
-        lo = np.array([k[0] for k in keys], np.int64)
-        hi = lo + np.array([k[1] for k in keys], np.int64)
-        meet = np.all((lo[:, None, :] < hi[None, :, :]) & (lo[None, :, :] < hi[:, None, :]),
-                      axis=2)
-        np.fill_diagonal(meet, False)
-        if meet.any():
-            i, j = (int(x) for x in np.argwhere(meet)[0])
-            ri, rj = writer[keys[i]], writer[keys[j]]
-            raise _Reject(ValueError, f"state[{name!r}]: the block of rank {ri} ({keys[i][1]} at "
-                          f"{keys[i][0]}) overlaps the block of rank {rj} ({keys[j][1]} at "
-                          f"{keys[j][0]}); blocks may only overlap when identical (replicas)")
-    covered = sum(int(np.prod(k[1], dtype=np.int64)) for k in writer)
-    if covered != total:
-        raise _Reject(ValueError, f"state[{name!r}]: the blocks of the ranks cover {covered} of "
-                      f"the {total} elements of global_shape {gshape}; every element must "
-                      "be in one block")
-    return {rank: key for key, rank in writer.items()}
-
-
-def _replicated_block(gshape: tuple, rank: int, size: int) -> tuple[tuple, tuple] | None:
-    """This rank's share of writing a replicated array: rows split as numpy.array_split."""
-    if not gshape:
-        return ((), ()) if rank == 0 else None
-    base, extra = divmod(gshape[0], size)
-    n = base + (rank < extra)
-    if n == 0:
-        return None
-    start = rank * base + min(rank, extra)
-    return (start,) + (0,) * (len(gshape) - 1), (n,) + tuple(gshape[1:])
 
 
 def _host(a: Any) -> np.ndarray:
@@ -245,32 +145,36 @@ def _encode_value(name: str, value: Any) -> dict:
 # -- save --------------------------------------------------------------------------------
 
 
-def _local_save_plan(state: Any, path: str, overwrite: bool, pg: ProcessGroup) -> dict:
-    leaves = _flatten(state, "state")
+def _local_save_plan(state: Any, path: str, mode: int, overwrite: bool, pg: ProcessGroup
+                     ) -> dict:
+    if isinstance(mode, bool) or not isinstance(mode, int) or not 0 <= mode <= 0o777:
+        raise Reject(ValueError, f"mode must be permission bits between 0 and 0o777, got "
+                     f"{mode!r}")
+    leaves = flatten(state, "state")
     descs, values = {}, {}
     for name, _, _, leaf in leaves:
         if isinstance(leaf, Shard) or is_array(leaf):
             descs[name] = _array_desc(name, leaf, "state")
             if descs[name]["kind"] == "shard":
-                _check_bounds(name, descs[name], "state")
+                check_bounds(name, descs[name], "state")
         else:
             descs[name] = {"kind": "value"}
             values[name] = leaf
     plan: dict = {"descs": descs}
     if pg.rank() == 0:
         if os.path.exists(path) and not overwrite:
-            raise _Reject(FileExistsError, f"path {path!r} exists (pass overwrite=True to "
+            raise Reject(FileExistsError, f"path {path!r} exists (pass overwrite=True to "
                           "replace it)")
         parent = os.path.dirname(os.path.abspath(path))
         if not os.path.isdir(parent):
-            raise _Reject(FileNotFoundError, f"the directory {parent!r} for path does not exist")
+            raise Reject(FileNotFoundError, f"the directory {parent!r} for path does not exist")
         encoded = {n: _encode_value(n, v) for n, v in values.items()}
         pickled = {n: values[n] for n, e in encoded.items() if "pickle" in e}
         try:
             plan["pickle"] = pickle.dumps(pickled, protocol=pickle.HIGHEST_PROTOCOL) \
                 if pickled else None
         except Exception as exc:  # noqa: BLE001 - any pickling failure is the user's value
-            raise _Reject(TypeError, f"a value of state cannot be pickled or stored as JSON: "
+            raise Reject(TypeError, f"a value of state cannot be pickled or stored as JSON: "
                           f"{exc}") from None
         plan["values"] = encoded
         plan["tmp"] = f"{os.path.abspath(path)}.tmp-{secrets.token_hex(6)}"
@@ -285,18 +189,18 @@ def _agree(op: str, plans: list[dict], pg: ProcessGroup) -> dict:
         d = plan["descs"]
         if d.keys() != first.keys():
             extra, missing = sorted(d.keys() - first.keys()), sorted(first.keys() - d.keys())
-            raise _Reject(ValueError, f"state must have the same entries on every rank: group "
+            raise Reject(ValueError, f"state must have the same entries on every rank: group "
                           f"rank {r} has extra {extra} and lacks {missing} compared with group "
                           "rank 0")
         for name, desc in d.items():
             ref = first[name]
             kind = "array" if desc["kind"] == "shard" else desc["kind"]
             if kind != ("array" if ref["kind"] == "shard" else ref["kind"]):
-                raise _Reject(TypeError, f"state[{name!r}] is a {desc['kind']} on group rank "
+                raise Reject(TypeError, f"state[{name!r}] is a {desc['kind']} on group rank "
                               f"{r} but a {ref['kind']} on group rank 0")
             if desc["kind"] != "value" and (desc["dtype"], desc["gshape"], desc["kind"]) != (
                     ref["dtype"], ref["gshape"], ref["kind"]):
-                raise _Reject(ValueError, f"state[{name!r}] is a {desc['kind']} of dtype "
+                raise Reject(ValueError, f"state[{name!r}] is a {desc['kind']} of dtype "
                               f"{desc['dtype']} and global shape {desc['gshape']} on group rank "
                               f"{r} but a {ref['kind']} of dtype {ref['dtype']} and global shape "
                               f"{ref['gshape']} on group rank 0")
@@ -308,7 +212,7 @@ def _agree(op: str, plans: list[dict], pg: ProcessGroup) -> dict:
         if ref["kind"] == "shard":
             blocks = [(r, p["descs"][name]["start"], p["descs"][name]["shape"])
                       for r, p in enumerate(plans)]
-            entry["writers"] = _coverage(name, blocks, tuple(ref["gshape"]))
+            entry["writers"] = coverage(name, blocks, tuple(ref["gshape"]))
         entries[name] = entry
     return entries
 
@@ -343,18 +247,18 @@ def save(state: Mapping[str, Any], path: str | os.PathLike, group: Any = None, *
         raise ValueError(f"{op}: this rank is not a member of the group")
     path = os.fspath(path)
     try:
-        mine: Any = _local_save_plan(state, path, overwrite, pg)
-    except _Reject as rej:
+        mine: Any = _local_save_plan(state, path, mode, overwrite, pg)
+    except Reject as rej:
         mine = {"error": (rej.kind.__name__, rej.msg)}
     plans: list = [None] * pg.size()
     all_gather_object(plans, mine, group=pg)
     _raise_first(op, [p.get("error") for p in plans], pg)
     try:
         entries = _agree(op, plans, pg)
-    except _Reject as rej:
+    except Reject as rej:
         raise located(rej.kind, op, rej.msg, pg) from None
     tmp = plans[0]["tmp"]
-    leaves = {name: leaf for name, _, _, leaf in _flatten(state, "state")}
+    leaves = {name: leaf for name, _, _, leaf in flatten(state, "state")}
 
     # Rank 0 makes the directory and every file with its header; then all ranks write.
     status = None
@@ -386,7 +290,7 @@ def save(state: Mapping[str, Any], path: str | os.PathLike, group: Any = None, *
             block = entry["writers"].get(pg.rank())
             part = (block[0], _host(leaf.data)) if block is not None else None
         else:
-            block = _replicated_block(gshape, pg.rank(), pg.size())
+            block = replicated_block(gshape, pg.rank(), pg.size())
             part = None
             if block is not None:
                 sel = tuple(slice(s, s + n) for s, n in zip(*block))
@@ -467,14 +371,14 @@ def _read_index(path: str) -> dict:
         with open(index_path, "rb") as f:
             index = json.loads(f.read())
     except FileNotFoundError:
-        raise _Reject(FileNotFoundError, f"no checkpoint at {path!r} ({INDEX_FILE} is "
+        raise Reject(FileNotFoundError, f"no checkpoint at {path!r} ({INDEX_FILE} is "
                       "missing; an interrupted save leaves only a '.tmp-*' directory)") from None
     except (OSError, ValueError) as exc:
-        raise _Reject(ValueError, f"cannot read {index_path!r}: {exc}") from None
+        raise Reject(ValueError, f"cannot read {index_path!r}: {exc}") from None
     if not isinstance(index, dict) or index.get("format") != _FORMAT:
-        raise _Reject(ValueError, f"{index_path!r} is not an spmd checkpoint index")
+        raise Reject(ValueError, f"{index_path!r} is not an spmd checkpoint index")
     if index.get("version", 0) > _VERSION:
-        raise _Reject(ValueError, f"{index_path!r} has format version {index['version']}; "
+        raise Reject(ValueError, f"{index_path!r} has format version {index['version']}; "
                       f"this spmd reads up to {_VERSION}")
     entries = index["entries"]
     for name, entry in entries.items():
@@ -484,11 +388,11 @@ def _read_index(path: str) -> dict:
         try:
             descr, fortran, shape, offset = _mpiio.read_npy_header(fname)
         except (OSError, ValueError) as exc:
-            raise _Reject(ValueError, f"cannot read the header of {fname!r}: {exc}") from None
+            raise Reject(ValueError, f"cannot read the header of {fname!r}: {exc}") from None
         want = np.lib.format.dtype_to_descr(_dtype_of(entry["dtype"]))
         # Compared as dtypes: numpy reads '<V2' (bfloat16) back as '|V2'.
         if fortran or shape != tuple(entry["shape"]) or np.dtype(descr) != np.dtype(want):
-            raise _Reject(ValueError, f"{fname!r} holds a {'Fortran' if fortran else 'C'}-order "
+            raise Reject(ValueError, f"{fname!r} holds a {'Fortran' if fortran else 'C'}-order "
                           f"{descr} array of shape {shape}; the index says C-order {want} "
                           f"{tuple(entry['shape'])}")
         entry["offset"] = offset
@@ -497,7 +401,7 @@ def _read_index(path: str) -> dict:
             with open(os.path.join(path, VALUES_FILE), "rb") as f:
                 values = pickle.load(f)
         except (OSError, pickle.UnpicklingError, EOFError) as exc:
-            raise _Reject(ValueError, f"cannot read {VALUES_FILE} in {path!r}: {exc}") from None
+            raise Reject(ValueError, f"cannot read {VALUES_FILE} in {path!r}: {exc}") from None
         for name, entry in entries.items():
             if entry.get("pickle"):
                 entry["value"] = values[name]
@@ -507,15 +411,15 @@ def _read_index(path: str) -> dict:
 def _check_target(name: str, leaf: Any, entry: dict | None) -> str | None:
     """The array entry this rank reads for ``name`` (None if it is a value)."""
     if entry is None:
-        raise _Reject(ValueError, f"target[{name!r}]: the checkpoint has no entry {name!r}")
+        raise Reject(ValueError, f"target[{name!r}]: the checkpoint has no entry {name!r}")
     is_arr = isinstance(leaf, Shard) or is_array(leaf)
     if entry["kind"] == "value":
         if is_arr:
-            raise _Reject(TypeError, f"target[{name!r}] is an array but the checkpoint holds a "
+            raise Reject(TypeError, f"target[{name!r}] is an array but the checkpoint holds a "
                           "value there")
         return None
     if not is_arr and leaf is not None:
-        raise _Reject(TypeError, f"target[{name!r}] is a {type(leaf).__name__}, but the "
+        raise Reject(TypeError, f"target[{name!r}] is a {type(leaf).__name__}, but the "
                       "checkpoint holds an array there: pass a Shard, an array or None")
     if leaf is None:
         _dtype_of(entry["dtype"])
@@ -523,17 +427,17 @@ def _check_target(name: str, leaf: Any, entry: dict | None) -> str | None:
     data = leaf.data if isinstance(leaf, Shard) else leaf
     gshape = leaf.global_shape if isinstance(leaf, Shard) else tuple(data.shape)
     if np.dtype(data.dtype) != _dtype_of(entry["dtype"]):
-        raise _Reject(TypeError, f"target[{name!r}] has dtype {np.dtype(data.dtype)}, the "
+        raise Reject(TypeError, f"target[{name!r}] has dtype {np.dtype(data.dtype)}, the "
                       f"checkpoint holds {entry['dtype']}")
     if tuple(gshape) != tuple(entry["shape"]):
         what = "global_shape" if isinstance(leaf, Shard) else "shape"
-        raise _Reject(ValueError, f"target[{name!r}] has {what} {tuple(gshape)}, the "
+        raise Reject(ValueError, f"target[{name!r}] has {what} {tuple(gshape)}, the "
                       f"checkpoint holds {tuple(entry['shape'])}")
     if isinstance(leaf, Shard):
-        _check_bounds(name, {"start": leaf.offset, "shape": leaf.shape, "gshape": gshape},
+        check_bounds(name, {"start": leaf.offset, "shape": leaf.shape, "gshape": gshape},
                       "target")
     if isinstance(data, np.ndarray) and not data.flags.writeable:
-        raise _Reject(ValueError, f"target[{name!r}] is a read-only array")
+        raise Reject(ValueError, f"target[{name!r}] is a read-only array")
     return name
 
 
@@ -568,21 +472,21 @@ def load(target: dict[str, Any], path: str | os.PathLike, group: Any = None) -> 
     mine: dict = {}
     try:
         if not isinstance(target, Mapping):
-            raise _Reject(TypeError, f"target must be a dict, got {type(target).__name__}")
+            raise Reject(TypeError, f"target must be a dict, got {type(target).__name__}")
         if pg.rank() == 0:
             mine["entries"] = _read_index(path)
-    except _Reject as rej:
+    except Reject as rej:
         mine = {"error": (rej.kind.__name__, rej.msg)}
     gathered: list = [None] * pg.size()
     all_gather_object(gathered, mine, group=pg)
     _raise_first(op, [g.get("error") for g in gathered], pg)
     entries = gathered[0]["entries"]
     try:
-        leaves = _flatten(target, "target", entries)
+        leaves = flatten(target, "target", entries)
         reads = [name for name, _, _, leaf in leaves
                  if _check_target(name, leaf, entries.get(name)) is not None]
         status = {"error": None, "reads": reads}
-    except _Reject as rej:
+    except Reject as rej:
         status = {"error": (rej.kind.__name__, rej.msg), "reads": []}
     statuses: list = [None] * pg.size()
     all_gather_object(statuses, status, group=pg)

@@ -177,3 +177,18 @@ def test_errors_same_on_every_rank(dist):
             make()
     # Interleaved views do not share memory: accepted.
     spmd.BucketReducer([base[::2], base[1::2]])
+
+
+@pytest.mark.parametrize("compression", [None, "fp16"])
+def test_cupy_gradients(dist, compression):
+    from _gpu_helpers import cupy
+
+    cp = cupy()
+    grads = [cp.asarray(g) for g in rank_grads(dist.get_rank(), (np.float32,))]
+    reducer = spmd.BucketReducer(grads, bucket_cap_mb=0.0005, compression=compression)
+    for i in reversed(range(len(grads))):
+        reducer.mark_ready(i)
+    reducer.wait()
+    tol = 2 ** -10 if compression else 1e-6
+    for g, ref in zip(grads, reference(None, (np.float32,))):
+        np.testing.assert_allclose(cp.asnumpy(g), ref, rtol=tol, atol=1e-5)

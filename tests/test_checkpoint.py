@@ -248,6 +248,8 @@ def test_save_bad_leaves(dist, where):
     save_error(dist, where, {"a/b": np.ones(2)}, ValueError, r"not usable as a file name")
     save_error(dist, where, [np.ones(2)], TypeError, r"state must be a dict, got list")
     save_error(dist, where, {"f": lambda: 0}, TypeError, r"cannot be pickled")
+    with pytest.raises(ValueError, match=r"mode must be permission bits .* got 4096"):
+        ckpt.save({"a": np.ones(2)}, os.path.join(where, "m"), mode=0o10000)
     missing = os.path.join(where, "no", "such", "dir")
     with pytest.raises(FileNotFoundError, match=r"does not exist"):
         ckpt.save({"a": np.ones(2)}, missing)
@@ -308,3 +310,22 @@ def test_ranks_ask_for_different_entries(dist, where, groups):
         np.testing.assert_array_equal(s.data, g[:, s.offset[1]:s.offset[1] + s.shape[1]])
     else:
         np.testing.assert_array_equal(target["g"], g)
+
+
+def test_cupy_arrays_staged(dist, where):
+    """cupy Shards are written through host memory and filled back on the device."""
+    from _gpu_helpers import cupy
+
+    cp = cupy()
+    rank, n = dist.get_rank(), dist.get_world_size()
+    g = global_array((6, 5), np.float32)
+    lo, hi = rows(6, rank, n)
+    path = os.path.join(where, "c")
+    ckpt.save({"w": ckpt.Shard(cp.asarray(g[lo:hi]), g.shape, (lo, 0)),
+               "r": cp.arange(4.0)}, path)
+    np.testing.assert_array_equal(np.load(os.path.join(path, "w.npy")), g)
+    block = cp.zeros((6, 5), np.float32)[:, 1:4]  # a strided device view
+    target = {"w": ckpt.Shard(block, g.shape, (0, 1)), "r": cp.empty(4)}
+    ckpt.load(target, path)
+    np.testing.assert_array_equal(cp.asnumpy(block), g[:, 1:4])
+    np.testing.assert_array_equal(cp.asnumpy(target["r"]), np.arange(4.0))
