@@ -8,7 +8,7 @@ step is forward, backward and the gradient average; the ways to average:
 
 - ``compute only``: no communication (the floor).
 - ``reducer``: ``spmd.BucketReducer`` (``--cap`` MiB buckets, DDP's 1 MiB first
-  bucket), each bucket's all_reduce started during backward.
+  bucket, ``gradient_as_bucket_view``), each bucket's all_reduce started during backward.
 - ``per gradient``: ``all_reduce(g, async_op=True)`` for each gradient as soon as it
   is final, all waited after backward (no bucketing).
 - ``after backward``: one ``all_reduce_coalesced`` of every gradient after backward
@@ -50,8 +50,9 @@ def main():
     rng = np.random.default_rng(rank)
     x = rng.standard_normal((args.batch, sizes[0]), dtype=np.float32)
     target = rng.standard_normal((args.batch, sizes[-1]), dtype=np.float32)
-    grads = [np.zeros_like(p) for p in params]
-    reducer = spmd.BucketReducer(grads, bucket_cap_mb=args.cap)
+    reducer = spmd.BucketReducer([np.zeros_like(p) for p in params], bucket_cap_mb=args.cap,
+                                 gradient_as_bucket_view=True)
+    grads = reducer.grads  # views into the bucket buffers, used by every way alike
     avg = spmd.ReduceOp.AVG
 
     def step(mode):

@@ -48,10 +48,12 @@ def main():
     ref_losses, ref_params = _mlp.train_serial(params, acts, x, target, STEPS, LR)
 
     shard = slice(rank * BATCH // world, (rank + 1) * BATCH // world)
-    grads = [np.zeros_like(p) for p in params]
     cap_mb = args.bucket_bytes / (1 << 20)
-    reducer = dist.BucketReducer(grads, bucket_cap_mb=cap_mb, first_bucket_cap_mb=cap_mb,
-                                 op=dist.ReduceOp.AVG)
+    # As DDP's gradient_as_bucket_view: the gradients are views into the bucket buffers.
+    reducer = dist.BucketReducer([np.zeros_like(p) for p in params], bucket_cap_mb=cap_mb,
+                                 first_bucket_cap_mb=cap_mb, op=dist.ReduceOp.AVG,
+                                 gradient_as_bucket_view=True)
+    grads = reducer.grads
 
     def layer_done(i):
         reducer.mark_ready(2 * i + 1)

@@ -54,24 +54,38 @@ def _is_gpu(a: Any) -> bool:
 
 
 class _Bucket:
-    """One bucket: its gradients, how many are still unmarked, its reduction in flight."""
+    """One bucket: its gradients, how many are still unmarked, its reduction in flight.
 
-    __slots__ = ("arrays", "buf", "indices", "pending", "work")
+    ``buf`` is the flat buffer that is all-reduced (None: the lone gradient itself);
+    with ``views`` the gradients are views into it and nothing is copied.
+    """
 
-    def __init__(self, indices: list[int], arrays: list, wire: np.dtype) -> None:
+    __slots__ = ("arrays", "buf", "indices", "pending", "views", "work")
+
+    def __init__(self, indices: list[int], arrays: list, wire: np.dtype, as_view: bool) -> None:
         self.indices = indices
-        self.arrays = arrays
         self.pending = len(indices)
         self.work: Work | None = None
         a = arrays[0]
+        self.views = as_view and np.dtype(a.dtype) == wire
         if len(arrays) == 1 and np.dtype(a.dtype) == wire and a.flags.c_contiguous:
-            self.buf = None
+            self.buf, self.views = None, False
         elif isinstance(a, np.ndarray):
             self.buf = np.empty(sum(x.size for x in arrays), wire)
         else:
             import cupy
 
             self.buf = cupy.empty(sum(x.size for x in arrays), wire)
+        if self.views:
+            # DDP's gradient_as_bucket_view: the gradients live in the bucket buffer.
+            views, pos = [], 0
+            for x in arrays:
+                v = self.buf[pos:pos + x.size].reshape(x.shape)
+                v[...] = x
+                views.append(v)
+                pos += x.size
+            arrays = views
+        self.arrays = arrays
 
 
 class BucketReducer:
@@ -89,6 +103,10 @@ class BucketReducer:
         first_bucket_cap_mb: MiB of the first bucket; ``min(1, bucket_cap_mb)`` if None.
         compression: None, ``"bf16"`` or ``"fp16"``: the wire dtype of float32/float64
             gradients.
+        gradient_as_bucket_view: as DDP's option: the reducer allocates the gradients
+            as views into its bucket buffers (initialised from ``grads``), so buckets
+            are reduced with no packing copies; write into ``reducer.grads`` then.
+            Not for compressed buckets, whose wire dtype differs.
 
     Raises:
         TypeError: a gradient that is not an array, of an unsupported dtype, numpy and
@@ -99,7 +117,8 @@ class BucketReducer:
 
     def __init__(self, grads: Sequence[Any], bucket_cap_mb: float = 25.0, group: Any = None,
                  op: Any = ReduceOp.AVG, *, first_bucket_cap_mb: float | None = None,
-                 compression: str | None = None) -> None:
+                 compression: str | None = None, gradient_as_bucket_view: bool = False
+                 ) -> None:
         op_name = "BucketReducer"
         pg = resolve(group, op_name)
         if pg is None:
@@ -129,11 +148,15 @@ class BucketReducer:
         if compression == "bf16" and _is_gpu(grads[0]):
             raise located(TypeError, op_name, "compression='bf16' is for numpy gradients (CuPy "
                           "has no bfloat16); use 'fp16' for GPU gradients", pg)
-        self._grads = grads
+        self._grads = list(grads)
         self._gpu = _is_gpu(grads[0])
         wire = {None: None, "bf16": bfloat16, "fp16": np.dtype(np.float16)}[compression]
         self._buckets = self._assign(grads, int(caps["bucket_cap_mb"] * _MIB),
-                                     int(caps["first_bucket_cap_mb"] * _MIB), wire)
+                                     int(caps["first_bucket_cap_mb"] * _MIB), wire,
+                                     bool(gradient_as_bucket_view))
+        for bucket in self._buckets:
+            for i, a in zip(bucket.indices, bucket.arrays):
+                self._grads[i] = a
         self._bucket_of = [0] * len(grads)
         for b, bucket in enumerate(self._buckets):
             for i in bucket.indices:
@@ -175,7 +198,8 @@ class BucketReducer:
                               "gradient must be its own array", pg)
 
     @staticmethod
-    def _assign(grads: list, cap: int, first_cap: int, wire: np.dtype | None) -> list[_Bucket]:
+    def _assign(grads: list, cap: int, first_cap: int, wire: np.dtype | None,
+                as_view: bool) -> list[_Bucket]:
         """DDP's assignment: reverse order, one open bucket per dtype, closed at its cap."""
         open_: dict[np.dtype, tuple[list[int], int]] = {}
         closed: dict[np.dtype, int] = {}
@@ -199,13 +223,19 @@ class BucketReducer:
         for indices in done:
             dt = np.dtype(grads[indices[0]].dtype)
             w = wire if wire is not None and dt.kind == "f" and dt.itemsize > 2 else dt
-            out.append(_Bucket(indices, [grads[i] for i in indices], w))
+            out.append(_Bucket(indices, [grads[i] for i in indices], w, as_view))
         return out
 
     @property
     def buckets(self) -> list[list[int]]:
         """The gradient indices of every bucket, in the order the buckets are reduced."""
         return [list(b.indices) for b in self._buckets]
+
+    @property
+    def grads(self) -> list:
+        """The gradients the reducer reduces: ``grads`` as given, or with
+        ``gradient_as_bucket_view`` the views into the bucket buffers."""
+        return list(self._grads)
 
     @property
     def group(self) -> ProcessGroup:
@@ -245,6 +275,8 @@ class BucketReducer:
         buf = b.buf
         if buf is None:  # a lone contiguous gradient of the wire dtype: reduced in place
             buf = b.arrays[0]
+        elif b.views:
+            pass
         elif self._gpu:
             import cupy
 
@@ -273,7 +305,7 @@ class BucketReducer:
         try:
             for b in self._buckets:
                 b.work.wait()
-                if b.buf is not None:
+                if b.buf is not None and not b.views:
                     pos = 0
                     for a in b.arrays:
                         a[...] = b.buf[pos:pos + a.size].reshape(a.shape)

@@ -40,16 +40,23 @@ def reference(group, dtypes=(np.float64,), step=0, op="avg"):
     return out
 
 
+@pytest.mark.parametrize("as_view", [False, True])
 @pytest.mark.parametrize("cap", [1e-9, 0.0005, 25.0])
 @pytest.mark.parametrize("gname", ["world", "parity"])
-def test_reduces_like_numpy(dist, groups, cap, gname):
+def test_reduces_like_numpy(dist, groups, cap, gname, as_view):
     """Several steps on the same reducer; ranks mark the gradients in different orders
     (the buckets still start in the same order everywhere)."""
     pg = groups[gname]
     group = None if gname == "world" else pg
-    grads = [np.empty(s) for s in SHAPES]
-    reducer = spmd.BucketReducer(grads, bucket_cap_mb=cap, group=group,
-                                 first_bucket_cap_mb=cap / 2)
+    given = [np.full(s, 7.0) for s in SHAPES]
+    reducer = spmd.BucketReducer(given, bucket_cap_mb=cap, group=group,
+                                 first_bucket_cap_mb=cap / 2, gradient_as_bucket_view=as_view)
+    grads = reducer.grads
+    for bucket in reducer.buckets:
+        for i in bucket:  # in buckets of several gradients, views into the bucket buffer
+            assert (grads[i] is given[i]) == (not as_view or len(bucket) == 1)
+            assert (grads[i] == 7.0).all() and grads[i].shape == SHAPES[i]
+    assert as_view is False or cap == 1e-9 or any(g is not h for g, h in zip(grads, given))
     if cap == 1e-9:
         assert reducer.buckets == [[i] for i in reversed(range(len(SHAPES)))]
     if cap == 25.0:
