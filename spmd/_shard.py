@@ -9,14 +9,16 @@ same error on every rank instead of on one.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from .errors import located
 from .group import resolve
-from .mesh import DeviceMesh
 from .objects import all_gather_object
+
+if TYPE_CHECKING:  # DeviceMesh sits in this layer too: no import of it at run time
+    from .mesh import DeviceMesh
 
 __all__ = ["Shard", "is_array"]
 
@@ -165,7 +167,7 @@ class Shard:
         Raises:
             ValueError: a mesh dimension named twice, or pieces that do not fit together.
         """
-        if not isinstance(mesh, DeviceMesh):
+        if not (hasattr(mesh, "get_group") and hasattr(mesh, "mesh_dim_names")):
             raise TypeError(f"checkpoint.Shard.from_mesh: mesh must be a DeviceMesh, got "
                             f"{type(mesh).__name__}")
         if not isinstance(dims, Mapping):

@@ -22,6 +22,9 @@ ranks' collectives are matched by the order they are issued in: a bucket complet
 early waits for the ones before it.  ``mark_ready`` also polls the buckets in flight,
 so MPI progresses them while backward computes (MPI progresses only inside MPI calls).
 
+With ``gradient_as_bucket_view=True`` (DDP's option) the gradients are views into
+the bucket buffers (``reducer.grads``) and nothing is copied at all.
+
 ``compression="bf16"`` or ``"fp16"`` packs float32/float64 gradients into a buffer of
 that dtype (torch's ``bf16_compress_hook``/``fp16_compress_hook``): half the bytes
 on the wire, reduced in float32 and rounded once, cast back into the gradients.
