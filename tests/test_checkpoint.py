@@ -102,7 +102,9 @@ def test_layouts_strided_replicated_nested(dist, where):
     state = {
         "model": {"w": ckpt.Shard.split(mine, dim=0),
                   "half": {"h": ckpt.Shard(g[lo:hi, :3][:, ::-1][:, ::-1], (10, 3), (lo, 0)),
-                           "h2": ckpt.Shard(g[lo:hi, 3:][::-1][::-1], (10, 3), (lo, 0))}},
+                           # negative strides: the values of g[lo:hi, 3:], stored reversed
+                           "h2": ckpt.Shard(np.ascontiguousarray(g[lo:hi, 3:][::-1, ::-1])
+                                            [::-1, ::-1], (10, 3), (lo, 0))}},
         "bias": np.arange(9, dtype=np.int32) * 7,
         "scalar": np.array(2.5),
         "nothing": np.zeros((0, 4), np.float32),
