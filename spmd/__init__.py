@@ -5,7 +5,8 @@ Importing spmd initialises MPI through mpi4py (thread level MULTIPLE); set
 """
 
 from . import futures, mpmd, parallel_state, store, topology
-from . import coalescing, comms_log, persistent, trace
+from . import checkpoint, coalescing, comms_log, persistent, trace
+from .bucket_reducer import BucketReducer
 from .coalescing import coalescing_manager
 from .collectives import (
     all_gather,
@@ -90,6 +91,7 @@ from ._version import __version__ as __version__
 
 __all__ = [
     "Backend",
+    "BucketReducer",
     "CollectiveMismatchError",
     "DebugLevel",
     "DeviceMesh",
@@ -128,6 +130,7 @@ __all__ = [
     "bind_device",
     "broadcast",
     "broadcast_object_list",
+    "checkpoint",
     "coalescing",
     "coalescing_manager",
     "comms_log",

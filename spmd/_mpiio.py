@@ -1,0 +1,151 @@
+"""Blocks of one .npy file, written and read collectively with MPI-IO.
+
+A ``.npy`` file is a header followed by the array's bytes in C order, so a block of
+the global array is an MPI subarray of the data that starts right after the header.
+Every rank of a communicator opens the file, sets a file view of its block (an
+``MPI_Type_create_subarray`` of an element type of ``itemsize`` bytes) and calls
+``MPI_File_write_at_all``/``read_at_all``: the MPI library merges the ranks' blocks
+into large contiguous accesses (two-phase collective buffering), whatever their shape.
+A rank with nothing to move still takes part, with an empty view.
+
+Local arrays need not be contiguous: a strided one is described to MPI by a memory
+datatype that follows its strides (nested ``hvector``s at its absolute address), so no
+copy is made.
+"""
+
+from __future__ import annotations
+
+import io
+import math
+
+import numpy as np
+from mpi4py import MPI
+
+__all__: list[str] = []
+
+
+def npy_header(dtype: np.dtype, shape: tuple[int, ...]) -> bytes:
+    """The header ``numpy.save`` writes for a C-order array of ``dtype`` and ``shape``."""
+    d = {"descr": np.lib.format.dtype_to_descr(dtype), "fortran_order": False,
+         "shape": tuple(shape)}
+    buf = io.BytesIO()
+    try:
+        np.lib.format.write_array_header_1_0(buf, d)
+    except ValueError:  # header over 64 KiB: numpy also moves to format 2.0 then
+        buf = io.BytesIO()
+        np.lib.format.write_array_header_2_0(buf, d)
+    return buf.getvalue()
+
+
+def read_npy_header(path: str) -> tuple[str, bool, tuple[int, ...], int]:
+    """``(descr, fortran_order, shape, data offset)`` of a .npy file's header."""
+    with open(path, "rb") as f:
+        version = np.lib.format.read_magic(f)
+        if version == (1, 0):
+            shape, fortran, dtype = np.lib.format.read_array_header_1_0(f)
+        else:
+            shape, fortran, dtype = np.lib.format.read_array_header_2_0(f)
+        return np.lib.format.dtype_to_descr(dtype), fortran, tuple(shape), f.tell()
+
+
+class _Types:
+    """The datatypes one block access needs, freed together."""
+
+    def __init__(self) -> None:
+        self._made: list[MPI.Datatype] = []
+
+    def keep(self, t: MPI.Datatype) -> MPI.Datatype:
+        self._made.append(t)
+        return t
+
+    def free(self) -> None:
+        for t in self._made:
+            t.Free()
+        self._made.clear()
+
+
+def _memory(a: np.ndarray, etype: MPI.Datatype, types: _Types) -> list:
+    """The buffer spec MPI reads or writes ``a`` through, without copying it."""
+    if a.flags.c_contiguous:
+        # A byte view: mpi4py needs no buffer format for dtypes it does not know (bfloat16).
+        return [a.reshape(-1).view(np.uint8), a.size, etype]
+    t = etype
+    for n, stride in zip(reversed(a.shape), reversed(a.strides)):
+        t = types.keep(t.Create_hvector(n, 1, stride))
+    # Absolute address of the first element, so negative strides work as well.
+    at = types.keep(MPI.Datatype.Create_struct([1], [a.ctypes.data], [t])).Commit()
+    return [MPI.BOTTOM, 1, at]
+
+
+def _view(fh: MPI.File, offset: int, itemsize: int, gshape: tuple[int, ...],
+          start: tuple[int, ...] | None, shape: tuple[int, ...] | None,
+          types: _Types) -> MPI.Datatype:
+    etype = types.keep(MPI.BYTE.Create_contiguous(itemsize)).Commit()
+    if start is None or math.prod(shape) == 0:
+        fh.Set_view(offset, etype, etype)
+        return etype
+    if not gshape:  # a 0-d array is one element
+        gshape, shape, start = (1,), (1,), (0,)
+    if _contiguous_in_file(gshape, start, shape):
+        # One byte range (row blocks, the common case): a plain view at its start lets
+        # ROMIO write it directly instead of going through its strided-access machinery.
+        first = int(np.ravel_multi_index(start, gshape)) * itemsize
+        fh.Set_view(offset + first, etype, etype)
+        return etype
+    ftype = types.keep(etype.Create_subarray(list(gshape), list(shape), list(start),
+                                             order=MPI.ORDER_C)).Commit()
+    fh.Set_view(offset, etype, ftype)
+    return etype
+
+
+def _contiguous_in_file(gshape, start, shape) -> bool:
+    """Whether a block is one run of the C-order global array: whole in every dimension
+    after the first one it does not span, and one element thick before it."""
+    d = 0
+    while d < len(shape) and shape[d] == 1:
+        d += 1
+    return all(n == g for n, g in zip(shape[d + 1:], gshape[d + 1:]))
+
+
+_NOTHING = np.empty(0, np.uint8)
+
+
+def write_block(comm: MPI.Intracomm, path: str, offset: int, gshape: tuple[int, ...],
+                itemsize: int, start: tuple[int, ...] | None, block: np.ndarray | None,
+                sync: bool = False) -> None:
+    """Collectively write each rank's ``block`` at ``start`` of the global array whose
+    data begins ``offset`` bytes into ``path`` (created beforehand).  Every rank of
+    ``comm`` must call it; a rank passes ``block=None`` to write nothing.  ``sync``
+    flushes the file to stable storage before it is closed."""
+    types = _Types()
+    fh = MPI.File.Open(comm, path, MPI.MODE_WRONLY)
+    try:
+        shape = None if block is None else block.shape
+        etype = _view(fh, offset, itemsize, gshape, start, shape, types)
+        if block is None or block.size == 0:
+            fh.Write_at_all(0, [_NOTHING, 0, etype])
+        else:
+            fh.Write_at_all(0, _memory(block, etype, types))
+        if sync:
+            fh.Sync()
+    finally:
+        fh.Close()
+        types.free()
+
+
+def read_block(comm: MPI.Intracomm, path: str, offset: int, gshape: tuple[int, ...],
+               itemsize: int, start: tuple[int, ...] | None, out: np.ndarray | None) -> None:
+    """Collectively read each rank's block at ``start`` into ``out`` (its shape is the
+    block's); every rank of ``comm`` must call it, ``out=None`` reads nothing."""
+    types = _Types()
+    fh = MPI.File.Open(comm, path, MPI.MODE_RDONLY)
+    try:
+        shape = None if out is None else out.shape
+        etype = _view(fh, offset, itemsize, gshape, start, shape, types)
+        if out is None or out.size == 0:
+            fh.Read_at_all(0, [_NOTHING, 0, etype])
+        else:
+            fh.Read_at_all(0, _memory(out, etype, types))
+    finally:
+        fh.Close()
+        types.free()

@@ -1,0 +1,66 @@
+"""Checkpoints across jobs (plain pytest; each job under a wall-clock limit): saved by
+one world size and layout, loaded by another; a rank killed mid-save."""
+
+from __future__ import annotations
+
+import os
+import re
+import sys
+
+import numpy as np
+import pytest
+from _launch import mpiexec, run
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "programs"))
+from ckpt_job import global_arrays
+
+PROGRAM = "tests/programs/ckpt_job.py"
+
+
+def job(n, *args, timeout=90):
+    return run(mpiexec(n, sys.executable, PROGRAM, *args), timeout=timeout)
+
+
+def ok_lines(proc, n):
+    found = sorted(re.findall(r"rank (\d+)/(\d+) ckpt_job OK", proc.stdout))
+    return found == sorted((str(r), str(n)) for r in range(n))
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("save_n, save_layout, load_n, load_layout", [
+    (4, "rows", 3, "cols"),
+    (4, "blocks", 3, "rows"),
+    (3, "cols", 4, "blocks"),
+    (2, "rows", 1, "cols"),
+])
+def test_reshard_across_world_sizes(tmp_path, save_n, save_layout, load_n, load_layout):
+    path = str(tmp_path / "ckpt")
+    saved = job(save_n, "save", path, save_layout)
+    assert saved.returncode == 0 and ok_lines(saved, save_n), saved.stdout
+    for name, g in global_arrays().items():  # plain numpy, no MPI: the global arrays
+        on_disk = np.load(os.path.join(path, f"{name}.npy"), mmap_mode="r")
+        assert on_disk.dtype == g.dtype
+        np.testing.assert_array_equal(on_disk, g)
+    loaded = job(load_n, "load", path, load_layout)
+    assert loaded.returncode == 0 and ok_lines(loaded, load_n), loaded.stdout
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("n, stage", [(3, "written"), (2, "renaming"), (1, "renaming")])
+def test_killed_rank_leaves_no_checkpoint(tmp_path, n, stage):
+    """SIGKILL on one rank after the arrays are written, or just before the rename:
+    the job dies, nothing exists at the path, a load job says there is no checkpoint,
+    and a later save to the same path succeeds."""
+    path = str(tmp_path / "ckpt")
+    crashed = job(n, "crash", path, stage)
+    assert crashed.returncode != 0, crashed.stdout
+    assert "should not have finished" not in crashed.stdout
+    assert not os.path.exists(path)
+    left = os.listdir(tmp_path)
+    assert left and all(name.startswith("ckpt.tmp-") for name in left), left
+    loaded = job(n, "load", path, "rows")
+    assert loaded.returncode != 0
+    assert "FileNotFoundError: checkpoint.load: no checkpoint at" in loaded.stdout, loaded.stdout
+    saved = job(n, "save", path, "rows")
+    assert saved.returncode == 0 and ok_lines(saved, n), saved.stdout
+    assert ok_lines(job(n, "load", path, "cols"), n)
