@@ -43,7 +43,6 @@ myst_enable_extensions = ["colon_fence"]
 
 autodoc_member_order = "bysource"
 autodoc_typehints = "signature"
-autodoc_preserve_defaults = True
 autosummary_generate = False
 napoleon_google_docstring = True
 napoleon_numpy_docstring = False
