@@ -318,7 +318,7 @@ class PrefixStore(Store):
     """A view of another store that prefixes every key with ``f"{prefix}/"``.
 
     The timeout is the underlying store's (reading or setting it here reads or sets
-    it there), and :meth:`num_keys` counts all the keys of the underlying store, as
+    it there), and :meth:`~spmd.Store.num_keys` counts all the keys of the underlying store, as
     in c10d.
 
     Args:

@@ -3,7 +3,7 @@
 ``Backend`` is torch's name for a validated backend string (``"mpi"``, ``"nccl"``,
 ``"cpu:mpi,cuda:nccl"``); the tables map each name (and device) to the factory that
 makes a group's engine.  The built-in engines are registered by ``spmd.world``; users
-add their own with :func:`register_backend`.
+add their own with :func:`~spmd.register_backend`.
 """
 
 from __future__ import annotations

@@ -236,8 +236,11 @@ class BucketReducer:
 
     @property
     def grads(self) -> list:
-        """The gradients the reducer reduces: ``grads`` as given, or with
-        ``gradient_as_bucket_view`` the views into the bucket buffers."""
+        """The gradients the reducer reduces.
+
+        ``grads`` as given, or with ``gradient_as_bucket_view`` the views into the
+        bucket buffers.
+        """
         return list(self._grads)
 
     @property

@@ -239,7 +239,8 @@ def save(state: Mapping[str, Any], path: str | os.PathLike, group: Any = None, *
             leave gaps, overlap or stick out of their global array; bad entry names.
         FileExistsError: ``path`` exists and ``overwrite`` is False.
         FileNotFoundError: the parent directory of ``path`` does not exist.
-        All raised on every rank alike, before any file is created.
+
+    Every error is raised on every rank alike, before any file is created.
     """
     op = "checkpoint.save"
     pg = resolve(group, op)
@@ -462,7 +463,8 @@ def load(target: dict[str, Any], path: str | os.PathLike, group: Any = None) -> 
         ValueError: an entry the checkpoint lacks, a global shape that differs, a block
             outside the array, a damaged checkpoint.
         TypeError: a dtype that differs, an array where a value was saved or back.
-        All raised on every rank alike, before any array is read.
+
+    Every error is raised on every rank alike, before any array is read.
     """
     op = "checkpoint.load"
     pg = resolve(group, op)

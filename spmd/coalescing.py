@@ -236,7 +236,7 @@ def coalescing_manager(group=None, device=None, async_ops: bool = False):
             returns at once and ``cm.wait()`` (or ``cm.works``) completes it.
 
     Yields:
-        The :class:`CoalescingManager` of the batch.
+        The :class:`~spmd.coalescing.CoalescingManager` of the batch.
 
     Raises:
         ValueError: an op that cannot be fused, or a mix of collectives, inside.

@@ -18,11 +18,15 @@ __all__ = ["GroupContext"]
 class GroupContext:
     """A group's communicator and identity, as its engines and Works see it.
 
-    Attributes (read by engines; set once, except ``_error``):
+    Engines read these attributes; each is set once, except ``_error``.
+
+    Attributes:
         _comm: the group's private communicator (None once destroyed).
-        _rank, _size: this process's rank in the group, and the group's size.
+        _rank: this process's rank in the group.
+        _size: the group's size.
         _ranks: the members' global ranks in group-rank order.
-        _name, _desc: the group's name in messages, and its description.
+        _name: the group's name in messages.
+        _desc: the group's description.
         _timeout: seconds a blocking operation may take.
         _backend_name: the backend string (``"mpi"``, ``"cpu:mpi,cuda:nccl"``...).
         _store: the key-value store given to init_process_group, or None.

@@ -30,8 +30,8 @@ class LaunchInfo:
         job_id: the job id (SLURM_JOB_ID, Open MPI's job id or PMIx namespace), if any.
         nodes: the job's node list as SLURM writes it (``vm-[1-2]``), if known.
         ntasks: how many processes the launcher says it started.
-        rank, local_rank: this process's rank and rank on its node, as the launcher
-            says (before MPI is asked).
+        rank: this process's rank, as the launcher says (before MPI is asked).
+        local_rank: this process's rank on its node, as the launcher says.
         hostname: this host.
     """
 
@@ -136,7 +136,7 @@ def singleton_problem(world_size: int, environ=None) -> str | None:
 
 
 def check_world_size(world_size: int, environ=None) -> None:
-    """Warn (RuntimeWarning) when :func:`singleton_problem` finds one."""
+    """Warn (RuntimeWarning) when ``singleton_problem`` finds one."""
     problem = singleton_problem(world_size, environ)
     if problem:
         warnings.warn(f"spmd: {problem}", RuntimeWarning, stacklevel=3)

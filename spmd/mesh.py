@@ -206,7 +206,7 @@ class DeviceMesh:
 
     @property
     def mesh(self) -> np.ndarray:
-        """The global ranks of this mesh (for a submesh: the one holding this rank)."""
+        """The global ranks of this mesh (for a submesh, the one holding this rank)."""
         grid = np.zeros((), dtype=np.int64)
         for modes in self._layout:
             grid = grid[..., None] + lay.offsets(modes)

@@ -2,8 +2,8 @@
 
 ``mpiexec -n 2 python ocean.py : -n 2 python atmos.py`` (or ``srun --multi-prog``, or a
 SLURM hetjob) starts one MPI job whose WORLD holds every program's ranks.  Each rank
-calls :func:`init_program` with its program's name and gets its program's group;
-:func:`new_link` connects two programs with an MPI intercommunicator over which
+calls :func:`~spmd.init_program` with its program's name and gets its program's group;
+:func:`~spmd.new_link` connects two programs with an MPI intercommunicator over which
 arrays and objects travel, addressed by rank *within the other program*.
 
 Program identity comes from the name the program passes, which works under every

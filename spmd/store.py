@@ -3,14 +3,14 @@
 Ranks use a store to rendezvous and to exchange small pieces of data outside the
 collectives.  Four kinds, all standard library only:
 
-* :class:`HashStore` -- in one process, shared between threads;
-* :class:`FileStore` -- a file on a (shared) file system, for processes;
-* :class:`TCPStore` -- a server in the master process, reached over TCP
+* :class:`~spmd.HashStore` -- in one process, shared between threads;
+* :class:`~spmd.FileStore` -- a file on a (shared) file system, for processes;
+* :class:`~spmd.TCPStore` -- a server in the master process, reached over TCP
   (defined in ``spmd._tcpstore``, importable from here);
-* :class:`PrefixStore` -- a namespace on top of another store.
+* :class:`~spmd.PrefixStore` -- a namespace on top of another store.
 
 Keys are ``str``; values are ``bytes`` (``str`` values are UTF-8 encoded).  Counters
-made by :meth:`Store.add` are stored as decimal ASCII, as in c10d, so ``get`` of a
+made by :meth:`~spmd.Store.add` are stored as decimal ASCII, as in c10d, so ``get`` of a
 counter returns e.g. ``b"5"``.  Timeouts are ``datetime.timedelta`` or seconds; a
 timeout of 0 means "do not wait" (c10d reads 0 as "wait forever").
 """
