@@ -22,6 +22,7 @@ import enum
 import os
 
 from . import backend_registry as registry
+from .backends import checked
 from .backends.checked import CheckedBackend
 
 __all__ = [
@@ -65,6 +66,7 @@ def set_debug_level(level) -> None:
         raise TypeError(f"set_debug_level: expected a DebugLevel or str, got {type(level).__name__}")
     _level = level
     registry.wrapper = CheckedBackend if level >= DebugLevel.DETAIL else None
+    checked.active = level >= DebugLevel.DETAIL
 
 
 def set_debug_level_from_env() -> None:
