@@ -10,7 +10,9 @@ private duplicate of the group's communicator, so it never matches real traffic.
 It costs one small all-gather per collective; leave it off in production.
 
 The level applies to groups that have not run an operation yet (backends are made at a
-group's first operation), so set it before ``init_process_group`` or through it.
+group's first operation), so set it before ``init_process_group`` or through it.  The
+operations that run outside the engines (object collectives, persistent plans, MPMD
+link broadcasts) check whenever the level is DETAIL at the time of the call.
 
 ``monitored_barrier`` (``spmd.monitored_barrier``) is a barrier that names the ranks that
 did not arrive.
