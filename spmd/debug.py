@@ -10,7 +10,9 @@ private duplicate of the group's communicator, so it never matches real traffic.
 It costs one small all-gather per collective; leave it off in production.
 
 The level applies to groups that have not run an operation yet (backends are made at a
-group's first operation), so set it before ``init_process_group`` or through it.
+group's first operation), so set it before ``init_process_group`` or through it.  The
+operations that run outside the engines (object collectives, persistent plans, MPMD
+link broadcasts) check whenever the level is DETAIL at the time of the call.
 
 ``monitored_barrier`` (``spmd.monitored_barrier``) is a barrier that names the ranks that
 did not arrive.
@@ -22,6 +24,7 @@ import enum
 import os
 
 from . import backend_registry as registry
+from .backends import checked
 from .backends.checked import CheckedBackend
 
 __all__ = [
@@ -65,6 +68,7 @@ def set_debug_level(level) -> None:
         raise TypeError(f"set_debug_level: expected a DebugLevel or str, got {type(level).__name__}")
     _level = level
     registry.wrapper = CheckedBackend if level >= DebugLevel.DETAIL else None
+    checked.active = level >= DebugLevel.DETAIL
 
 
 def set_debug_level_from_env() -> None:

@@ -9,6 +9,7 @@ from typing import Sequence
 from mpi4py import MPI
 
 from .backend_registry import Backend, make_backend
+from .backends.checked import free_check_comm
 from .context import GroupContext
 
 __all__ = [
@@ -85,6 +86,7 @@ class ProcessGroup(GroupContext):
         for backend in self._backends.values():
             backend.shutdown()
         self._backends.clear()
+        free_check_comm(self)  # debug mode's, also where no engine was made (objects)
         if self._comm is not None:
             self._comm.Free()
             self._comm = None

@@ -9,6 +9,12 @@ arrays and objects travel, addressed by rank *within the other program*.
 Program identity comes from the name the program passes, which works under every
 launcher.  Without a name, ``MPI_APPNUM`` is used where the launcher sets it (Hydra's
 ``mpiexec a : b`` sets 0 and 1); ``srun --multi-prog`` and hetjobs never set it.
+
+GPU (cupy) arrays travel as the MPI engine moves them: MPI reads device memory where it
+is GPU-aware, else they are staged through pinned host memory (``spmd.backends._staging``);
+NCCL cannot serve a link, since its communicators never span two groups.  In debug mode
+(``SPMD_DEBUG=DETAIL``) the link broadcasts compare their fingerprint across every rank
+of both programs before anything moves.
 """
 
 from __future__ import annotations
@@ -20,9 +26,13 @@ from dataclasses import dataclass
 import numpy as np
 from mpi4py import MPI
 
+from . import _gpu
 from .arrays import array_in, array_out, contiguous, is_device_array, movable
+from .backends import checked as _checked
+from .backends._staging import Staging, use_device_pointer
 from .errors import DistTimeoutError, located
-from .group import ProcessGroup, split_comm, world_state, timeout_seconds, default_group
+from .group import ProcessGroup, default_group, split_comm, timeout_seconds, world_state
+from .optable import OPS
 from .p2p import check_tag
 from .work import Work
 
@@ -185,8 +195,8 @@ class Link:
     """A connection between two programs (an MPI intercommunicator).
 
     ``dst`` and ``src`` are ranks in the *other* program; ``rank()`` is this rank's rank
-    in its own program.  Array methods take numpy arrays (or torch CPU tensors) and
-    honour the link's timeout like every spmd wait.
+    in its own program.  Array methods take numpy and cupy arrays (and torch tensors)
+    and honour the link's timeout like every spmd wait.
     """
 
     def __init__(self, comm: MPI.Intercomm, lib: MPI.Intercomm, local_comm: MPI.Intracomm,
@@ -198,6 +208,7 @@ class Link:
         self._lib = lib                # objects and broadcast relays
         self._local_comm = local_comm  # this program's ranks, for fanning a broadcast out
         self._remote_size = comm.Get_remote_size()
+        self._staging: Staging | None = None  # made at the first GPU array
 
     def rank(self) -> int:
         """This rank's rank in its own program."""
@@ -235,29 +246,56 @@ class Link:
 
     # -- arrays ------------------------------------------------------------------
 
-    def _host(self, a, op: str, arg: str):
-        if is_device_array(a):
-            raise located(TypeError, op, f"{arg} is a {type(a).__module__} device array; links "
-                          "move host (numpy) arrays: copy it to the host first", self._pg)
-        return a
+    def _stager(self, op: str) -> Staging:
+        if self._staging is None:
+            self._staging = Staging(_gpu.need_cupy(op, "a GPU array on a link", self._pg))
+        return self._staging
+
+    def _device_source(self, a, op: str, collective: bool):
+        """What MPI sends for device array ``a``: its memory, or a host copy."""
+        stager = self._stager(op)
+        if use_device_pointer(_gpu.mpi_gpu_support(), a, collective):
+            stager.sync()
+            return movable(a)
+        return stager.down(a)
+
+    def _device_target(self, a, op: str, collective: bool):
+        """(where MPI writes device array ``a``'s result, what copies it into ``a``)."""
+        stager = self._stager(op)
+        if use_device_pointer(_gpu.mpi_gpu_support(), a, collective):
+            stager.sync()
+            return a, None
+        h = stager.host_buffer(a)
+        return h, lambda: stager.up(a, h)
+
+    @staticmethod
+    def _host_target(a):
+        buf = a if a.flags.c_contiguous else np.empty(a.shape, a.dtype)
+        return buf, (None if buf is a else (lambda: np.copyto(a, buf)))
 
     def _isend(self, tensor, dst, tag, op: str) -> Work:
         comm = self._live(op)
         peer = self._peer(dst, op, "dst")
-        a = self._host(array_in(tensor, op, "tensor", self._pg), op, "tensor")
-        buf = movable(contiguous(a))
-        req = comm.Isend(buf, peer, check_tag(tag, op, self._pg))
-        return Work([req], op, self._pg, [a], None, buf)
+        a = array_in(tensor, op, "tensor", self._pg)
+        tag = check_tag(tag, op, self._pg)
+        if is_device_array(a):
+            buf = self._device_source(a, op, collective=False)
+        else:
+            buf = movable(contiguous(a))
+        return Work([comm.Isend(buf, peer, tag)], op, self._pg, [a], None, (a, buf))
 
     def _irecv(self, tensor, src, tag, op: str) -> Work:
         comm = self._live(op)
         peer = self._peer(src, op, "src", any_source=True)
-        a = self._host(array_out(tensor, op, "tensor", self._pg), op, "tensor")
-        buf = a if a.flags.c_contiguous else np.empty(a.shape, a.dtype)
+        a = array_out(tensor, op, "tensor", self._pg)
+        tag = check_tag(tag, op, self._pg)
+        if is_device_array(a):
+            buf, finish = self._device_target(a, op, collective=False)
+        else:
+            buf, finish = self._host_target(a)
         status = MPI.Status()
-        req = comm.Irecv(movable(buf), peer, check_tag(tag, op, self._pg))
-        finish = None if buf is a else (lambda: np.copyto(a, buf))
-        return Work([req], op, self._pg, [a], finish, buf, status)
+        req = comm.Irecv(movable(buf), peer, tag)
+        return Work([req], op, self._pg, [a], finish, (a, buf), status)
 
     def isend(self, tensor, dst: int, tag: int = 0) -> Work:
         """Start sending ``tensor`` to rank ``dst`` of the other program; return a Work."""
@@ -301,26 +339,39 @@ class Link:
         """Copy ``tensor`` of rank ``src`` of ``src_program`` into every rank of the other
         program.
 
-        Every rank of both programs calls it with the same ``src`` and ``src_program``;
-        ranks of the sending program other than ``src`` return at once and keep their
-        ``tensor`` as is.
+        Every rank of both programs calls it with the same ``src`` and ``src_program``
+        (and, in debug mode, a tensor of the same dtype and shape); ranks of the sending
+        program other than ``src`` return at once and keep their ``tensor`` as is.
         """
         op = "Link.broadcast"
         self._live(op)
-        if self._source(src, src_program, op):
-            if self._pg._rank == src:
-                a = self._host(array_in(tensor, op, "tensor", self._pg), op, "tensor")
-                buf = movable(contiguous(a))
-                self._wait(self._lib.Isend(buf, 0, _RELAY_TAG), op, buf)
+        sending = self._source(src, src_program, op)
+        if sending and self._pg._rank != src:
+            if _checked.active:
+                self._check(op, array_in(tensor, op, "tensor", self._pg), src, src_program)
             return
-        a = self._host(array_out(tensor, op, "tensor", self._pg), op, "tensor")
-        buf = a if a.flags.c_contiguous else np.empty(a.shape, a.dtype)
+        a = (array_in if sending else array_out)(tensor, op, "tensor", self._pg)
+        if _checked.active:
+            self._check(op, a, src, src_program)
+        if sending:
+            buf = self._device_source(a, op, False) if is_device_array(a) \
+                else movable(contiguous(a))
+            self._wait(self._lib.Isend(buf, 0, _RELAY_TAG), op, (a, buf))
+            return
+        # The relay ends in a nonblocking collective (Ibcast) on this program's ranks.
+        buf, finish = self._device_target(a, op, True) if is_device_array(a) \
+            else self._host_target(a)
         if self._pg._rank == 0:
             self._wait(self._lib.Irecv(movable(buf), src, _RELAY_TAG), op, buf)
         self._wait(self._local_comm.Ibcast(movable(buf), 0), op, buf)
-        if buf is not a:
-            np.copyto(a, buf)
+        if finish is not None:
+            finish()
         return
+
+    def _check(self, op: str, *args) -> None:
+        """Debug mode: compare this call across every rank of both programs."""
+        fields, _ = OPS[op].fingerprint(self._pg, *args)
+        _checked.check_link_call(self._pg, self._local_comm, self.remote.ranks, op, fields)
 
     # -- objects -----------------------------------------------------------------
 
@@ -368,7 +419,10 @@ class Link:
         """
         op = "Link.broadcast_object"
         self._live(op)
-        if self._source(src, src_program, op):
+        sending = self._source(src, src_program, op)
+        if _checked.active:
+            self._check(op, src, src_program)
+        if sending:
             if self._pg._rank == src:
                 data = _dumps(obj)
                 self._wait(self._lib.Isend(data, 0, _RELAY_TAG), op, data)

@@ -6,6 +6,10 @@ large for one MPI call (counts and displacements past 2**31-1 bytes, which MPI-3
 libraries such as Open MPI 4 refuse and some MPI-4 ones mishandle) travel in rounds
 of at most 1 GiB per rank, so objects of any size work on every MPI library.
 
+In debug mode (``SPMD_DEBUG=DETAIL``) the collectives compare their fingerprint (op,
+root, list length for broadcast_object_list) across the group before anything is sent;
+send/recv_object_list are point to point and pass unchecked, like send/recv.
+
 Trust: receiving ranks unpickle what peers send, and unpickling can run arbitrary
 code.  Every rank of an MPI job is trusted; never use object collectives to talk to
 a program you do not trust.
@@ -19,6 +23,7 @@ import time
 import numpy as np
 from mpi4py import MPI
 
+from .backends import checked as _checked
 from .collectives import root_rank
 from .errors import DistTimeoutError, located
 from .group import resolve
@@ -129,6 +134,8 @@ def all_gather_object(object_list, obj, group=None) -> None:
     if pg is None:
         return None
     _check_list(object_list, op, "object_list", pg, pg._size)
+    if _checked.active:
+        _checked.check_op(pg, op)
     data = _dumps(obj)
     for i, buf in enumerate(_gather_bytes(pg, op, data, _all_sizes(pg, op, data), None)):
         object_list[i] = _loads(buf)
@@ -145,6 +152,8 @@ def gather_object(obj, object_gather_list=None, dst=None, group=None, group_dst=
     is_root = pg._rank == root
     if is_root:
         _check_list(object_gather_list, op, "object_gather_list", pg, pg._size)
+    if _checked.active:
+        _checked.check_op(pg, op, root)
     data = _dumps(obj)
     # every rank learns every size: all of them need the number of rounds
     bufs = _gather_bytes(pg, op, data, _all_sizes(pg, op, data), root)
@@ -165,6 +174,8 @@ def broadcast_object_list(object_list, src=None, group=None, device=None, group_
         return None
     root = root_rank(pg, op, src, group_src, "src", default=0)
     _check_list(object_list, op, "object_list", pg)
+    if _checked.active:
+        _checked.check_op(pg, op, object_list, root)
     is_root = pg._rank == root
     data = _dumps(object_list) if is_root else None
     size = np.array([data.size if is_root else 0], _I64)
@@ -198,6 +209,9 @@ def scatter_object_list(scatter_object_output_list, scatter_object_input_list=No
     is_root = pg._rank == root
     if is_root:
         _check_list(scatter_object_input_list, op, "scatter_object_input_list", pg, pg._size)
+    if _checked.active:
+        _checked.check_op(pg, op, root)
+    if is_root:
         pieces = [_dumps(o) for o in scatter_object_input_list]
         sizes = np.array([p.size for p in pieces], _I64)
         sbuf = np.concatenate(pieces)

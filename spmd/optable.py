@@ -117,17 +117,40 @@ _op("barrier", fingerprint=lambda g: ({}, None))
 _op("send", "p2p", params=("tensor", "peer", "tag"))
 _op("recv", "p2p", params=("tensor", "peer", "tag"))
 
-# Operations built on the engines or on the group's communicator directly.
+# Operations built on the engines or on the group's communicator directly.  Those
+# with a fingerprint check themselves in debug mode (spmd.backends.checked.check_call,
+# check_link_call for links); their arguments are the public function's, validated.
 _op("isend", "p2p")
 _op("irecv", "p2p")
-for _name in ("all_gather_object", "gather_object", "broadcast_object_list",
-              "scatter_object_list"):
-    _op(_name)
+_op("all_gather_object", fingerprint=lambda g: ({}, None))
+_op("gather_object", fingerprint=lambda g, root: (_root(g, root), None))
+_op("broadcast_object_list",
+    fingerprint=lambda g, object_list, root: ({**_root(g, root), "length": len(object_list)},
+                                              None))
+_op("scatter_object_list", fingerprint=lambda g, root: (_root(g, root), None))
+# Point to point, like send/recv: one peer, not the group, so nothing to compare.
 for _name in ("send_object_list", "recv_object_list"):
     _op(_name, "p2p")
-for _name in ("Link.isend", "Link.irecv", "Link.send", "Link.recv", "Link.broadcast",
-              "Link.send_object", "Link.recv_object", "Link.broadcast_object"):
+
+# Persistent plans: checked as the collective they plan, with the plan's number in its
+# group (``plan``), when the plan is made and at every start().
+for _name in ("all_reduce", "broadcast", "reduce", "all_gather_into_tensor",
+              "reduce_scatter_tensor", "all_to_all_single", "barrier"):
+    _planned = OPS[_name]
+    _op(f"persistent.{_name}", fingerprint=_planned.fingerprint, bus=_planned.bus,
+        share_output=_planned.share_output)
+
+# MPMD links.  Their broadcasts are collective over both programs and compare their
+# fingerprint across every rank of both (``src`` is a rank of ``src_program``); the
+# rest are point to point.
+for _name in ("Link.isend", "Link.irecv", "Link.send", "Link.recv", "Link.send_object",
+              "Link.recv_object"):
     _op(_name, "p2p")
+_op("Link.broadcast", "p2p",
+    fingerprint=lambda g, tensor, src, src_program: (
+        {"src_program": src_program, "src": src, **_array(tensor)}, None))
+_op("Link.broadcast_object", "p2p",
+    fingerprint=lambda g, src, src_program: ({"src_program": src_program, "src": src}, None))
 
 ENGINE_OPS = tuple(name for name, spec in OPS.items() if spec.params or name == "barrier")
 P2P_OPS = frozenset(name for name, spec in OPS.items() if spec.kind == "p2p")

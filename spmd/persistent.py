@@ -18,23 +18,29 @@ same results; ``plan.native`` says which.  Ranks agree on the choice when the pl
 made, so a plan made on every rank never mixes the two.
 
 Every rank of the group must make the same plans in the same order and start them in
-the same order, like any collective.  The arrays belong to the plan until it is freed:
+the same order, like any collective.  Debug mode (``SPMD_DEBUG=DETAIL``) checks both:
+making a plan and every ``start()`` compare the planned collective's fingerprint and
+the plan's number in its group across the group (a native start is one MPI_Start, which
+no engine sees).  The arrays belong to the plan until it is freed:
 write inputs only between a completed start and the next one.
 """
 
 from __future__ import annotations
 
 import os
+import weakref
 
 import numpy as np
 from mpi4py import MPI
 
 from . import collectives as _c
 from .arrays import array_in, array_out, movable
+from .backends import checked as _checked
 from .backends.reduction import AVERAGE, PLANS, checked_plan, mpi_view
 from .errors import located
 from .group import resolve
 from .ops import ReduceOp
+from .optable import OPS
 from .work import Work
 
 __all__ = ["Plan", "available", "all_reduce", "broadcast", "reduce", "all_gather_into_tensor",
@@ -43,6 +49,9 @@ __all__ = ["Plan", "available", "all_reduce", "broadcast", "reduce", "all_gather
 _SUM = ReduceOp.SUM
 _IN_PLACE = MPI.IN_PLACE
 _ndarray = np.ndarray
+
+# Plans made per group: a plan's number, the same on every rank that makes the same plans.
+_plans_made: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def available() -> bool:
@@ -57,7 +66,7 @@ class Plan:
     """One prepared collective; ``start()`` runs it and returns its Work."""
 
     def __init__(self, name: str, pg, outputs: list, native_init, fallback, finish=None,
-                 keep=None):
+                 keep=None, args: tuple = ()):
         self.name = name
         self.group = pg
         self._outputs = outputs
@@ -67,6 +76,11 @@ class Plan:
         self._work: Work | None = None
         self._freed = False
         self._req = None
+        self._number = _plans_made.get(pg, 0) + 1
+        _plans_made[pg] = self._number
+        self._args = args  # the planned collective's engine arguments: its fingerprint
+        if _checked.active:
+            self._check("make")
         ok = native_init is not None and available()
         # Both sides of a plan must be the same kind on every rank (an MPI_Start does
         # not match a nonblocking collective), so the ranks agree before either starts.
@@ -91,6 +105,8 @@ class Plan:
         if self._work is not None and not self._work.is_completed():
             raise located(RuntimeError, f"persistent {self.name}", "start() while the previous "
                           "start is in flight; wait for its Work first", self.group)
+        if _checked.active:
+            self._check("start")
         if self._req is None:
             self._work = self._fallback()
         else:
@@ -98,6 +114,14 @@ class Plan:
             self._work = Work([self._req], self.name, self.group, self._outputs, self._finish,
                               self._keep)
         return self._work
+
+    def _check(self, call: str) -> None:
+        """Debug mode: every rank makes (starts) the same plan here, or all raise
+        CollectiveMismatchError."""
+        op = f"persistent.{self.name}"
+        fields, pairs = OPS[op].fingerprint(self.group, *self._args)
+        _checked.check_call(self.group, op, {"call": call, "plan": self._number, **fields},
+                            pairs)
 
     def free(self) -> None:
         """Release the MPI request; waits for a start still in flight first."""
@@ -155,7 +179,7 @@ def all_reduce(tensor, op=_SUM, group=None) -> Plan:
         if direct else None
     return Plan("all_reduce", pg, [a], init,
                 lambda: _c.all_reduce(a, op, pg, async_op=True),
-                _averager(plan, a, pg._size), a)
+                _averager(plan, a, pg._size), a, (a, op))
 
 
 def broadcast(tensor, src=None, group=None, group_src=None) -> Plan:
@@ -166,7 +190,8 @@ def broadcast(tensor, src=None, group=None, group_src=None) -> Plan:
     direct = type(a) is _ndarray and a.flags.c_contiguous
     init = (lambda: pg._comm.Bcast_init(movable(a), root)) if direct else None
     return Plan("broadcast", pg, [a], init,
-                lambda: _c.broadcast(a, group=pg, async_op=True, group_src=root), None, a)
+                lambda: _c.broadcast(a, group=pg, async_op=True, group_src=root), None, a,
+                (a, root))
 
 
 def reduce(tensor, dst=None, op=_SUM, group=None, group_dst=None) -> Plan:
@@ -187,7 +212,7 @@ def reduce(tensor, dst=None, op=_SUM, group=None, group_dst=None) -> Plan:
             return comm.Reduce_init(mpi_view(a, plan), None, plan.mpi_op, root)
     return Plan("reduce", pg, [a], init,
                 lambda: _c.reduce(a, op=op, group=pg, async_op=True, group_dst=root),
-                _averager(plan, a, pg._size) if is_root else None, a)
+                _averager(plan, a, pg._size) if is_root else None, a, (a, root, op))
 
 
 def _gather_shapes(out, a, name: str, pg, n_out_per_in: bool) -> None:
@@ -213,7 +238,8 @@ def all_gather_into_tensor(output_tensor, input_tensor, group=None) -> Plan:
         and out.flags.c_contiguous
     init = (lambda: pg._comm.Allgather_init(movable(a), movable(out))) if direct else None
     return Plan("all_gather_into_tensor", pg, [out], init,
-                lambda: _c.all_gather_into_tensor(out, a, pg, async_op=True), None, (a, out))
+                lambda: _c.all_gather_into_tensor(out, a, pg, async_op=True), None, (a, out),
+                (out, a))
 
 
 def reduce_scatter_tensor(output, input, op=_SUM, group=None) -> Plan:  # noqa: A002
@@ -229,7 +255,7 @@ def reduce_scatter_tensor(output, input, op=_SUM, group=None) -> Plan:  # noqa: 
                                                        plan.mpi_op)) if direct else None
     return Plan("reduce_scatter_tensor", pg, [out], init,
                 lambda: _c.reduce_scatter_tensor(out, a, op, pg, async_op=True),
-                _averager(plan, out, pg._size), (a, out))
+                _averager(plan, out, pg._size), (a, out), (out, a, op))
 
 
 def all_to_all_single(output, input, group=None) -> Plan:  # noqa: A002
@@ -246,7 +272,8 @@ def all_to_all_single(output, input, group=None) -> Plan:  # noqa: A002
         and out.flags.c_contiguous
     init = (lambda: pg._comm.Alltoall_init(movable(a), movable(out))) if direct else None
     return Plan("all_to_all_single", pg, [out], init,
-                lambda: _c.all_to_all_single(out, a, group=pg, async_op=True), None, (a, out))
+                lambda: _c.all_to_all_single(out, a, group=pg, async_op=True), None, (a, out),
+                (out, a, None, None))
 
 
 def barrier(group=None) -> Plan:

@@ -2,7 +2,10 @@
 
 Under one ``mpiexec -n N pytest`` the "programs" are the even and odd ranks (named so);
 real two-program jobs run from plain tests: two different scripts in one mpiexec
-(tests/programs/mpmd_left.py : mpmd_right.py) and the ocean/atmosphere example."""
+(tests/programs/mpmd_left.py : mpmd_right.py), the ocean/atmosphere example and debug
+mode over a link (tests/programs/mpmd_debug.py).  GPU arrays on links: the choice
+between device pointer and host staging is tested here with numpy arrays through the
+same code (a host stand-in for the CUDA copies); tests/test_gpu_mpmd.py runs cupy."""
 
 import re
 import sys
@@ -11,7 +14,8 @@ import numpy as np
 import pytest
 from _launch import mpiexec_prefix, run
 
-from spmd import mpmd
+from spmd import _gpu, mpmd
+from spmd.backends._staging import use_device_pointer
 
 
 def _name(rank):
@@ -177,6 +181,142 @@ def test_link_errors(dist, programs):
     link.free()
     with pytest.raises(RuntimeError, match="was freed"):
         link.send(np.zeros(1), dst=0)
+
+
+@pytest.fixture
+def detail(dist):
+    before = dist.get_debug_level()
+    dist.set_debug_level("DETAIL")
+    yield
+    dist.set_debug_level(before)
+
+
+@pytest.mark.mpi
+def test_link_debug_mode_mismatch_raises_on_both_programs(dist, programs, detail):
+    _two_programs(dist)
+    me, n = dist.get_rank(), dist.get_world_size()
+    mine = _name(me)
+    link = dist.new_link("odd" if mine == "even" else "even")
+    cases = [  # (this rank's call, the field the error names)
+        (lambda: link.broadcast(np.zeros(4 if me == n - 1 else 3), 0, "even"), "shape"),
+        (lambda: link.broadcast(np.zeros(3), 0, "even") if mine == "even"
+         else link.broadcast_object(None, 0, "even"), "op"),
+        (lambda: link.broadcast_object(None, 0, mine), "src_program"),
+    ]
+    for call, field in cases:
+        with pytest.raises(dist.CollectiveMismatchError) as info:
+            call()
+        text = str(info.value)
+        assert "ranks of link link:" in text and f"different arguments: {field}: " in text, text
+        # the link is still in step
+        got = link.broadcast_object(me if me == 0 else None, 0, "even")
+        assert got == (None if mine == "even" and me != 0 else 0)
+    x = np.arange(3.0) if mine == "even" else np.zeros(3)  # matched: passes, delivers
+    link.broadcast(x, 0, "even")
+    assert (x == np.arange(3.0)).all()
+    link.free()
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("left, right", [(1, 1), (2, 2), (1, 3)])
+def test_link_debug_mode_two_programs(left, right):
+    prog = "tests/programs/mpmd_debug.py"
+    cmd = list(mpiexec_prefix())
+    for i, (n, name) in enumerate(((left, "left"), (right, "right"))):
+        cmd += ([":"] if i else []) + ["-n", str(n), sys.executable, prog, name]
+    proc = run(cmd, timeout=120, SPMD_DEBUG="DETAIL")
+    assert proc.returncode == 0, proc.stdout[-4000:]
+    for w in range(left + right):
+        for case in ("shape", "src_program", "op"):
+            line = re.search(rf"^rank {w} {case}: (.*)$", proc.stdout, re.MULTILINE)
+            assert line and "called link operation #" in line.group(1) and \
+                f"different arguments: {case}: " in line.group(1), (w, case, proc.stdout)
+        assert re.search(rf"^rank {w} matched: OK$", proc.stdout, re.MULTILINE), proc.stdout
+
+
+# -- GPU arrays on links: the path, with numpy through the same code -------------------
+
+A = _gpu.GpuAwareness
+
+
+@pytest.mark.parametrize("support, contiguous, collective, direct", [
+    (A(True, "MPICH aware", True), True, False, True),
+    (A(True, "MPICH aware", True), True, True, True),
+    (A(True, "Open MPI aware", False), True, False, True),    # its Isend/Irecv read GPUs
+    (A(True, "Open MPI aware", False), True, True, False),    # its Ibcast does not
+    (A(False, "not aware", False), True, False, False),
+    (A(True, "MPICH aware", True), False, False, False),      # a strided view: staged
+])
+def test_link_gpu_path_decision(support, contiguous, collective, direct):
+    a = np.zeros((3, 4))
+    assert use_device_pointer(support, a if contiguous else a[:, ::2], collective) == direct
+
+
+class HostStaging:
+    """The CUDA copies of spmd.backends._staging.Staging, on host arrays, counted."""
+
+    def __init__(self):
+        self.calls = []
+
+    def sync(self):
+        self.calls.append("sync")
+
+    def down(self, a):
+        self.calls.append("down")
+        return np.ascontiguousarray(a).copy()
+
+    def host_buffer(self, a):
+        self.calls.append("host_buffer")
+        return np.empty(a.shape, a.dtype)
+
+    def up(self, a, h):
+        self.calls.append("up")
+        np.copyto(a, h)
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("aware, nonblocking", [(True, True), (True, False), (False, False)])
+def test_link_gpu_arrays_host_side(dist, programs, monkeypatch, aware, nonblocking):
+    """Link send/recv/broadcast of "device" arrays (numpy here) take the device pointer
+    or host staging as the injected GPU awareness says, and deliver the same data."""
+    _two_programs(dist)
+    me = dist.get_rank()
+    mine = _name(me)
+    link = dist.new_link("odd" if mine == "even" else "even")
+    stager = HostStaging()
+    link._staging = stager
+    monkeypatch.setattr(mpmd, "is_device_array", lambda a: True)
+    monkeypatch.setattr(mpmd._gpu, "mpi_gpu_support",
+                        lambda: A(aware, "injected", nonblocking))
+    r = link.rank()
+    staged_p2p = not aware
+    if r < link.remote_size():  # send/recv pairs: rank r of each program
+        for layout in ("contig", "strided"):
+            wide = np.zeros((3, 8))  # strided: every other column of it
+            sent = wide[:, ::2] if layout == "strided" else np.zeros((3, 4))
+            sent[...] = np.arange(12.0).reshape(3, 4) * (1 if mine == "even" else -1)
+            stager.calls.clear()
+            work = link.isend(sent, dst=r, tag=4)
+            out = np.zeros((3, 8))[:, ::2] if layout == "strided" else np.zeros((3, 4))
+            assert link.recv(out, src=r, tag=4) == r
+            work.wait()
+            expect = np.arange(12.0).reshape(3, 4) * (-1 if mine == "even" else 1)
+            np.testing.assert_array_equal(out, expect)
+            staged = staged_p2p or layout == "strided"
+            assert stager.calls == (["down", "host_buffer", "up"] if staged
+                                    else ["sync", "sync"]), (layout, stager.calls)
+    stager.calls.clear()
+    x = np.arange(5.0) if (mine == "even" and r == 0) else np.full(5, -1.0)
+    link.broadcast(x, src=0, src_program="even")
+    if mine == "odd":
+        np.testing.assert_array_equal(x, np.arange(5.0))
+        # receivers relay through an Ibcast: a collective
+        assert stager.calls == (["sync"] if aware and nonblocking else ["host_buffer", "up"])
+    elif r == 0:
+        assert stager.calls == (["sync"] if aware else ["down"])
+    else:
+        assert stager.calls == [] and (x == -1).all()
+    link.free()
 
 
 @pytest.mark.mpi

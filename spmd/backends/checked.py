@@ -7,6 +7,11 @@ with the other ranks of the group on a private duplicate of the group's communic
 and raising ``CollectiveMismatchError`` on every rank when they differ.  Point-to-point
 operations are passed through (their peers are not the whole group).  Waits go through
 the one wait helper, so a rank that never arrives ends in the usual diagnosis.
+
+Operations that run outside the engines (object collectives, persistent plans, the
+collective operations of MPMD links) call :func:`check_call` or
+:func:`check_op` (or :func:`check_link_call`) themselves, guarded by one truth test
+of ``active``.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ import time
 import weakref
 
 import numpy as np
+from mpi4py import MPI
 
 from .._wait import wait_until
 from ..errors import CollectiveMismatchError
@@ -26,13 +32,17 @@ from ..flight_recorder import next_seq, ranks_text
 from ..optable import OPS
 from .base import DeviceBackend, install_op_methods
 
-__all__ = ["CheckedBackend", "check_call", "checking"]
+__all__ = ["CheckedBackend", "active", "check_call", "check_link_call", "check_op", "checking"]
 
 FP_BYTES = 1024   # one rank's fingerprint, JSON, zero-padded: one fixed-size all-gather
 
 # Collectives waiting in a fingerprint exchange, by group: the control channel reports
 # them, since no Work exists yet for the op they are about to start.
 checking: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+# Debug level DETAIL is on (set by spmd.debug.set_debug_level).  Operations outside the
+# engines test it before checking, so with debug mode off they pay one truth test.
+active = False
 
 _SPMD_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -150,22 +160,107 @@ def check_call(pg, op: str, fields: dict, pairs: dict | None = None) -> None:
     records = [json.loads(bytes(row).rstrip(b"\0")) for row in rbuf]
     problems = compare(records, pg)
     if problems:
-        sites: dict[str, list[int]] = {}
-        for i, r in enumerate(records):
-            sites.setdefault(r.get("site", "?"), []).append(pg._ranks[i])
-        calls = "; ".join(f"{ranks_text(rs)} at {s}" for s, rs in
-                          sorted(sites.items(), key=lambda kv: kv[1]))
+        calls = _sites(records, list(pg._ranks))
         raise CollectiveMismatchError(
             f"{op}: ranks of group {pg._name} called collective #{seq} with different "
             f"arguments: " + "; ".join(problems) + f" [rank {pg._rank}, group {pg._name}]"
             f"\n  called from: {calls}")
 
 
+def check_op(pg, op: str, *args) -> None:
+    """:func:`check_call` with ``op``'s fingerprint from the op table, computed from
+    ``args`` (the arguments its table entry names).  Every member of ``pg`` calls it."""
+    fields, pairs = OPS[op].fingerprint(pg, *args)
+    check_call(pg, op, fields, pairs)
+
+
 def free_check_comm(pg) -> None:
-    """Release the comparing communicator of ``pg`` (when the group is destroyed)."""
+    """Release the comparing communicator(s) of ``pg`` (when the group is destroyed)."""
     comm = _check_comms.pop(pg, None)
-    if comm is not None:
-        comm.Free()
+    for c in comm if isinstance(comm, tuple) else (comm,):
+        if c is not None:
+            c.Free()
+    _link_seqs.pop(pg, None)
+
+
+# A link's checked calls, numbered on the link (both programs count the same calls).
+_link_seqs: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+class _Ranks:
+    """The ranks :func:`compare` names: both programs of a link, in one order."""
+
+    def __init__(self, ranks: list[int]):
+        self._ranks = ranks
+
+
+def check_link_call(pg, local_comm, remote_ranks, op: str, fields: dict) -> None:
+    """Compare this call's fingerprint with every rank of both programs of a link;
+    raise CollectiveMismatchError on every rank of both where they differ.
+
+    Every rank of both programs calls it.  The program's ranks gather their records on
+    a duplicate of ``local_comm``, the two programs' rank 0s swap them over a duplicate
+    of the intercommunicator ``pg._comm``, and each rank 0 broadcasts the other
+    program's records to its ranks: only intracommunicator collectives and
+    point-to-point messages, so it works wherever links do.
+
+    Args:
+        pg: the link's group (its intercommunicator, this program's world ranks).
+        local_comm: this program's ranks (an intracommunicator).
+        remote_ranks: the other program's world ranks, in its rank order.
+        op: the operation's name; fields: its fingerprint.
+    """
+    seq = _link_seqs.get(pg, 0) + 1
+    _link_seqs[pg] = seq
+    record = {"fp": {"op": op, "seq": seq, **fields}, "pairs": None, "site": call_site()}
+    data = _encode(record)
+    buf = np.zeros(FP_BYTES, np.uint8)
+    buf[:len(data)] = np.frombuffer(data, np.uint8)
+    mine = np.empty((pg._size, FP_BYTES), np.uint8)
+    theirs = np.empty((len(remote_ranks), FP_BYTES), np.uint8)
+    checking[pg] = (op, seq, time.monotonic())
+    try:
+        comms = _check_comms.get(pg)
+        if comms is None:
+            inter, r1 = pg._comm.Idup()
+            local, r2 = local_comm.Idup()
+            _wait_all([r1, r2], op, pg, seq, "creating the communicators that compare calls")
+            inter.Set_name(f"spmd:debug:{pg._name}")
+            _check_comms[pg] = comms = (inter, local)
+        inter, local = comms
+        _wait(local.Iallgather(buf, mine), op, pg, seq, "comparing call fingerprints")
+        if pg._rank == 0:
+            reqs = [inter.Isend(mine, 0, 0), inter.Irecv(theirs, 0, 0)]
+            _wait_all(reqs, op, pg, seq, "comparing call fingerprints with the other program")
+        _wait(local.Ibcast(theirs, 0), op, pg, seq, "comparing call fingerprints")
+    finally:
+        checking.pop(pg, None)
+    # Both programs list the records in the same order (lower world ranks first), so
+    # every rank of both computes, and raises, the same thing.
+    blocks = [(list(pg._ranks), mine), (list(remote_ranks), theirs)]
+    blocks.sort(key=lambda b: b[0][0])
+    ranks = blocks[0][0] + blocks[1][0]
+    records = [json.loads(bytes(row).rstrip(b"\0")) for _, rows in blocks for row in rows]
+    problems = compare(records, _Ranks(ranks))
+    if problems:
+        raise CollectiveMismatchError(
+            f"{op}: the ranks of link {pg._name} called link operation #{seq} with "
+            f"different arguments: " + "; ".join(problems) + " (ranks are world ranks)"
+            f" [rank {pg._rank}, group {pg._name}]\n  called from: "
+            + _sites(records, ranks))
+
+
+def _sites(records: list[dict], ranks: list[int]) -> str:
+    sites: dict[str, list[int]] = {}
+    for rank, r in zip(ranks, records):
+        sites.setdefault(r.get("site", "?"), []).append(rank)
+    return "; ".join(f"{ranks_text(rs)} at {s}" for s, rs in
+                     sorted(sites.items(), key=lambda kv: kv[1]))
+
+
+def _wait_all(reqs, op: str, pg, seq: int, what: str) -> None:
+    wait_until(lambda: MPI.Request.Testall(reqs), pg._timeout, op, pg, seq=seq,
+               source=f"in debug mode, {what}")
 
 
 class CheckedBackend(DeviceBackend):

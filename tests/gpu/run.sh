@@ -3,7 +3,8 @@
 # is limited to 10 minutes; see shared/GPU.md): the GPU and CuPy, MPI (installed from
 # wheels carried in .whl/ when the machine has none), `spmd info`, the GPU suite with
 # cupy arrays at world sizes 1, 2 and 4 (MPI through pinned host staging, directly
-# where MPI is GPU-aware; NCCL as WORLD at size 1 and in groups of size 1), NCCL at 2
+# where MPI is GPU-aware; NCCL as WORLD at size 1 and in groups of size 1; MPMD links
+# between the even and odd ranks, staged and direct), NCCL at 2
 # and 4 ranks on one GPU with a different NCCL_HOSTID per rank (over sockets), and the
 # 256 MiB float32 all_reduce benchmark (NCCL at 1 rank, staging at 2), and the GPU
 # example slurm/gpu.sbatch runs.  The last line printed is a one-line summary.
@@ -36,7 +37,7 @@ if [ -n "${OUT:-}" ]; then LOGS=$OUT/gpu-check; else LOGS=$(mktemp -d "${TMPDIR:
 mkdir -p "$LOGS"
 export OMP_NUM_THREADS=1 PYTHONUNBUFFERED=1 NCCL_DEBUG=${NCCL_DEBUG:-WARN}
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"   # spmd from this checkout
-SUITE=(tests/test_gpu_collectives.py tests/test_gpu_nccl.py tests/test_gpu_host.py)
+SUITE=(tests/test_gpu_collectives.py tests/test_gpu_nccl.py tests/test_gpu_host.py tests/test_gpu_mpmd.py)
 
 summary=()   # one line per step, printed at the end
 short=()     # the same, compressed into the last line
