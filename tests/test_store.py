@@ -743,7 +743,7 @@ def test_prefixstore_nested_timeout_and_errors():
 # ----------------------------------------------------------------------------- module
 def test_store_modules_use_only_the_standard_library():
     # spmd/__init__.py initialises MPI, so load spmd.store under a bare stand-in
-    # package: that shows what store.py and _tcpstore.py themselves import.
+    # package: that shows what the store modules themselves import (no mpi4py, no numpy).
     code = (
         "import sys, types; pkg = types.ModuleType('spmd'); pkg.__path__ = [sys.argv[1]]; "
         "sys.modules['spmd'] = pkg; import spmd.store as s; "
@@ -754,4 +754,5 @@ def test_store_modules_use_only_the_standard_library():
     out = subprocess.run([sys.executable, "-c", code, os.path.join(ROOT, "spmd")],
                          capture_output=True, text=True, timeout=30)
     assert out.returncode == 0, out.stderr
-    assert out.stdout.strip() == "['spmd', 'spmd._tcpstore', 'spmd.errors', 'spmd.store']"
+    assert out.stdout.strip() == ("['spmd', 'spmd._filestore', 'spmd._stores', 'spmd._tcpstore', "
+                                  "'spmd.errors', 'spmd.store']")
