@@ -93,3 +93,16 @@ def train_serial(params, acts, x, target, steps, lr):
         sgd(params, grads, lr)
         losses.append(loss)
     return np.array(losses), params
+
+
+def regression_problem(sizes, batch, steps, lr):
+    """The data, activations and initial weights every rank builds alike from fixed
+    seeds, and the serial training run the parallel one must match:
+    (x, target, acts, params, ref_losses, ref_params)."""
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((batch, sizes[0]))
+    target = np.sin(x @ rng.standard_normal((sizes[0], sizes[-1])))
+    acts = tanh_but_last(len(sizes) - 1)
+    params = init_params(sizes, seed=1)
+    ref_losses, ref_params = train_serial(params, acts, x, target, steps, lr)
+    return x, target, acts, params, ref_losses, ref_params

@@ -40,12 +40,8 @@ def main():
         raise ValueError(f"the batch of {BATCH} does not split evenly over {world} ranks")
 
     # Every rank builds the same data and the same initial weights from fixed seeds.
-    rng = np.random.default_rng(0)
-    x = rng.standard_normal((BATCH, SIZES[0]))
-    target = np.sin(x @ rng.standard_normal((SIZES[0], SIZES[-1])))
-    acts = _mlp.tanh_but_last(len(SIZES) - 1)
-    params = _mlp.init_params(SIZES, seed=1)
-    ref_losses, ref_params = _mlp.train_serial(params, acts, x, target, STEPS, LR)
+    x, target, acts, params, ref_losses, ref_params = _mlp.regression_problem(
+        SIZES, BATCH, STEPS, LR)
 
     shard = slice(rank * BATCH // world, (rank + 1) * BATCH // world)
     cap_mb = args.bucket_bytes / (1 << 20)

@@ -107,12 +107,8 @@ def main() -> int:
     if BATCH % world:
         raise ValueError(f"the batch of {BATCH} does not split evenly over {world} ranks")
 
-    rng = np.random.default_rng(0)
-    x = rng.standard_normal((BATCH, SIZES[0]))
-    target = np.sin(x @ rng.standard_normal((SIZES[0], SIZES[-1])))
-    acts = _mlp.tanh_but_last(len(SIZES) - 1)
-    host_params = _mlp.init_params(SIZES, seed=1)
-    ref_losses, ref_params = _mlp.train_serial(host_params, acts, x, target, STEPS, LR)
+    x, target, acts, host_params, ref_losses, ref_params = _mlp.regression_problem(
+        SIZES, BATCH, STEPS, LR)
 
     shard = slice(rank * BATCH // world, (rank + 1) * BATCH // world)
     xs, ts = cp.asarray(x[shard]), cp.asarray(target[shard])

@@ -46,6 +46,15 @@ def _lockstep(request):
         spmd.barrier()
 
 
+@pytest.fixture
+def detail(dist):
+    """Debug mode DETAIL for groups made inside the test."""
+    before = dist.get_debug_level()
+    dist.set_debug_level("DETAIL")
+    yield
+    dist.set_debug_level(before)
+
+
 @pytest.fixture(scope="module")
 def groups():
     """The groups collective tests run on: WORLD, and the even/odd ranks split in two

@@ -15,14 +15,6 @@ pytestmark = pytest.mark.mpi
 
 
 @pytest.fixture
-def detail(dist):
-    before = dist.get_debug_level()
-    dist.set_debug_level("DETAIL")
-    yield
-    dist.set_debug_level(before)
-
-
-@pytest.fixture
 def fresh(dist):
     made = []
 

@@ -183,14 +183,6 @@ def test_link_errors(dist, programs):
         link.send(np.zeros(1), dst=0)
 
 
-@pytest.fixture
-def detail(dist):
-    before = dist.get_debug_level()
-    dist.set_debug_level("DETAIL")
-    yield
-    dist.set_debug_level(before)
-
-
 @pytest.mark.mpi
 def test_link_debug_mode_mismatch_raises_on_both_programs(dist, programs, detail):
     _two_programs(dist)

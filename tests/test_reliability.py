@@ -45,15 +45,6 @@ def fresh(dist):
         dist.destroy_process_group(g)
 
 
-@pytest.fixture
-def detail(dist):
-    """Debug mode DETAIL for groups made inside the test."""
-    before = dist.get_debug_level()
-    dist.set_debug_level("DETAIL")
-    yield
-    dist.set_debug_level(before)
-
-
 # ----------------------------------------------------------------------------- recorder
 
 def test_sequence_numbers_and_flight_recorder(dist, fresh):
