@@ -9,10 +9,13 @@ import os
 import struct
 import threading
 import time
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 from ._stores import DEFAULT_TIMEOUT, Store, dict_add, dict_compare_set
 from .errors import DistStoreError
+
+if TYPE_CHECKING:
+    from ._typing import Timeout
 
 __all__ = ["FileStore"]
 
@@ -52,7 +55,8 @@ class FileStore(Store):
         timeout: default timeout of the blocking operations.
     """
 
-    def __init__(self, file_name, world_size: int = -1, timeout=DEFAULT_TIMEOUT):
+    def __init__(self, file_name: str | os.PathLike[str], world_size: int = -1,
+                 timeout: Timeout = DEFAULT_TIMEOUT):
         super().__init__(timeout)
         if not isinstance(file_name, (str, os.PathLike)):
             raise TypeError(f"FileStore: file_name must be a path, got {type(file_name).__name__}")

@@ -19,9 +19,13 @@ import socketserver
 import struct
 import threading
 import time
+from typing import TYPE_CHECKING
 
 from .errors import DistNetworkError, DistStoreError
 from ._stores import DEFAULT_TIMEOUT, HashStore, Store, to_seconds
+
+if TYPE_CHECKING:
+    from ._typing import Timeout
 
 __all__ = ["TCPStore"]
 
@@ -197,11 +201,11 @@ class TCPStore(Store):
         self,
         host_name: str,
         port: int,
-        world_size=None,
+        world_size: int | None = None,
         is_master: bool = False,
-        timeout=DEFAULT_TIMEOUT,
+        timeout: Timeout = DEFAULT_TIMEOUT,
         wait_for_workers: bool = True,
-        token=None,
+        token: bytes | str | None = None,
     ):
         super().__init__(timeout)
         self._sock = None
@@ -246,7 +250,7 @@ class TCPStore(Store):
         return self._port
 
     @property
-    def world_size(self):
+    def world_size(self) -> int | None:
         """The expected number of stores, or None."""
         return self._world_size
 

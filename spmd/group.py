@@ -4,12 +4,16 @@ from __future__ import annotations
 
 import warnings
 from datetime import timedelta
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence, TypeAlias
 
 from mpi4py import MPI
 
 from .backend_registry import Backend, make_backend
 from .context import GroupContext
+
+if TYPE_CHECKING:
+    from ._typing import Timeout
+    from .store import Store
 
 __all__ = [
     "ProcessGroup",
@@ -21,6 +25,7 @@ __all__ = [
     "get_group_rank",
     "get_global_rank",
     "get_process_group_ranks",
+    "GroupArg",
 ]
 
 DEFAULT_TIMEOUT = timedelta(minutes=30)  # torch's default for non-NCCL backends
@@ -38,7 +43,8 @@ class ProcessGroup(GroupContext):
     """
 
     def __init__(self, comm: MPI.Intracomm, ranks: Sequence[int], name: str,
-                 timeout: float, backend: str, desc: str | None = None, store=None):
+                 timeout: float, backend: str, desc: str | None = None,
+                 store: Store | None = None):
         super().__init__(comm, ranks, name, timeout, backend, desc, store)
         self._backends: dict = {}
 
@@ -105,6 +111,11 @@ class _NonGroupMember:
         return False
 
 
+# What a ``group`` argument takes: a ProcessGroup, None for the default group, or the
+# sentinel non-members get from the group constructors (the op then returns None).
+GroupArg: TypeAlias = "ProcessGroup | _NonGroupMember | None"
+
+
 class GroupMember:
     """``GroupMember.WORLD`` is the default group (None before init);
     ``GroupMember.NON_GROUP_MEMBER`` is what non-members get from group constructors."""
@@ -147,7 +158,7 @@ def default_group(op: str) -> ProcessGroup:
     return pg
 
 
-def resolve(group, op: str) -> ProcessGroup | None:
+def resolve(group: GroupArg, op: str) -> ProcessGroup | None:
     """The group an op runs on: the default one for None; None for a non-member.
 
     A rank that is not a member of ``group`` gets a warning and the op returns None
@@ -225,9 +236,11 @@ def _check_rank_list(ranks, world_size: int, op: str, arg: str = "ranks") -> lis
     return out
 
 
-def new_group(ranks=None, timeout=None, backend=None, pg_options=None,
-              use_local_synchronization=False, group_desc=None, device_id=None,
-              sort_ranks=True):
+def new_group(ranks: Sequence[int] | None = None, timeout: Timeout | None = None,
+              backend: str | None = None, pg_options: object = None,
+              use_local_synchronization: bool = False, group_desc: str | None = None,
+              device_id: object = None, sort_ranks: bool = True,
+              ) -> ProcessGroup | _NonGroupMember:
     """Create a group of the given global ranks (all ranks if None).
 
     Only the members need to call it (it uses ``MPI_Comm_create_group``); when every
@@ -273,8 +286,10 @@ def _split(parent: ProcessGroup, color: int, key: int, name_of, timeout, backend
     return pg
 
 
-def new_subgroups(group_size=None, group=None, timeout=None, backend=None,
-                  pg_options=None, group_desc=None):
+def new_subgroups(group_size: int | None = None, group: GroupArg = None,
+                  timeout: Timeout | None = None, backend: str | None = None,
+                  pg_options: object = None, group_desc: str | None = None,
+                  ) -> tuple[ProcessGroup, list[ProcessGroup | _NonGroupMember]]:
     """Split a group (WORLD by default) into subgroups of ``group_size`` consecutive ranks.
 
     Every rank of ``group`` must call it.  ``group_size`` defaults to the number of
@@ -302,8 +317,11 @@ def new_subgroups(group_size=None, group=None, timeout=None, backend=None,
     return pg, subgroups
 
 
-def new_subgroups_by_enumeration(ranks_per_subgroup_list, timeout=None, backend=None,
-                                 pg_options=None, group_desc=None):
+def new_subgroups_by_enumeration(ranks_per_subgroup_list: Sequence[Sequence[int]],
+                                 timeout: Timeout | None = None, backend: str | None = None,
+                                 pg_options: object = None, group_desc: str | None = None,
+                                 ) -> tuple[ProcessGroup | None,
+                                            list[ProcessGroup | _NonGroupMember]]:
     """Create one subgroup per list of global ranks; the lists must not overlap.
 
     Every rank must call it.  Built with one ``Comm.Split`` of WORLD.
@@ -332,8 +350,10 @@ def new_subgroups_by_enumeration(ranks_per_subgroup_list, timeout=None, backend=
     return pg, subgroups
 
 
-def split_group(parent_pg=None, split_ranks=None, timeout=None, pg_options=None, group_desc=None,
-                backend=None):
+def split_group(parent_pg: GroupArg = None, split_ranks: Sequence[Sequence[int]] | None = None,
+                timeout: Timeout | None = None, pg_options: object = None,
+                group_desc: str | None = None, backend: str | None = None,
+                ) -> ProcessGroup | None:
     """Split ``parent_pg`` (WORLD by default) into disjoint groups of its group ranks.
 
     Every rank of the parent must call it with the same ``split_ranks`` (lists of group
@@ -359,7 +379,7 @@ def split_group(parent_pg=None, split_ranks=None, timeout=None, pg_options=None,
                   backend, group_desc, "split_group")
 
 
-def get_process_group_ranks(group) -> list[int]:
+def get_process_group_ranks(group: GroupArg) -> list[int]:
     """Global ranks of the members of ``group``, in group-rank order."""
     pg = resolve(group, "get_process_group_ranks")
     if pg is None:
@@ -367,7 +387,7 @@ def get_process_group_ranks(group) -> list[int]:
     return list(pg._ranks)
 
 
-def get_group_rank(group, global_rank: int) -> int:
+def get_group_rank(group: GroupArg, global_rank: int) -> int:
     """Translate a global rank to its rank in ``group``.
 
     Raises:
@@ -381,7 +401,7 @@ def get_group_rank(group, global_rank: int) -> int:
     return r
 
 
-def get_global_rank(group, group_rank: int) -> int:
+def get_global_rank(group: GroupArg, group_rank: int) -> int:
     """Translate a rank in ``group`` to its global rank.
 
     Raises:

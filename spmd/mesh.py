@@ -15,6 +15,7 @@ derived meshes share the groups of the dimensions they keep.
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING, Sequence
 
 import numpy as np
 from mpi4py import MPI
@@ -30,6 +31,9 @@ from .group import (
     _timeout_seconds,
     default_group,
 )
+
+if TYPE_CHECKING:
+    from numpy.typing import ArrayLike
 
 __all__ = ["DeviceMesh", "MeshDimError", "init_device_mesh"]
 
@@ -94,8 +98,9 @@ class DeviceMesh:
             groups; the others use WORLD's backend.
     """
 
-    def __init__(self, device_type: str, mesh=None, *, mesh_dim_names=None,
-                 backend_override=None) -> None:
+    def __init__(self, device_type: str, mesh: ArrayLike | None = None, *,
+                 mesh_dim_names: Sequence[str] | None = None,
+                 backend_override: dict[int | str, str] | None = None) -> None:
         op = "DeviceMesh"
         device_type = check_device_type(device_type, op)
         if mesh is None:
@@ -287,7 +292,7 @@ class DeviceMesh:
 
     # -- slicing, flattening, unflattening, concatenating ------------------------
 
-    def __getitem__(self, mesh_dim_names) -> DeviceMesh:
+    def __getitem__(self, mesh_dim_names: str | tuple[str, ...]) -> DeviceMesh:
         """The submesh over the named dimensions (in mesh order), sharing their groups.
 
         No communication.  On the root mesh, names of flattened dimensions work too.
@@ -449,7 +454,9 @@ class DeviceMesh:
     # -- from existing groups ----------------------------------------------------
 
     @staticmethod
-    def from_group(group, device_type: str, mesh=None, *, mesh_dim_names=None) -> DeviceMesh:
+    def from_group(group: ProcessGroup | Sequence[ProcessGroup], device_type: str,
+                   mesh: ArrayLike | None = None, *,
+                   mesh_dim_names: Sequence[str] | None = None) -> DeviceMesh:
         """A mesh over existing groups: one group for a 1-D mesh, or a list with ``mesh``.
 
         No communication.  For several groups, ``mesh`` and ``mesh_dim_names`` are
@@ -524,8 +531,9 @@ def _default_or_init() -> ProcessGroup:
     return world_state.world
 
 
-def init_device_mesh(device_type: str, mesh_shape, *, mesh_dim_names=None,
-                     backend_override=None) -> DeviceMesh:
+def init_device_mesh(device_type: str, mesh_shape: int | Sequence[int], *,
+                     mesh_dim_names: Sequence[str] | None = None,
+                     backend_override: dict[int | str, str] | None = None) -> DeviceMesh:
     """Lay out all ranks row-major on a grid of shape ``mesh_shape``; build its groups.
 
     Every rank must call it with the same arguments.  Initialises spmd first if

@@ -6,6 +6,7 @@ from __future__ import annotations
 import time
 import weakref
 import zlib
+from typing import TYPE_CHECKING
 
 from . import watchdog
 from ._control import TAG_BARRIER
@@ -13,12 +14,17 @@ from .errors import DistTimeoutError
 from .group import resolve
 from .work import seconds_of
 
+if TYPE_CHECKING:
+    from ._typing import Timeout
+    from .group import GroupArg
+
 __all__ = ["monitored_barrier"]
 
 _barrier_counts: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def monitored_barrier(group=None, timeout=None, wait_all_ranks=False) -> None:
+def monitored_barrier(group: GroupArg = None, timeout: Timeout | None = None,
+                      wait_all_ranks: bool = False) -> None:
     """A barrier that says which ranks did not arrive.
 
     Group rank 0 waits for every other member's arrival (over the control channel, not

@@ -8,9 +8,13 @@ is a bucket of its own.
 from __future__ import annotations
 
 import os
+from typing import TYPE_CHECKING
 
 import numpy as np
 from mpi4py import MPI
+
+if TYPE_CHECKING:
+    import numpy.typing as npt
 
 __all__ = ["get_bucket_bytes", "set_bucket_bytes", "buckets", "pack", "unpack",
            "pack_buckets", "Packed", "DEFAULT_BUCKET_BYTES"]
@@ -101,7 +105,8 @@ class Packed:
 
     __slots__ = ("arrays", "buf", "_layout")
 
-    def __init__(self, arrays, buf, layout=None):
+    def __init__(self, arrays: list[np.ndarray] | None, buf: np.ndarray,
+                 layout: MPI.Datatype | None = None):
         self.arrays = arrays
         self.buf = buf
         self._layout = layout
@@ -127,7 +132,7 @@ class Packed:
             self._layout = None
 
 
-def pack_buckets(arrays: list, dtype, in_place: bool = True, limit: int | None = None
+def pack_buckets(arrays: list, dtype: npt.DTypeLike, in_place: bool = True, limit: int | None = None
                  ) -> list[Packed]:
     """Pack ``arrays`` into buffers of ``dtype`` of at most ``limit`` bytes each
     (``get_bucket_bytes()`` if None).  With ``in_place``, a contiguous array of
@@ -162,7 +167,7 @@ def pack_buckets(arrays: list, dtype, in_place: bool = True, limit: int | None =
     return out
 
 
-def pack(arrays: list, dtype) -> np.ndarray:
+def pack(arrays: list, dtype: npt.DTypeLike) -> np.ndarray:
     """The arrays, flattened and concatenated into one new buffer of ``dtype``."""
     dtype = np.dtype(dtype)
     if not arrays:

@@ -29,12 +29,16 @@ import socket
 import sys
 import threading
 import time
+from typing import TYPE_CHECKING, Sequence
 
 import numpy as np
 
 from . import work as _work
 from ._lines import write_lines
 from .optable import P2P_OPS, work_bytes
+
+if TYPE_CHECKING:
+    from .work import Work
 
 __all__ = ["Tracer", "start", "stop", "is_tracing", "expand_path", "merge", "main"]
 
@@ -84,7 +88,7 @@ class Tracer:
         self._wall0_us = time.time_ns() / 1e3
         self._clk0 = _clock_ns()
 
-    def started(self, work) -> None:
+    def started(self, work: Work) -> None:
         g = work._group
         counters = self._seq.get(g)
         if counters is None:
@@ -95,7 +99,7 @@ class Tracer:
             seq = counters[kind]
         self._inflight[id(work)] = (_clock_ns(), seq, kind, work_bytes(work))
 
-    def completed(self, work) -> None:
+    def completed(self, work: Work) -> None:
         # Only references are kept here; turning them into JSON waits for write().
         entry = self._inflight.pop(id(work), None)
         if entry is None:
@@ -271,7 +275,7 @@ def merge(paths: list[str], out: str | None = None, align: bool = False) -> dict
     return merged
 
 
-def main(argv=None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     """``python -m spmd.trace merge -o OUT FILES...``"""
     parser = argparse.ArgumentParser(prog="python -m spmd.trace",
                                      description="tools for spmd's Chrome-trace files")
