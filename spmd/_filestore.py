@@ -9,7 +9,8 @@ import os
 import struct
 import threading
 import time
-from typing import TYPE_CHECKING, Callable
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from ._stores import DEFAULT_TIMEOUT, Store, dict_add, dict_compare_set
 from .errors import DistStoreError

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import numbers
 import threading
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from datetime import timedelta
-from typing import TYPE_CHECKING, Optional, Sequence, TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 from .errors import DistStoreError
 
@@ -221,7 +221,7 @@ class Store:
     def _set(self, key: str, value: bytes) -> None:
         raise NotImplementedError
 
-    def _get(self, key: str, seconds: float) -> Optional[bytes]:
+    def _get(self, key: str, seconds: float) -> bytes | None:
         raise NotImplementedError
 
     def _add(self, key: str, amount: int) -> int:

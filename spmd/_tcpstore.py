@@ -21,8 +21,8 @@ import threading
 import time
 from typing import TYPE_CHECKING
 
-from .errors import DistNetworkError, DistStoreError
 from ._stores import DEFAULT_TIMEOUT, HashStore, Store, to_seconds
+from .errors import DistNetworkError, DistStoreError
 
 if TYPE_CHECKING:
     from ._typing import Timeout

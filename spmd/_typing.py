@@ -6,7 +6,7 @@ Only for annotations: nothing here runs on a call's path.
 from __future__ import annotations
 
 from datetime import timedelta
-from typing import Any, Protocol, Union
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -31,7 +31,7 @@ class DLPackArray(Protocol):
 # What the array arguments of collectives and point-to-point calls accept: numpy arrays,
 # cupy arrays, torch tensors (CPU or CUDA), and other __cuda_array_interface__ or DLPack
 # producers.  Outputs must be writable and contiguous; the checks say so at run time.
-Array = Union[np.ndarray, CudaArrayInterface, DLPackArray]
+Array = np.ndarray | CudaArrayInterface | DLPackArray
 
 # A timeout: a timedelta or a number of seconds.
-Timeout = Union[timedelta, float]
+Timeout = timedelta | float

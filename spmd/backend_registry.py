@@ -8,7 +8,8 @@ add their own with :func:`register_backend`.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterable
+from collections.abc import Callable, Iterable
+from typing import Any
 
 from . import _gpu
 

@@ -16,14 +16,13 @@ def _rank_info() -> dict:
     import numpy as np
     from mpi4py import MPI
 
+    from ._gpu import gpu_info
     from ._version import __version__
     from .arrays import bfloat16
     from .backends.shm import status as shm_status
     from .group import GroupMember
     from .launch import launch_info
     from .world import get_node_local_rank
-
-    from ._gpu import gpu_info
 
     levels = {MPI.THREAD_SINGLE: "single", MPI.THREAD_FUNNELED: "funneled",
               MPI.THREAD_SERIALIZED: "serialized", MPI.THREAD_MULTIPLE: "multiple"}
@@ -35,7 +34,7 @@ def _rank_info() -> dict:
         "launcher": launch.launcher,
         "job_id": launch.job_id,
         "mpi_library": MPI.Get_library_version().splitlines()[0].strip(),
-        "mpi_standard": "%d.%d" % MPI.Get_version(),
+        "mpi_standard": "{}.{}".format(*MPI.Get_version()),
         "thread_level": levels.get(MPI.Query_thread(), str(MPI.Query_thread())),
         "spmd": __version__,
         "mpi4py": mpi4py.__version__,

@@ -12,10 +12,19 @@ peer passing another shape) is caught by debug mode, not here.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Sequence
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
-from .arrays import (_ndarray, array_in, array_list, array_out, common_device, device_of,
-                     same_dtype, same_size)
+from .arrays import (
+    _ndarray,
+    array_in,
+    array_list,
+    array_out,
+    common_device,
+    device_of,
+    same_dtype,
+    same_size,
+)
 from .errors import located
 from .group import resolve
 from .ops import ReduceOp

@@ -131,7 +131,7 @@ def format_size(nbytes: float) -> str:
 
 def _gather(local: dict, group):
     """Every rank's snapshot, on every rank (raw mpi4py, so it is not logged itself)."""
-    from .group import world_state, resolve
+    from .group import resolve, world_state
 
     if world_state.world is None:
         return [local], 0

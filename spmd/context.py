@@ -6,7 +6,8 @@ layer; ``spmd.group.ProcessGroup`` extends it with the public API and the engine
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from mpi4py import MPI
 

@@ -12,8 +12,8 @@ from __future__ import annotations
 import os
 import socket
 import warnings
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Mapping
 
 __all__ = ["LaunchInfo", "check_world_size", "launch_info"]
 

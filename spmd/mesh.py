@@ -15,7 +15,8 @@ derived meshes share the groups of the dimensions they keep.
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Sequence
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 from mpi4py import MPI

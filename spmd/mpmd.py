@@ -23,7 +23,7 @@ from mpi4py import MPI
 
 from .arrays import array_in, array_out, contiguous, is_device_array, movable
 from .errors import DistTimeoutError, located
-from .group import ProcessGroup, _split, world_state, _timeout_seconds, default_group
+from .group import ProcessGroup, _split, _timeout_seconds, default_group, world_state
 from .p2p import check_tag
 from .work import Work
 

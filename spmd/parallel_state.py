@@ -19,9 +19,8 @@ group; a rank may be in one embedding group only; group timeouts default to WORL
 from __future__ import annotations
 
 import warnings
+from collections.abc import Callable
 from datetime import timedelta
-from typing import Callable
-
 
 from . import _megatron_layout as ml
 from .group import GroupMember, ProcessGroup, new_subgroups_by_enumeration

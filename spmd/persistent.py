@@ -25,7 +25,8 @@ write inputs only between a completed start and the next one.
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING, Any, Callable
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from mpi4py import MPI

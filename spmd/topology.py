@@ -10,9 +10,9 @@ A pseudo-node never spans two real nodes, so shared memory still works inside it
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Mapping
-
+from typing import TYPE_CHECKING
 
 from .group import ProcessGroup, _backend_name, _register, _split, _timeout_seconds, resolve
 from .nodes import PSEUDO_NODE_ENV, node_layout, pseudo_node_size, split_node

@@ -29,7 +29,8 @@ import socket
 import sys
 import threading
 import time
-from typing import TYPE_CHECKING, Sequence
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -250,7 +251,7 @@ def merge(paths: list[str], out: str | None = None, align: bool = False) -> dict
     events: list[dict] = []
     used: set = set()
     ranks = []
-    for i, (path, doc) in enumerate(docs):
+    for _path, doc in docs:
         rank = doc.get("otherData", {}).get("rank")
         pid = rank if rank is not None and rank not in used else max(used, default=-1) + 1
         used.add(pid)
