@@ -415,11 +415,11 @@ def _environment(comm, torch_, torch_note, cfg) -> dict:
 
     import spmd
 
-    from .work import _oversubscribed
+    from ._wait import oversubscribed
 
     hosts = comm.allgather(socket.gethostname())
     return {"world_size": comm.Get_size(), "hosts": len(set(hosts)),
-            "cores_on_rank0_host": os.cpu_count(), "oversubscribed": bool(_oversubscribed),
+            "cores_on_rank0_host": os.cpu_count(), "oversubscribed": bool(oversubscribed),
             "dtype": cfg.dtype.name, "mpi_library": MPI.Get_library_version().splitlines()[0].strip(),
             "mpi_standard": "{}.{}".format(*MPI.Get_version()), "mpi4py": mpi4py.__version__,
             "numpy": np.__version__, "spmd": spmd.__version__, "python": platform.python_version(),
