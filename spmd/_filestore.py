@@ -65,14 +65,14 @@ class FileStore(Store):
             raise TypeError(f"FileStore: world_size must be int, got {type(world_size).__name__}")
         if world_size == 0 or world_size < -1:
             raise ValueError(f"FileStore: world_size must be -1 or positive, got {world_size}")
-        self._path = os.path.abspath(os.fspath(file_name))
+        self._path: str = os.path.abspath(os.fspath(file_name))
         self._world_size = int(world_size)
-        self._lock = threading.Lock()  # serialises the threads that share this instance
+        self._lock: threading.Lock = threading.Lock()  # serialises the threads that share this instance
         self._data: dict = {}
         self._meta: dict = {}
-        self._pos = 0  # bytes of the file already applied to _data/_meta
-        self._header = None  # header of the file those bytes came from
-        self._closed = False
+        self._pos: int = 0  # bytes of the file already applied to _data/_meta
+        self._header: bytes | None = None  # header of the file those bytes came from
+        self._closed: bool = False
         try:
             self._locked(fcntl.LOCK_EX, lambda fd: self._bump_meta(fd, "refcount", 1))
         except BaseException:

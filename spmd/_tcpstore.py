@@ -82,6 +82,7 @@ class _Server(socketserver.ThreadingTCPServer):
     daemon_threads = True
     block_on_close = False
     allow_reuse_address = True
+    thread: threading.Thread  # serve_forever's, set by TCPStore._start_server
 
     def __init__(self, address, family, token, handshake_timeout):
         self.address_family = family
@@ -208,8 +209,8 @@ class TCPStore(Store):
         token: bytes | str | None = None,
     ):
         super().__init__(timeout)
-        self._sock = None
-        self._server = None
+        self._sock: socket.socket | None = None
+        self._server: _Server | None = None
         if not isinstance(host_name, str) or not host_name:
             raise TypeError(f"TCPStore: host_name must be a non-empty str, got {host_name!r}")
         if isinstance(port, bool) or not isinstance(port, numbers.Integral):
@@ -225,9 +226,11 @@ class TCPStore(Store):
         if token is not None and not isinstance(token, (bytes, str)):
             raise TypeError(f"TCPStore: token must be bytes, str or None, got {type(token).__name__}")
         token = token.encode("utf-8") if isinstance(token, str) else token
-        self._host, self._port, self._world_size = host_name, int(port), world_size
-        self._is_master = bool(is_master)
-        self._lock = threading.Lock()
+        self._host: str = host_name
+        self._port: int = int(port)
+        self._world_size: int | None = world_size
+        self._is_master: bool = bool(is_master)
+        self._lock: threading.Lock = threading.Lock()
         if is_master:
             self._server = self._start_server(token)
             self._port = self._server.server_address[1]
@@ -312,6 +315,7 @@ class TCPStore(Store):
 
     def _wait_for_workers(self) -> None:
         srv, n = self._server, self._world_size
+        assert srv is not None  # called on the master, after _start_server
         with srv.cond:
             ok = srv.cond.wait_for(lambda: srv.joined >= n, self._timeout_s)
             joined = srv.joined

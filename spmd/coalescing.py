@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -110,7 +110,7 @@ class CoalescingManager:
     reduce_scatter_tensor, one in every other case); ``wait()`` waits for them.
     """
 
-    def __init__(self, group: GroupArg):
+    def __init__(self, group: Any):  # the ProcessGroup (as given, on a non-member)
         self.group = group
         self.works: list[Work] = []
         self._ops: list[tuple] = []

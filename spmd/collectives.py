@@ -179,7 +179,10 @@ def all_reduce_coalesced(tensors: Sequence[Array], op: ReduceOp = _SUM, group: G
         raise located(ValueError, "all_reduce_coalesced", "tensors is empty", pg)
     work = pg._backend_for(dev).all_reduce_coalesced(arrays, op)
     # torch returns the Future here, not the Work: its value is the list of arrays.
-    return work.get_future() if async_op else _done(work, False)
+    if async_op:
+        return work.get_future()
+    work.wait()
+    return None
 
 
 def reduce(tensor: Array, dst: int | None = None, op: ReduceOp = _SUM, group: GroupArg = None,
@@ -275,7 +278,10 @@ def all_gather_coalesced(output_tensor_lists: Sequence[Sequence[Array]],
         outs.append(arrays)
     work = pg._backend_for(dev).all_gather_coalesced(outs, ins)
     # torch returns the Future here: its value is output_tensor_lists.
-    return work.get_future() if async_op else _done(work, False)
+    if async_op:
+        return work.get_future()
+    work.wait()
+    return None
 
 
 def gather(tensor: Array, gather_list: Sequence[Array] | None = None, dst: int | None = None,

@@ -94,7 +94,7 @@ class ProcessGroup(GroupContext):
         self._backends.clear()
         if self._comm is not None:
             self._comm.Free()
-            self._comm = None
+            self._comm = None  # type: ignore[assignment]  # destroyed (see GroupContext)
 
     def __repr__(self) -> str:
         return f"<ProcessGroup {self._name} rank={self._rank} size={self._size}>"
@@ -131,7 +131,7 @@ class WorldState:
     def __init__(self) -> None:
         self.world: ProcessGroup | None = None
         self.groups: list[ProcessGroup] = []
-        self.store = None
+        self.store: Store | None = None
         self.node_rank = 0
         self.node_size = 1
 

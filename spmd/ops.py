@@ -47,10 +47,11 @@ class ReduceOp:
     AVG: ReduceOp
     PREMUL_SUM: ReduceOp
     UNUSED: ReduceOp
+    RedOpType: type[ReduceOp]
 
     def __init__(self, name: str, factor: Factor | None = None):
         self.name = name
-        self.factor = factor
+        self.factor: Any = factor  # PREMUL_SUM's: a scalar or a one-element array
 
     def __repr__(self) -> str:
         if self.factor is not None:

@@ -127,7 +127,7 @@ def batch_isend_irecv(p2p_op_list: Sequence[P2POp]) -> list[Work | None]:
     """
     if not isinstance(p2p_op_list, (list, tuple)) or not p2p_op_list:
         raise ValueError("batch_isend_irecv: expected a non-empty list of P2POp")
-    started = []
+    started: list[tuple | None] = []
     for i, p in enumerate(p2p_op_list):
         if not isinstance(p, P2POp):
             raise TypeError(f"batch_isend_irecv: entry {i} is {type(p).__name__}, expected P2POp")
@@ -142,7 +142,7 @@ def batch_isend_irecv(p2p_op_list: Sequence[P2POp]) -> list[Work | None]:
         a = check(p.tensor, f"batch_isend_irecv[{i}] {name}", "tensor", pg)
         started.append((pg, sending, a, peer, check_tag(p.tag, "batch_isend_irecv", pg)))
     # One batch per backend: NCCL must see a group's sends and receives together.
-    works = [None] * len(started)
+    works: list[Work | None] = [None] * len(started)
     batches: dict = {}
     for i, item in enumerate(started):
         if item is not None:

@@ -132,7 +132,7 @@ class Packed:
             self._layout = None
 
 
-def pack_buckets(arrays: list, dtype: npt.DTypeLike, in_place: bool = True, limit: int | None = None
+def pack_buckets(arrays: list, dtype: np.dtype, in_place: bool = True, limit: int | None = None
                  ) -> list[Packed]:
     """Pack ``arrays`` into buffers of ``dtype`` of at most ``limit`` bytes each
     (``get_bucket_bytes()`` if None).  With ``in_place``, a contiguous array of

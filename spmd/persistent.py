@@ -63,7 +63,8 @@ class Plan:
     """One prepared collective; ``start()`` runs it and returns its Work."""
 
     def __init__(self, name: str, pg: ProcessGroup, outputs: list[Any],
-                 native_init: Callable[[], MPI.Prequest] | None, fallback: Callable[[], Work],
+                 native_init: Callable[[], MPI.Prequest] | None,
+                 fallback: Callable[[], Work | None],
                  finish: Callable[[], None] | None = None, keep: object = None):
         self.name = name
         self.group = pg
