@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from typing import Any
 
 from ._lines import write_lines
 
@@ -52,7 +53,7 @@ def info(args) -> int:
 
     spmd.init_process_group()
     try:
-        rows = [None] * spmd.get_world_size()
+        rows: list[Any] = [None] * spmd.get_world_size()
         spmd.all_gather_object(rows, _rank_info())
         if spmd.get_rank() == 0:
             lines = [f"spmd info: {len(rows)} rank(s)"]
