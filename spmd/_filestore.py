@@ -10,13 +10,10 @@ import struct
 import threading
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 from ._stores import DEFAULT_TIMEOUT, Store, dict_add, dict_compare_set
+from ._typing import Timeout
 from .errors import DistStoreError
-
-if TYPE_CHECKING:
-    from ._typing import Timeout
 
 __all__ = ["FileStore"]
 

@@ -7,12 +7,10 @@ import numbers
 import threading
 from collections.abc import Iterable, Sequence
 from datetime import timedelta
-from typing import TYPE_CHECKING, TypeVar
+from typing import TypeVar
 
+from ._typing import Timeout
 from .errors import DistStoreError
-
-if TYPE_CHECKING:
-    from ._typing import Timeout
 
 # A value to store: bytes, or str (stored UTF-8 encoded).
 Value = bytes | bytearray | str

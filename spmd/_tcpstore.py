@@ -19,13 +19,10 @@ import socketserver
 import struct
 import threading
 import time
-from typing import TYPE_CHECKING
 
 from ._stores import DEFAULT_TIMEOUT, HashStore, Store, to_seconds
+from ._typing import Timeout
 from .errors import DistNetworkError, DistStoreError
-
-if TYPE_CHECKING:
-    from ._typing import Timeout
 
 __all__ = ["TCPStore"]
 

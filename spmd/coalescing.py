@@ -22,12 +22,13 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
+from ._typing import Timeout
 from .errors import located
-from .group import resolve
+from .group import GroupArg, resolve
 from .packing import (
     DEFAULT_BUCKET_BYTES,
     Packed,
@@ -38,11 +39,7 @@ from .packing import (
     set_bucket_bytes,
     unpack,
 )
-
-if TYPE_CHECKING:
-    from ._typing import Timeout
-    from .group import GroupArg
-    from .work import Work
+from .work import Work
 
 __all__ = ["coalescing_manager", "CoalescingManager", "get_bucket_bytes", "set_bucket_bytes",
            "buckets", "pack", "unpack", "pack_buckets", "Packed", "DEFAULT_BUCKET_BYTES"]

@@ -13,8 +13,8 @@ peer passing another shape) is caught by debug mode, not here.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
+from ._typing import Array, Timeout
 from .arrays import (
     _ndarray,
     array_in,
@@ -26,14 +26,10 @@ from .arrays import (
     same_size,
 )
 from .errors import located
-from .group import resolve
+from .futures import Future
+from .group import GroupArg, resolve
 from .ops import ReduceOp
-
-if TYPE_CHECKING:
-    from ._typing import Array, Timeout
-    from .futures import Future
-    from .group import GroupArg
-    from .work import Work
+from .work import Work
 
 __all__ = [
     "broadcast",

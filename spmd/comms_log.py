@@ -21,15 +21,13 @@ import os
 import sys
 import threading
 import time
-from typing import TYPE_CHECKING, Any, TextIO
+from typing import Any, TextIO
 
 from . import work as _work
 from ._lines import write_lines
+from .group import GroupArg
 from .optable import bus_factor, work_bytes
-
-if TYPE_CHECKING:
-    from .group import GroupArg
-    from .work import Work
+from .work import Work
 
 __all__ = ["CommsLogger", "logger", "enable", "disable", "is_enabled", "reset", "stats",
            "summary", "format_size"]

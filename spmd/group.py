@@ -5,16 +5,14 @@ from __future__ import annotations
 import warnings
 from collections.abc import Sequence
 from datetime import timedelta
-from typing import TYPE_CHECKING, TypeAlias
+from typing import TypeAlias
 
 from mpi4py import MPI
 
+from ._typing import Timeout
 from .backend_registry import Backend, make_backend
 from .context import GroupContext
-
-if TYPE_CHECKING:
-    from ._typing import Timeout
-    from .store import Store
+from .store import Store
 
 __all__ = [
     "ProcessGroup",
@@ -114,7 +112,7 @@ class _NonGroupMember:
 
 # What a ``group`` argument takes: a ProcessGroup, None for the default group, or the
 # sentinel non-members get from the group constructors (the op then returns None).
-GroupArg: TypeAlias = "ProcessGroup | _NonGroupMember | None"
+GroupArg: TypeAlias = ProcessGroup | _NonGroupMember | None
 
 
 class GroupMember:

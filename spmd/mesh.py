@@ -16,10 +16,10 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
 import numpy as np
 from mpi4py import MPI
+from numpy.typing import ArrayLike
 
 from . import _mesh_layout as lay
 from ._mesh_args import check_device_type, check_mesh, check_names, check_overrides, check_sizes
@@ -32,9 +32,6 @@ from .group import (
     _timeout_seconds,
     default_group,
 )
-
-if TYPE_CHECKING:
-    from numpy.typing import ArrayLike
 
 __all__ = ["DeviceMesh", "MeshDimError", "init_device_mesh"]
 

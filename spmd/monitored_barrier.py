@@ -6,17 +6,13 @@ from __future__ import annotations
 import time
 import weakref
 import zlib
-from typing import TYPE_CHECKING
 
 from . import watchdog
 from ._control import TAG_BARRIER
+from ._typing import Timeout
 from .errors import DistTimeoutError
-from .group import resolve
+from .group import GroupArg, resolve
 from .work import seconds_of
-
-if TYPE_CHECKING:
-    from ._typing import Timeout
-    from .group import GroupArg
 
 __all__ = ["monitored_barrier"]
 

@@ -16,19 +16,17 @@ from __future__ import annotations
 import pickle
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 from mpi4py import MPI
 
+from ._typing import Array, Timeout
 from .arrays import array_in, array_out, contiguous, is_device_array, movable
 from .errors import DistTimeoutError, located
 from .group import ProcessGroup, _split, _timeout_seconds, default_group, world_state
 from .p2p import check_tag
 from .work import Work
-
-if TYPE_CHECKING:
-    from ._typing import Array, Timeout
 
 __all__ = ["Link", "Program", "get_program", "get_programs", "init_program", "new_link"]
 

@@ -15,19 +15,16 @@ from __future__ import annotations
 
 import pickle
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 from mpi4py import MPI
 
 from .collectives import root_rank
 from .errors import DistTimeoutError, located
-from .group import resolve
+from .group import GroupArg, resolve
 from .p2p import OBJECT_TAG, peer_rank
 from .work import Work
-
-if TYPE_CHECKING:
-    from .group import GroupArg
 
 __all__ = [
     "all_gather_object",

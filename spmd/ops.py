@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import numbers
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:
-    import numpy as np
+import numpy as np
 
-    from ._typing import Array
+from ._typing import Array
 
-    Factor = complex | np.number | Array
+Factor = complex | np.number | Array
 
 __all__ = ["ReduceOp", "RedOpType", "make_premul_sum"]
 

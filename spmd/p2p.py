@@ -3,19 +3,15 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
 
 from mpi4py import MPI
 
+from ._typing import Array
 from .arrays import array_in, array_out, device_of
 from .collectives import group_rank_of
 from .errors import located
-from .group import resolve
-
-if TYPE_CHECKING:
-    from ._typing import Array
-    from .group import GroupArg
-    from .work import Work
+from .group import GroupArg, resolve
+from .work import Work
 
 __all__ = ["send", "recv", "isend", "irecv", "P2POp", "batch_isend_irecv"]
 

@@ -8,13 +8,10 @@ is a bucket of its own.
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING
 
 import numpy as np
+import numpy.typing as npt
 from mpi4py import MPI
-
-if TYPE_CHECKING:
-    import numpy.typing as npt
 
 __all__ = ["get_bucket_bytes", "set_bucket_bytes", "buckets", "pack", "unpack",
            "pack_buckets", "Packed", "DEFAULT_BUCKET_BYTES"]

@@ -26,22 +26,19 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 from mpi4py import MPI
 
 from . import collectives as _c
+from ._typing import Array
 from .arrays import array_in, array_out, movable
 from .backends.reduction import AVERAGE, PLANS, checked_plan, mpi_view
 from .errors import located
-from .group import resolve
+from .group import GroupArg, ProcessGroup, resolve
 from .ops import ReduceOp
 from .work import Work
-
-if TYPE_CHECKING:
-    from ._typing import Array
-    from .group import GroupArg, ProcessGroup
 
 __all__ = ["Plan", "available", "all_reduce", "broadcast", "reduce", "all_gather_into_tensor",
            "reduce_scatter_tensor", "all_to_all_single", "barrier"]

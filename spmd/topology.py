@@ -12,15 +12,19 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
-from .group import ProcessGroup, _backend_name, _register, _split, _timeout_seconds, resolve
+from ._typing import Timeout
+from .group import (
+    GroupArg,
+    ProcessGroup,
+    _backend_name,
+    _register,
+    _split,
+    _timeout_seconds,
+    resolve,
+)
 from .nodes import PSEUDO_NODE_ENV, node_layout, pseudo_node_size, split_node
 from .world import get_node_local_rank
-
-if TYPE_CHECKING:
-    from ._typing import Timeout
-    from .group import GroupArg
 
 __all__ = [
     "PSEUDO_NODE_ENV",

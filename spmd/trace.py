@@ -30,16 +30,13 @@ import sys
 import threading
 import time
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
 import numpy as np
 
 from . import work as _work
 from ._lines import write_lines
 from .optable import P2P_OPS, work_bytes
-
-if TYPE_CHECKING:
-    from .work import Work
+from .work import Work
 
 __all__ = ["Tracer", "start", "stop", "is_tracing", "expand_path", "merge", "main"]
 

@@ -4,15 +4,13 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from mpi4py import MPI
 
 from ._wait import wait_until
+from .context import GroupContext
 from .futures import Future
-
-if TYPE_CHECKING:
-    from .context import GroupContext
 
 __all__ = ["Work"]
 

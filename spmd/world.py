@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 import warnings
 from datetime import timedelta
-from typing import TYPE_CHECKING
 
 from mpi4py import MPI
 
@@ -13,15 +12,20 @@ from . import _gpu, _wait
 from . import backend_registry as registry
 from . import watchdog as _watchdog
 from ._bootstrap import check_same_installation
+from ._typing import Timeout
 from .backend_registry import Backend, register_backend
-from .group import DEFAULT_TIMEOUT, GroupMember, ProcessGroup, default_group, resolve, world_state
+from .group import (
+    DEFAULT_TIMEOUT,
+    GroupArg,
+    GroupMember,
+    ProcessGroup,
+    default_group,
+    resolve,
+    world_state,
+)
 from .launch import check_world_size
 from .nodes import node_layout
-
-if TYPE_CHECKING:
-    from ._typing import Timeout
-    from .group import GroupArg
-    from .store import Store
+from .store import Store
 
 __all__ = [
     "Backend",
