@@ -4,8 +4,19 @@ Importing spmd initialises MPI through mpi4py (thread level MULTIPLE); set
 ``mpi4py.rc`` options before the import to change that.
 """
 
-from . import futures, mpmd, parallel_state, store, topology
-from . import checkpoint, coalescing, comms_log, persistent, trace
+from . import (
+    checkpoint,
+    coalescing,
+    comms_log,
+    futures,
+    mpmd,
+    parallel_state,
+    persistent,
+    store,
+    topology,
+    trace,
+)
+from ._version import __version__ as __version__
 from .bucket_reducer import BucketReducer
 from .coalescing import coalescing_manager
 from .collectives import (
@@ -65,9 +76,9 @@ from .objects import (
     send_object_list,
 )
 from .ops import ReduceOp, make_premul_sum
-from .store import FileStore, HashStore, PrefixStore, Store, TCPStore
 from .p2p import P2POp, batch_isend_irecv, irecv, isend, recv, send
 from .spawn import ProcessContext, spawn
+from .store import FileStore, HashStore, PrefixStore, Store, TCPStore
 from .topology import NodeTopology, bind_device, node_topology
 from .work import Work
 from .world import (
@@ -86,8 +97,6 @@ from .world import (
 )
 
 _make_nccl_premul_sum = make_premul_sum  # torch's spelling
-
-from ._version import __version__ as __version__
 
 __all__ = [
     "Backend",

@@ -36,7 +36,7 @@ def add_ratios(results: list[dict]) -> None:
         for impls in by_size.values():
             base = impls.get(BASE)
             torch_row = impls.get(TORCH)
-            for impl, r in impls.items():
+            for r in impls.values():
                 r["vs_mpi4py"] = r["median_us"] / base["median_us"] if base else None
             ours = impls.get(OURS)
             if ours is not None:

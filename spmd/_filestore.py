@@ -9,9 +9,10 @@ import os
 import struct
 import threading
 import time
-from typing import Callable
+from collections.abc import Callable
 
 from ._stores import DEFAULT_TIMEOUT, Store, dict_add, dict_compare_set
+from ._typing import Timeout
 from .errors import DistStoreError
 
 __all__ = ["FileStore"]
@@ -52,7 +53,8 @@ class FileStore(Store):
         timeout: default timeout of the blocking operations.
     """
 
-    def __init__(self, file_name, world_size: int = -1, timeout=DEFAULT_TIMEOUT):
+    def __init__(self, file_name: str | os.PathLike[str], world_size: int = -1,
+                 timeout: Timeout = DEFAULT_TIMEOUT):
         super().__init__(timeout)
         if not isinstance(file_name, (str, os.PathLike)):
             raise TypeError(f"FileStore: file_name must be a path, got {type(file_name).__name__}")
@@ -60,14 +62,14 @@ class FileStore(Store):
             raise TypeError(f"FileStore: world_size must be int, got {type(world_size).__name__}")
         if world_size == 0 or world_size < -1:
             raise ValueError(f"FileStore: world_size must be -1 or positive, got {world_size}")
-        self._path = os.path.abspath(os.fspath(file_name))
+        self._path: str = os.path.abspath(os.fspath(file_name))
         self._world_size = int(world_size)
-        self._lock = threading.Lock()  # serialises the threads that share this instance
+        self._lock: threading.Lock = threading.Lock()  # serialises the threads that share this instance
         self._data: dict = {}
         self._meta: dict = {}
-        self._pos = 0  # bytes of the file already applied to _data/_meta
-        self._header = None  # header of the file those bytes came from
-        self._closed = False
+        self._pos: int = 0  # bytes of the file already applied to _data/_meta
+        self._header: bytes | None = None  # header of the file those bytes came from
+        self._closed: bool = False
         try:
             self._locked(fcntl.LOCK_EX, lambda fd: self._bump_meta(fd, "refcount", 1))
         except BaseException:

@@ -5,11 +5,16 @@ from __future__ import annotations
 
 import numbers
 import threading
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from datetime import timedelta
-from typing import Optional
+from typing import TypeVar
 
+from ._typing import Timeout
 from .errors import DistStoreError
+
+# A value to store: bytes, or str (stored UTF-8 encoded).
+Value = bytes | bytearray | str
+_S = TypeVar("_S", bound="Store")
 
 __all__ = ["DEFAULT_TIMEOUT", "Store", "HashStore", "PrefixStore", "dict_add", "dict_compare_set",
            "to_seconds"]
@@ -93,7 +98,7 @@ class Store:
         timeout: default timeout of :meth:`get`, :meth:`wait` and :meth:`multi_get`.
     """
 
-    def __init__(self, timeout=DEFAULT_TIMEOUT):
+    def __init__(self, timeout: Timeout = DEFAULT_TIMEOUT):
         self._timeout_s = to_seconds(timeout, type(self).__name__)
 
     # ------------------------------------------------------------------ timeout
@@ -102,7 +107,7 @@ class Store:
         """The default timeout of the blocking operations."""
         return timedelta(seconds=self._timeout_s)
 
-    def set_timeout(self, timeout) -> None:
+    def set_timeout(self, timeout: Timeout) -> None:
         """Set the default timeout (a timedelta or seconds; ValueError if negative)."""
         self._timeout_s = to_seconds(timeout, "set_timeout")
 
@@ -118,7 +123,7 @@ class Store:
         )
 
     # ------------------------------------------------------------------ public API
-    def set(self, key: str, value) -> None:
+    def set(self, key: str, value: Value) -> None:
         """Store `value` (bytes or str) under `key`, overwriting any old value."""
         self._set(_check_key(key, "set"), _check_value(value, "set"))
 
@@ -146,7 +151,7 @@ class Store:
             raise TypeError(f"add: amount must be int, got {type(amount).__name__}")
         return self._add(key, int(amount))
 
-    def compare_set(self, key: str, expected_value, desired_value) -> bytes:
+    def compare_set(self, key: str, expected_value: Value, desired_value: Value) -> bytes:
         """Set `key` to `desired_value` if it holds `expected_value`; return the value now stored.
 
         As in c10d: a missing key is set only if `expected_value` is empty; when
@@ -158,7 +163,7 @@ class Store:
         desired = _check_value(desired_value, "compare_set", "desired_value")
         return self._compare_set(key, expected, desired)
 
-    def wait(self, keys, timeout=None) -> None:
+    def wait(self, keys: Sequence[str], timeout: Timeout | None = None) -> None:
         """Wait until all `keys` exist (timeout: timedelta or seconds; None: the store's).
 
         Raises:
@@ -170,7 +175,7 @@ class Store:
         if missing:
             raise self._timeout_error("wait", missing, seconds)
 
-    def check(self, keys) -> bool:
+    def check(self, keys: Sequence[str]) -> bool:
         """Return whether all `keys` exist, without waiting."""
         return self._check(_check_keys(keys, "check"))
 
@@ -182,7 +187,7 @@ class Store:
         """Return the number of keys in the store."""
         return self._num_keys()
 
-    def multi_get(self, keys) -> list:
+    def multi_get(self, keys: Sequence[str]) -> list[bytes]:
         """Return the values of `keys`, waiting up to the store's timeout for all of them."""
         keys = _check_keys(keys, "multi_get")
         seconds = self.timeout.total_seconds()
@@ -191,7 +196,7 @@ class Store:
             raise self._timeout_error("multi_get", missing, seconds)
         return values
 
-    def multi_set(self, keys, values) -> None:
+    def multi_set(self, keys: Sequence[str], values: Sequence[Value]) -> None:
         """Set each of `keys` to the matching entry of `values`."""
         keys = _check_keys(keys, "multi_set")
         if isinstance(values, (str, bytes)) or not isinstance(values, Iterable):
@@ -204,17 +209,17 @@ class Store:
     def close(self) -> None:
         """Release the store's resources (a no-op for stores that have none)."""
 
-    def __enter__(self):
+    def __enter__(self: _S) -> _S:
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
     # ------------------------------------------------------------------ hooks
     def _set(self, key: str, value: bytes) -> None:
         raise NotImplementedError
 
-    def _get(self, key: str, seconds: float) -> Optional[bytes]:
+    def _get(self, key: str, seconds: float) -> bytes | None:
         raise NotImplementedError
 
     def _add(self, key: str, amount: int) -> int:
@@ -256,7 +261,7 @@ class HashStore(Store):
     Blocking operations sleep on a condition variable that every write notifies.
     """
 
-    def __init__(self, timeout=DEFAULT_TIMEOUT):
+    def __init__(self, timeout: Timeout = DEFAULT_TIMEOUT):
         super().__init__(timeout)
         self._data: dict = {}
         self._cond = threading.Condition()
@@ -344,7 +349,7 @@ class PrefixStore(Store):
         """The underlying store's default timeout."""
         return self._store.timeout
 
-    def set_timeout(self, timeout) -> None:
+    def set_timeout(self, timeout: Timeout) -> None:
         """Set the underlying store's default timeout."""
         self._store.set_timeout(timeout)
 

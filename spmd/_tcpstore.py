@@ -20,8 +20,9 @@ import struct
 import threading
 import time
 
-from .errors import DistNetworkError, DistStoreError
 from ._stores import DEFAULT_TIMEOUT, HashStore, Store, to_seconds
+from ._typing import Timeout
+from .errors import DistNetworkError, DistStoreError
 
 __all__ = ["TCPStore"]
 
@@ -78,6 +79,7 @@ class _Server(socketserver.ThreadingTCPServer):
     daemon_threads = True
     block_on_close = False
     allow_reuse_address = True
+    thread: threading.Thread  # serve_forever's, set by TCPStore._start_server
 
     def __init__(self, address, family, token, handshake_timeout):
         self.address_family = family
@@ -197,15 +199,15 @@ class TCPStore(Store):
         self,
         host_name: str,
         port: int,
-        world_size=None,
+        world_size: int | None = None,
         is_master: bool = False,
-        timeout=DEFAULT_TIMEOUT,
+        timeout: Timeout = DEFAULT_TIMEOUT,
         wait_for_workers: bool = True,
-        token=None,
+        token: bytes | str | None = None,
     ):
         super().__init__(timeout)
-        self._sock = None
-        self._server = None
+        self._sock: socket.socket | None = None
+        self._server: _Server | None = None
         if not isinstance(host_name, str) or not host_name:
             raise TypeError(f"TCPStore: host_name must be a non-empty str, got {host_name!r}")
         if isinstance(port, bool) or not isinstance(port, numbers.Integral):
@@ -221,9 +223,11 @@ class TCPStore(Store):
         if token is not None and not isinstance(token, (bytes, str)):
             raise TypeError(f"TCPStore: token must be bytes, str or None, got {type(token).__name__}")
         token = token.encode("utf-8") if isinstance(token, str) else token
-        self._host, self._port, self._world_size = host_name, int(port), world_size
-        self._is_master = bool(is_master)
-        self._lock = threading.Lock()
+        self._host: str = host_name
+        self._port: int = int(port)
+        self._world_size: int | None = world_size
+        self._is_master: bool = bool(is_master)
+        self._lock: threading.Lock = threading.Lock()
         if is_master:
             self._server = self._start_server(token)
             self._port = self._server.server_address[1]
@@ -246,7 +250,7 @@ class TCPStore(Store):
         return self._port
 
     @property
-    def world_size(self):
+    def world_size(self) -> int | None:
         """The expected number of stores, or None."""
         return self._world_size
 
@@ -308,6 +312,7 @@ class TCPStore(Store):
 
     def _wait_for_workers(self) -> None:
         srv, n = self._server, self._world_size
+        assert srv is not None  # called on the master, after _start_server
         with srv.cond:
             ok = srv.cond.wait_for(lambda: srv.joined >= n, self._timeout_s)
             joined = srv.joined

@@ -8,7 +8,8 @@ add their own with :func:`~spmd.register_backend`.
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable, Iterable
+from typing import Any
 
 from . import _gpu
 
@@ -76,7 +77,8 @@ class Backend(str):
         return out
 
 
-def register_backend(name: str, factory, devices=None) -> None:
+def register_backend(name: str, factory: Callable[[Any], Any],
+                     devices: Iterable[str] | None = None) -> None:
     """Make ``name`` usable in backend strings: ``init_process_group(backend=name)``,
     ``"cpu:mpi,cuda:<name>"``, ``new_group(backend=...)``.
 

@@ -434,13 +434,14 @@ def _environment(comm, torch_, torch_note, cfg) -> dict:
     import mpi4py
 
     import spmd
+
     from . import _wait
 
     hosts = comm.allgather(socket.gethostname())
     return {"world_size": comm.Get_size(), "hosts": len(set(hosts)),
             "cores_on_rank0_host": os.cpu_count(), "oversubscribed": _wait.oversubscribed,
             "dtype": cfg.dtype.name, "mpi_library": MPI.Get_library_version().splitlines()[0].strip(),
-            "mpi_standard": "%d.%d" % MPI.Get_version(), "mpi4py": mpi4py.__version__,
+            "mpi_standard": "{}.{}".format(*MPI.Get_version()), "mpi4py": mpi4py.__version__,
             "numpy": np.__version__, "spmd": spmd.__version__, "python": platform.python_version(),
             "torch": torch_.version if torch_ else None, "torch_note": torch_note,
             "persistent_native": spmd.persistent.available(), "quick": cfg.quick,

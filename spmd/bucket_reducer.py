@@ -17,10 +17,11 @@ holds ``bucket_cap_mb`` MiB (the first one at ``first_bucket_cap_mb``, small so 
 communication starts early), as DDP's ``compute_bucket_assignment_by_size`` does.
 When every gradient of a bucket is marked, the bucket is packed into its flat buffer
 (allocated once; one vectorised copy; a single contiguous gradient is reduced where it
-is) and all-reduced with ``async_op=True``; ``wait()`` copies the results back.  Buckets start strictly in bucket order on every rank, because the
-ranks' collectives are matched by the order they are issued in: a bucket completed
-early waits for the ones before it.  ``mark_ready`` also polls the buckets in flight,
-so MPI progresses them while backward computes (MPI progresses only inside MPI calls).
+is) and all-reduced with ``async_op=True``; ``wait()`` copies the results back.
+Buckets start strictly in bucket order on every rank, because the ranks' collectives
+are matched by the order they are issued in: a bucket completed early waits for the
+ones before it.  ``mark_ready`` also polls the buckets in flight, so MPI progresses
+them while backward computes (MPI progresses only inside MPI calls).
 
 With ``gradient_as_bucket_view=True`` (DDP's option) the gradients are views into
 the bucket buffers (``reducer.grads``) and nothing is copied at all.

@@ -382,7 +382,7 @@ def _read_index(path: str) -> dict:
         raise Reject(ValueError, f"{index_path!r} has format version {index['version']}; "
                       f"this spmd reads up to {_VERSION}")
     entries = index["entries"]
-    for name, entry in entries.items():
+    for entry in entries.values():
         if entry["kind"] != "array":
             continue
         fname = os.path.join(path, entry["file"])
@@ -514,7 +514,7 @@ def load(target: dict[str, Any], path: str | os.PathLike, group: Any = None) -> 
         _mpiio.read_block(pg.comm, fname, entry["offset"], gshape, dt.itemsize, start, out)
         if out is not None and out is not data:
             data[...] = _device_like(data, out)
-    for name, parent, key, leaf in leaves:
+    for name, parent, key, _leaf in leaves:
         entry = entries[name]
         if entry["kind"] == "value":
             parent[key] = entry["value"] if entry.get("pickle") else entry["json"]

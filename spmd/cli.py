@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from typing import Any
 
 from ._lines import write_lines
 
@@ -16,14 +17,13 @@ def _rank_info() -> dict:
     import numpy as np
     from mpi4py import MPI
 
+    from ._gpu import gpu_info
     from ._version import __version__
     from .arrays import bfloat16
     from .backends.shm import status as shm_status
     from .group import GroupMember
     from .launch import launch_info
     from .world import get_node_local_rank
-
-    from ._gpu import gpu_info
 
     levels = {MPI.THREAD_SINGLE: "single", MPI.THREAD_FUNNELED: "funneled",
               MPI.THREAD_SERIALIZED: "serialized", MPI.THREAD_MULTIPLE: "multiple"}
@@ -35,7 +35,7 @@ def _rank_info() -> dict:
         "launcher": launch.launcher,
         "job_id": launch.job_id,
         "mpi_library": MPI.Get_library_version().splitlines()[0].strip(),
-        "mpi_standard": "%d.%d" % MPI.Get_version(),
+        "mpi_standard": "{}.{}".format(*MPI.Get_version()),
         "thread_level": levels.get(MPI.Query_thread(), str(MPI.Query_thread())),
         "spmd": __version__,
         "mpi4py": mpi4py.__version__,
@@ -53,7 +53,7 @@ def info(args) -> int:
 
     spmd.init_process_group()
     try:
-        rows = [None] * spmd.get_world_size()
+        rows: list[Any] = [None] * spmd.get_world_size()
         spmd.all_gather_object(rows, _rank_info())
         if spmd.get_rank() == 0:
             lines = [f"spmd info: {len(rows)} rank(s)"]

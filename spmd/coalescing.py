@@ -21,11 +21,14 @@ is reduced alone, in place.
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterator
+from typing import Any
 
 import numpy as np
 
+from ._typing import Timeout
 from .errors import located
-from .group import resolve
+from .group import GroupArg, resolve
 from .packing import (
     DEFAULT_BUCKET_BYTES,
     Packed,
@@ -36,6 +39,7 @@ from .packing import (
     set_bucket_bytes,
     unpack,
 )
+from .work import Work
 
 __all__ = ["coalescing_manager", "CoalescingManager", "get_bucket_bytes", "set_bucket_bytes",
            "buckets", "pack", "unpack", "pack_buckets", "Packed", "DEFAULT_BUCKET_BYTES"]
@@ -103,23 +107,23 @@ class CoalescingManager:
     reduce_scatter_tensor, one in every other case); ``wait()`` waits for them.
     """
 
-    def __init__(self, group):
+    def __init__(self, group: Any):  # the ProcessGroup (as given, on a non-member)
         self.group = group
-        self.works: list = []
+        self.works: list[Work] = []
         self._ops: list[tuple] = []
         self._kind: str | None = None
         self._op = None
         self._issued = False
 
     @property
-    def work(self):
+    def work(self) -> Work | None:
         """The batch's Work (the first, where reduce_scatter_tensor made one per dtype)."""
         return self.works[0] if self.works else None
 
-    def append(self, work) -> None:
+    def append(self, work: Work) -> None:
         self.works.append(work)
 
-    def wait(self, timeout=None) -> None:
+    def wait(self, timeout: Timeout | None = None) -> None:
         """Wait for every Work of the batch."""
         for w in self.works:
             w.wait(timeout)
@@ -216,7 +220,8 @@ def _device_key(device) -> str:
 
 
 @contextlib.contextmanager
-def coalescing_manager(group=None, device=None, async_ops: bool = False):
+def coalescing_manager(group: GroupArg = None, device: object = None,
+                       async_ops: bool = False) -> Iterator[CoalescingManager]:
     """Fuse the collectives issued inside the block into one per bucket (torch's
     ``_coalescing_manager``).
 

@@ -12,11 +12,24 @@ peer passing another shape) is caught by debug mode, not here.
 
 from __future__ import annotations
 
-from .arrays import (_ndarray, array_in, array_list, array_out, common_device, device_of,
-                     same_dtype, same_size)
+from collections.abc import Sequence
+
+from ._typing import Array, Timeout
+from .arrays import (
+    _ndarray,
+    array_in,
+    array_list,
+    array_out,
+    common_device,
+    device_of,
+    same_dtype,
+    same_size,
+)
 from .errors import located
-from .group import resolve
+from .futures import Future
+from .group import GroupArg, resolve
 from .ops import ReduceOp
+from .work import Work
 
 __all__ = [
     "broadcast",
@@ -38,7 +51,7 @@ __all__ = [
 _SUM = ReduceOp.SUM
 
 
-def _done(work, async_op: bool):
+def _done(work: Work, async_op: bool) -> Work | None:
     if async_op:
         return work
     work.wait()
@@ -118,7 +131,8 @@ def _split_counts(splits, n: int, rows: int, row_size: int, op: str, arg: str, p
     return [s * row_size for s in splits]
 
 
-def broadcast(tensor, src=None, group=None, async_op=False, group_src=None):
+def broadcast(tensor: Array, src: int | None = None, group: GroupArg = None,
+              async_op: bool = False, group_src: int | None = None) -> Work | None:
     """Copy ``tensor`` from rank ``src`` into ``tensor`` on every rank of the group."""
     pg = resolve(group, "broadcast")
     if pg is None:
@@ -132,7 +146,8 @@ def broadcast(tensor, src=None, group=None, async_op=False, group_src=None):
     return None
 
 
-def all_reduce(tensor, op=_SUM, group=None, async_op=False):
+def all_reduce(tensor: Array, op: ReduceOp = _SUM, group: GroupArg = None,
+               async_op: bool = False) -> Work | None:
     """Reduce ``tensor`` across the group with ``op``; every rank gets the result in place."""
     pg = resolve(group, "all_reduce")
     if pg is None:
@@ -145,7 +160,8 @@ def all_reduce(tensor, op=_SUM, group=None, async_op=False):
     return None
 
 
-def all_reduce_coalesced(tensors, op=_SUM, group=None, async_op=False):
+def all_reduce_coalesced(tensors: Sequence[Array], op: ReduceOp = _SUM, group: GroupArg = None,
+                         async_op: bool = False) -> Future | None:
     """All-reduce every array of ``tensors`` in place, packed into one call per dtype.
 
     With ``async_op=True`` it returns a Future (as torch does) whose value is ``tensors``.
@@ -159,10 +175,14 @@ def all_reduce_coalesced(tensors, op=_SUM, group=None, async_op=False):
         raise located(ValueError, "all_reduce_coalesced", "tensors is empty", pg)
     work = pg._backend_for(dev).all_reduce_coalesced(arrays, op)
     # torch returns the Future here, not the Work: its value is the list of arrays.
-    return work.get_future() if async_op else _done(work, False)
+    if async_op:
+        return work.get_future()
+    work.wait()
+    return None
 
 
-def reduce(tensor, dst=None, op=_SUM, group=None, async_op=False, group_dst=None):
+def reduce(tensor: Array, dst: int | None = None, op: ReduceOp = _SUM, group: GroupArg = None,
+           async_op: bool = False, group_dst: int | None = None) -> Work | None:
     """Reduce ``tensor`` across the group into ``tensor`` on rank ``dst`` only."""
     pg = resolve(group, "reduce")
     if pg is None:
@@ -176,7 +196,8 @@ def reduce(tensor, dst=None, op=_SUM, group=None, async_op=False, group_dst=None
     return None
 
 
-def all_gather(tensor_list, tensor, group=None, async_op=False):
+def all_gather(tensor_list: Sequence[Array], tensor: Array, group: GroupArg = None,
+               async_op: bool = False) -> Work | None:
     """Gather every rank's ``tensor`` into ``tensor_list`` on every rank.
 
     Sizes may differ between ranks: ``tensor_list[i]`` must have rank i's size.
@@ -195,7 +216,8 @@ def all_gather(tensor_list, tensor, group=None, async_op=False):
     return _done(pg._backend_for(dev).all_gather(outs, a), async_op)
 
 
-def all_gather_into_tensor(output_tensor, input_tensor, group=None, async_op=False):
+def all_gather_into_tensor(output_tensor: Array, input_tensor: Array, group: GroupArg = None,
+                           async_op: bool = False) -> Work | None:
     """Gather every rank's ``input_tensor`` into ``output_tensor``, in rank order.
 
     The output is the inputs concatenated along dimension 0 (shape ``[n*d0, ...]``) or
@@ -219,7 +241,9 @@ def all_gather_into_tensor(output_tensor, input_tensor, group=None, async_op=Fal
     return _done(pg._backend_for(dev).all_gather_into_tensor(out, a), async_op)
 
 
-def all_gather_coalesced(output_tensor_lists, input_tensor_list, group=None, async_op=False):
+def all_gather_coalesced(output_tensor_lists: Sequence[Sequence[Array]],
+                         input_tensor_list: Sequence[Array], group: GroupArg = None,
+                         async_op: bool = False) -> Future | None:
     """All-gather a list of arrays in one call: ``output_tensor_lists[i][j]`` receives
     rank i's ``input_tensor_list[j]``.
 
@@ -250,10 +274,15 @@ def all_gather_coalesced(output_tensor_lists, input_tensor_list, group=None, asy
         outs.append(arrays)
     work = pg._backend_for(dev).all_gather_coalesced(outs, ins)
     # torch returns the Future here: its value is output_tensor_lists.
-    return work.get_future() if async_op else _done(work, False)
+    if async_op:
+        return work.get_future()
+    work.wait()
+    return None
 
 
-def gather(tensor, gather_list=None, dst=None, group=None, async_op=False, group_dst=None):
+def gather(tensor: Array, gather_list: Sequence[Array] | None = None, dst: int | None = None,
+           group: GroupArg = None, async_op: bool = False,
+           group_dst: int | None = None) -> Work | None:
     """Gather every rank's ``tensor`` into ``gather_list`` on rank ``dst``.
 
     ``gather_list`` must hold one array per rank on ``dst`` and be None (or empty)
@@ -270,7 +299,9 @@ def gather(tensor, gather_list=None, dst=None, group=None, async_op=False, group
     return _done(pg._backend_for(dev).gather(a, outs, root), async_op)
 
 
-def scatter(tensor, scatter_list=None, src=None, group=None, async_op=False, group_src=None):
+def scatter(tensor: Array, scatter_list: Sequence[Array] | None = None, src: int | None = None,
+            group: GroupArg = None, async_op: bool = False,
+            group_src: int | None = None) -> Work | None:
     """Send ``scatter_list[i]`` from rank ``src`` into ``tensor`` on group rank i.
 
     ``scatter_list`` must hold one array per rank on ``src`` and be None (or empty)
@@ -287,7 +318,8 @@ def scatter(tensor, scatter_list=None, src=None, group=None, async_op=False, gro
     return _done(pg._backend_for(dev).scatter(out, ins, root), async_op)
 
 
-def reduce_scatter(output, input_list, op=_SUM, group=None, async_op=False):
+def reduce_scatter(output: Array, input_list: Sequence[Array], op: ReduceOp = _SUM,
+                   group: GroupArg = None, async_op: bool = False) -> Work | None:
     """Reduce ``input_list[i]`` across the group into ``output`` on group rank i.
 
     Sizes may differ by destination: ``input_list[i]`` must have the size of rank i's
@@ -306,7 +338,8 @@ def reduce_scatter(output, input_list, op=_SUM, group=None, async_op=False):
     return _done(pg._backend_for(dev).reduce_scatter(out, ins, op), async_op)
 
 
-def reduce_scatter_tensor(output, input, op=_SUM, group=None, async_op=False):  # noqa: A002
+def reduce_scatter_tensor(output: Array, input: Array, op: ReduceOp = _SUM,  # noqa: A002
+                          group: GroupArg = None, async_op: bool = False) -> Work | None:
     """Reduce ``input`` across the group and scatter it: group rank i gets the i-th of
     ``n`` equal chunks (along dimension 0) in ``output``."""
     pg = resolve(group, "reduce_scatter_tensor")
@@ -326,7 +359,8 @@ def reduce_scatter_tensor(output, input, op=_SUM, group=None, async_op=False):  
     return _done(pg._backend_for(dev).reduce_scatter_tensor(out, a, op), async_op)
 
 
-def all_to_all(output_tensor_list, input_tensor_list, group=None, async_op=False):
+def all_to_all(output_tensor_list: Sequence[Array], input_tensor_list: Sequence[Array],
+               group: GroupArg = None, async_op: bool = False) -> Work | None:
     """Send ``input_tensor_list[i]`` to group rank i; receive rank i's into
     ``output_tensor_list[i]``.  Sizes may differ per pair."""
     pg = resolve(group, "all_to_all")
@@ -345,8 +379,10 @@ def all_to_all(output_tensor_list, input_tensor_list, group=None, async_op=False
     return _done(pg._backend_for(dev).all_to_all(outs, ins), async_op)
 
 
-def all_to_all_single(output, input, output_split_sizes=None, input_split_sizes=None,  # noqa: A002
-                      group=None, async_op=False):
+def all_to_all_single(output: Array, input: Array,  # noqa: A002
+                      output_split_sizes: Sequence[int] | None = None,
+                      input_split_sizes: Sequence[int] | None = None,
+                      group: GroupArg = None, async_op: bool = False) -> Work | None:
     """Split ``input`` along dimension 0, send piece i to group rank i, and concatenate
     what arrives into ``output``.
 
@@ -422,7 +458,9 @@ def _barrier_device(pg, device_ids) -> str:
     return "cuda" if "cuda" in devices else "cpu"
 
 
-def barrier(group=None, async_op=False, device_ids=None, timeout=None):
+def barrier(group: GroupArg = None, async_op: bool = False,
+            device_ids: Sequence[int] | None = None,
+            timeout: Timeout | None = None) -> Work | None:
     """Block until every rank of the group has entered the barrier.
 
     Args:

@@ -21,10 +21,13 @@ import os
 import sys
 import threading
 import time
+from typing import Any, TextIO
 
 from . import work as _work
 from ._lines import write_lines
+from .group import GroupArg
 from .optable import bus_factor, work_bytes
+from .work import Work
 
 __all__ = ["CommsLogger", "logger", "enable", "disable", "is_enabled", "reset", "stats",
            "summary", "format_size"]
@@ -40,10 +43,10 @@ class CommsLogger:
         self._inflight: dict[int, tuple] = {}     # id(work) -> (start, key)
         self._stats: dict[tuple, list] = {}       # (op, bytes, group size) -> [n, sum, min, max]
 
-    def started(self, work) -> None:
+    def started(self, work: Work) -> None:
         self._inflight[id(work)] = (_clock(), (work._op, work_bytes(work), work._group._size))
 
-    def completed(self, work) -> None:
+    def completed(self, work: Work) -> None:
         t1 = _clock()
         entry = self._inflight.pop(id(work), None)
         if entry is None:  # started before the logger was turned on
@@ -126,7 +129,7 @@ def format_size(nbytes: float) -> str:
 
 def _gather(local: dict, group):
     """Every rank's snapshot, on every rank (raw mpi4py, so it is not logged itself)."""
-    from .group import world_state, resolve
+    from .group import resolve, world_state
 
     if world_state.world is None:
         return [local], 0
@@ -181,7 +184,8 @@ def _table(rows: dict, nranks: int) -> str:
     return "\n".join(lines)
 
 
-def summary(as_dict: bool = False, group=None, file=None):
+def summary(as_dict: bool = False, group: GroupArg = None,
+            file: TextIO | None = None) -> dict[str, Any] | str:
     """Gather every rank's statistics and report them, one row per op and size.
 
     Every rank of ``group`` (WORLD if None) must call it; it is a collective.  Each row

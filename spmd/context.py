@@ -6,7 +6,8 @@ layer; ``spmd.group.ProcessGroup`` extends it with the public API and the engine
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from mpi4py import MPI
 
@@ -40,7 +41,9 @@ class GroupContext:
 
     def __init__(self, comm: MPI.Intracomm, ranks: Sequence[int], name: str, timeout: float,
                  backend: str, desc: str | None = None, store: Any = None):
-        self._comm: MPI.Intracomm | None = comm
+        # None only once destroyed; every op checks that first (_check_alive), so engines
+        # read it as a communicator.
+        self._comm: MPI.Intracomm = comm
         self._rank = comm.Get_rank()
         self._size = comm.Get_size()
         self._ranks = tuple(int(r) for r in ranks)

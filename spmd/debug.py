@@ -51,7 +51,7 @@ def get_debug_level() -> DebugLevel:
     return _level
 
 
-def set_debug_level(level) -> None:
+def set_debug_level(level: DebugLevel | int | str) -> None:
     """Set the debug level: a DebugLevel or its name (``"OFF"``, ``"INFO"``, ``"DETAIL"``).
 
     Raises:

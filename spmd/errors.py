@@ -7,6 +7,8 @@ what happens *between* ranks: timeouts, mismatched calls, broken groups, stores.
 
 from __future__ import annotations
 
+from typing import Any, TypeVar
+
 __all__ = [
     "DistError",
     "DistBackendError",
@@ -46,7 +48,10 @@ class GroupBrokenError(DistError):
     """A group is unusable after an earlier timeout or error on it."""
 
 
-def located(exc_type: type[Exception], op: str, msg: str, group) -> Exception:
+_E = TypeVar("_E", bound=Exception)
+
+
+def located(exc_type: type[_E], op: str, msg: str, group: Any) -> _E:
     """Build an error that names the op, the rank and the group, as every check does.
 
     ``all_gather_into_tensor: output has 10 elements, expected 12 [rank 2, group tp:1]``

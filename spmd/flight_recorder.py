@@ -22,6 +22,8 @@ import os
 import socket
 import sys
 import time
+from collections.abc import Callable
+from typing import Any
 
 from mpi4py import MPI
 
@@ -104,7 +106,7 @@ class FlightRecorder:
         self.resize(size)
         # Set by the reliability layer at init: () -> (WORLD, every live group), for the
         # dump's group table; and where dumps go by default (None: stderr).
-        self.groups_source = lambda: (None, [])
+        self.groups_source: Callable[[], tuple[Any, list[Any]]] = lambda: (None, [])
         self.dump_dir: str | None = None
 
     def resize(self, size: int) -> None:

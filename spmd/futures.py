@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterable
+from collections.abc import Callable, Iterable
+from typing import Any
 
 __all__ = ["Future", "collect_all", "wait_all"]
 
@@ -18,15 +19,24 @@ class Future:
 
     __slots__ = ("_done", "_value", "_exc", "_callbacks", "_wait_fn", "_poll_fn")
 
-    def __init__(self, *, _wait_fn: Callable[[], Any] | None = None,
-                 _poll_fn: Callable[[], Any] | None = None):
+    def __init__(self) -> None:
         self._done = False
-        self._value = None
+        self._value: Any = None
         self._exc: BaseException | None = None
         self._callbacks: list[Callable[[Future], None]] = []
-        # How to drive the producer when somebody waits on or polls this future.
-        self._wait_fn = _wait_fn
-        self._poll_fn = _poll_fn
+        # How to drive the producer when somebody waits on or polls this future; a
+        # Future() made by the user is completed by set_result() and has neither.
+        self._wait_fn: Callable[[], object] | None = None
+        self._poll_fn: Callable[[], object] | None = None
+
+    @classmethod
+    def _driven_by(cls, wait_fn: Callable[[], object], poll_fn: Callable[[], object]) -> Future:
+        """A future completed by its producer: ``wait_fn`` blocks until the producer is
+        done, ``poll_fn`` tests it once (both complete the future through set_result)."""
+        fut = cls()
+        fut._wait_fn = wait_fn
+        fut._poll_fn = poll_fn
+        return fut
 
     def done(self) -> bool:
         """Return True if the value (or an error) is set; polls the producer once."""
@@ -90,7 +100,7 @@ class Future:
 
         An exception raised by the callback becomes the new future's error.
         """
-        child = Future(_wait_fn=self.wait, _poll_fn=self.done)
+        child = Future._driven_by(self.wait, self.done)
 
         def run(parent: Future) -> None:
             try:
@@ -116,7 +126,7 @@ def collect_all(futures: Iterable[Future]) -> Future:
             except Exception:  # noqa: BLE001 - each future keeps its own error
                 pass
 
-    result = Future(_wait_fn=wait_each, _poll_fn=lambda: all(f.done() for f in futs))
+    result = Future._driven_by(wait_each, lambda: all(f.done() for f in futs))
     remaining = [len(futs)]
 
     def one_done(_: Future) -> None:
@@ -131,7 +141,7 @@ def collect_all(futures: Iterable[Future]) -> Future:
     return result
 
 
-def wait_all(futures: Iterable[Future]) -> list:
+def wait_all(futures: Iterable[Future]) -> list[Any]:
     """Wait for every future and return their values; raise the first error found."""
     futs = list(futures)
     collect_all(futs).wait()

@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import warnings
+from collections.abc import Sequence
 from datetime import timedelta
-from typing import Sequence
+from typing import TypeAlias
 
 from mpi4py import MPI
 
+from ._typing import Timeout
 from .backend_registry import Backend, make_backend
 from .backends.checked import free_check_comm
 from .context import GroupContext
+from .store import Store
 
 __all__ = [
     "ProcessGroup",
@@ -22,6 +25,7 @@ __all__ = [
     "get_group_rank",
     "get_global_rank",
     "get_process_group_ranks",
+    "GroupArg",
 ]
 
 DEFAULT_TIMEOUT = timedelta(minutes=30)  # torch's default for non-NCCL backends
@@ -39,7 +43,8 @@ class ProcessGroup(GroupContext):
     """
 
     def __init__(self, comm: MPI.Intracomm, ranks: Sequence[int], name: str,
-                 timeout: float, backend: str, desc: str | None = None, store=None):
+                 timeout: float, backend: str, desc: str | None = None,
+                 store: Store | None = None):
         super().__init__(comm, ranks, name, timeout, backend, desc, store)
         self._backends: dict = {}
 
@@ -89,7 +94,7 @@ class ProcessGroup(GroupContext):
         free_check_comm(self)  # debug mode's, also where no engine was made (objects)
         if self._comm is not None:
             self._comm.Free()
-            self._comm = None
+            self._comm = None  # type: ignore[assignment]  # destroyed (see GroupContext)
 
     def __repr__(self) -> str:
         return f"<ProcessGroup {self._name} rank={self._rank} size={self._size}>"
@@ -107,6 +112,11 @@ class _NonGroupMember:
         return False
 
 
+# What a ``group`` argument takes: a ProcessGroup, None for the default group, or the
+# sentinel non-members get from the group constructors (the op then returns None).
+GroupArg: TypeAlias = ProcessGroup | _NonGroupMember | None
+
+
 class GroupMember:
     """``GroupMember.WORLD`` is the default group (None before init);
     ``GroupMember.NON_GROUP_MEMBER`` is what non-members get from group constructors."""
@@ -121,7 +131,7 @@ class WorldState:
     def __init__(self) -> None:
         self.world: ProcessGroup | None = None
         self.groups: list[ProcessGroup] = []
-        self.store = None
+        self.store: Store | None = None
         self.node_rank = 0
         self.node_size = 1
 
@@ -149,7 +159,7 @@ def default_group(op: str) -> ProcessGroup:
     return pg
 
 
-def resolve(group, op: str) -> ProcessGroup | None:
+def resolve(group: GroupArg, op: str) -> ProcessGroup | None:
     """The group an op runs on: the default one for None; None for a non-member.
 
     A rank that is not a member of ``group`` gets a warning and the op returns None
@@ -227,9 +237,11 @@ def _check_rank_list(ranks, world_size: int, op: str, arg: str = "ranks") -> lis
     return out
 
 
-def new_group(ranks=None, timeout=None, backend=None, pg_options=None,
-              use_local_synchronization=False, group_desc=None, device_id=None,
-              sort_ranks=True):
+def new_group(ranks: Sequence[int] | None = None, timeout: Timeout | None = None,
+              backend: str | None = None, pg_options: object = None,
+              use_local_synchronization: bool = False, group_desc: str | None = None,
+              device_id: object = None, sort_ranks: bool = True,
+              ) -> ProcessGroup | _NonGroupMember:
     """Create a group of the given global ranks (all ranks if None).
 
     Only the members need to call it (it uses ``MPI_Comm_create_group``); when every
@@ -275,8 +287,10 @@ def split_comm(parent: ProcessGroup, color: int, key: int, name_of, timeout, bac
     return pg
 
 
-def new_subgroups(group_size=None, group=None, timeout=None, backend=None,
-                  pg_options=None, group_desc=None):
+def new_subgroups(group_size: int | None = None, group: GroupArg = None,
+                  timeout: Timeout | None = None, backend: str | None = None,
+                  pg_options: object = None, group_desc: str | None = None,
+                  ) -> tuple[ProcessGroup, list[ProcessGroup | _NonGroupMember]]:
     """Split a group (WORLD by default) into subgroups of ``group_size`` consecutive ranks.
 
     Every rank of ``group`` must call it.  ``group_size`` defaults to the number of
@@ -304,8 +318,11 @@ def new_subgroups(group_size=None, group=None, timeout=None, backend=None,
     return pg, subgroups
 
 
-def new_subgroups_by_enumeration(ranks_per_subgroup_list, timeout=None, backend=None,
-                                 pg_options=None, group_desc=None):
+def new_subgroups_by_enumeration(ranks_per_subgroup_list: Sequence[Sequence[int]],
+                                 timeout: Timeout | None = None, backend: str | None = None,
+                                 pg_options: object = None, group_desc: str | None = None,
+                                 ) -> tuple[ProcessGroup | None,
+                                            list[ProcessGroup | _NonGroupMember]]:
     """Create one subgroup per list of global ranks; the lists must not overlap.
 
     Every rank must call it.  Built with one ``Comm.Split`` of WORLD.
@@ -334,8 +351,10 @@ def new_subgroups_by_enumeration(ranks_per_subgroup_list, timeout=None, backend=
     return pg, subgroups
 
 
-def split_group(parent_pg=None, split_ranks=None, timeout=None, pg_options=None, group_desc=None,
-                backend=None):
+def split_group(parent_pg: GroupArg = None, split_ranks: Sequence[Sequence[int]] | None = None,
+                timeout: Timeout | None = None, pg_options: object = None,
+                group_desc: str | None = None, backend: str | None = None,
+                ) -> ProcessGroup | None:
     """Split ``parent_pg`` (WORLD by default) into disjoint groups of its group ranks.
 
     Every rank of the parent must call it with the same ``split_ranks`` (lists of group
@@ -361,7 +380,7 @@ def split_group(parent_pg=None, split_ranks=None, timeout=None, pg_options=None,
                   backend, group_desc, "split_group")
 
 
-def get_process_group_ranks(group) -> list[int]:
+def get_process_group_ranks(group: GroupArg) -> list[int]:
     """Global ranks of the members of ``group``, in group-rank order."""
     pg = resolve(group, "get_process_group_ranks")
     if pg is None:
@@ -369,7 +388,7 @@ def get_process_group_ranks(group) -> list[int]:
     return list(pg._ranks)
 
 
-def get_group_rank(group, global_rank: int) -> int:
+def get_group_rank(group: GroupArg, global_rank: int) -> int:
     """Translate a global rank to its rank in ``group``.
 
     Raises:
@@ -383,7 +402,7 @@ def get_group_rank(group, global_rank: int) -> int:
     return r
 
 
-def get_global_rank(group, group_rank: int) -> int:
+def get_global_rank(group: GroupArg, group_rank: int) -> int:
     """Translate a rank in ``group`` to its global rank.
 
     Raises:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import socket
 import warnings
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 __all__ = ["LaunchInfo", "check_world_size", "launch_info"]
@@ -63,7 +64,7 @@ def _slurm_nodes(env) -> str | None:
     return env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST")
 
 
-def launch_info(environ=None) -> LaunchInfo:
+def launch_info(environ: Mapping[str, str] | None = None) -> LaunchInfo:
     """Read the launcher's variables (OMPI_*, PMI_*/HYDRA_*/MPI_LOCALRANKID, SLURM_*).
 
     An mpiexec inside a SLURM allocation is reported as that mpiexec, with the

@@ -15,9 +15,11 @@ derived meshes share the groups of the dimensions they keep.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import numpy as np
 from mpi4py import MPI
+from numpy.typing import ArrayLike
 
 from . import _mesh_layout as lay
 from ._mesh_args import check_device_type, check_mesh, check_names, check_overrides, check_sizes
@@ -25,10 +27,10 @@ from .group import (
     GroupMember,
     ProcessGroup,
     backend_name_of,
+    default_group,
     register_group,
     split_comm,
     timeout_seconds,
-    default_group,
 )
 
 __all__ = ["DeviceMesh", "MeshDimError", "init_device_mesh"]
@@ -94,8 +96,9 @@ class DeviceMesh:
             groups; the others use WORLD's backend.
     """
 
-    def __init__(self, device_type: str, mesh=None, *, mesh_dim_names=None,
-                 backend_override=None) -> None:
+    def __init__(self, device_type: str, mesh: ArrayLike | None = None, *,
+                 mesh_dim_names: Sequence[str] | None = None,
+                 backend_override: dict[int | str, str] | None = None) -> None:
         op = "DeviceMesh"
         device_type = check_device_type(device_type, op)
         if mesh is None:
@@ -287,7 +290,7 @@ class DeviceMesh:
 
     # -- slicing, flattening, unflattening, concatenating ------------------------
 
-    def __getitem__(self, mesh_dim_names) -> DeviceMesh:
+    def __getitem__(self, mesh_dim_names: str | tuple[str, ...]) -> DeviceMesh:
         """The submesh over the named dimensions (in mesh order), sharing their groups.
 
         No communication.  On the root mesh, names of flattened dimensions work too.
@@ -449,7 +452,9 @@ class DeviceMesh:
     # -- from existing groups ----------------------------------------------------
 
     @staticmethod
-    def from_group(group, device_type: str, mesh=None, *, mesh_dim_names=None) -> DeviceMesh:
+    def from_group(group: ProcessGroup | Sequence[ProcessGroup], device_type: str,
+                   mesh: ArrayLike | None = None, *,
+                   mesh_dim_names: Sequence[str] | None = None) -> DeviceMesh:
         """A mesh over existing groups: one group for a 1-D mesh, or a list with ``mesh``.
 
         No communication.  For several groups, ``mesh`` and ``mesh_dim_names`` are
@@ -524,8 +529,9 @@ def _default_or_init() -> ProcessGroup:
     return world_state.world
 
 
-def init_device_mesh(device_type: str, mesh_shape, *, mesh_dim_names=None,
-                     backend_override=None) -> DeviceMesh:
+def init_device_mesh(device_type: str, mesh_shape: int | Sequence[int], *,
+                     mesh_dim_names: Sequence[str] | None = None,
+                     backend_override: dict[int | str, str] | None = None) -> DeviceMesh:
     """Lay out all ranks row-major on a grid of shape ``mesh_shape``; build its groups.
 
     Every rank must call it with the same arguments.  Initialises spmd first if

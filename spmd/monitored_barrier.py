@@ -9,8 +9,9 @@ import zlib
 
 from . import watchdog
 from ._control import TAG_BARRIER
+from ._typing import Timeout
 from .errors import DistTimeoutError
-from .group import resolve
+from .group import GroupArg, resolve
 from .work import seconds_of
 
 __all__ = ["monitored_barrier"]
@@ -18,7 +19,8 @@ __all__ = ["monitored_barrier"]
 _barrier_counts: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def monitored_barrier(group=None, timeout=None, wait_all_ranks=False) -> None:
+def monitored_barrier(group: GroupArg = None, timeout: Timeout | None = None,
+                      wait_all_ranks: bool = False) -> None:
     """A barrier that says which ranks did not arrive.
 
     Group rank 0 waits for every other member's arrival (over the control channel, not

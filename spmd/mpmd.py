@@ -22,11 +22,13 @@ from __future__ import annotations
 import pickle
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 from mpi4py import MPI
 
 from . import _gpu
+from ._typing import Array, Timeout
 from .arrays import array_in, array_out, contiguous, is_device_array, movable
 from .backends import checked as _checked
 from .backends._staging import Staging, use_device_pointer
@@ -82,7 +84,8 @@ def _appnum() -> int | None:
     return None if value is None else int(value)
 
 
-def init_program(name: str | None = None, *, timeout=None, backend=None) -> ProcessGroup:
+def init_program(name: str | None = None, *, timeout: Timeout | None = None,
+                 backend: str | None = None) -> ProcessGroup:
     """Find the programs of this job and return the group of this rank's program.
 
     Every rank of WORLD (of every program) must call it.  Ranks of one program must
@@ -157,7 +160,7 @@ def get_program(name: str | None = None) -> Program:
                      f"{[p.name for p in job.programs]}")
 
 
-def new_link(peer: str, *, timeout=None) -> Link:
+def new_link(peer: str, *, timeout: Timeout | None = None) -> Link:
     """Connect this rank's program with program ``peer``.
 
     Every rank of both programs must call it (each naming the other program), and two
@@ -297,20 +300,20 @@ class Link:
         req = comm.Irecv(movable(buf), peer, tag)
         return Work([req], op, self._pg, [a], finish, (a, buf), status)
 
-    def isend(self, tensor, dst: int, tag: int = 0) -> Work:
+    def isend(self, tensor: Array, dst: int, tag: int = 0) -> Work:
         """Start sending ``tensor`` to rank ``dst`` of the other program; return a Work."""
         return self._isend(tensor, dst, tag, "Link.isend")
 
-    def irecv(self, tensor, src: int | None = None, tag: int = 0) -> Work:
+    def irecv(self, tensor: Array, src: int | None = None, tag: int = 0) -> Work:
         """Start receiving into ``tensor`` from rank ``src`` of the other program (any if
         None); ``work.source_rank()`` then gives the sender's rank in its program."""
         return self._irecv(tensor, src, tag, "Link.irecv")
 
-    def send(self, tensor, dst: int, tag: int = 0) -> None:
+    def send(self, tensor: Array, dst: int, tag: int = 0) -> None:
         """Send ``tensor`` to rank ``dst`` of the other program."""
         self._isend(tensor, dst, tag, "Link.send").wait()
 
-    def recv(self, tensor, src: int | None = None, tag: int = 0) -> int:
+    def recv(self, tensor: Array, src: int | None = None, tag: int = 0) -> int:
         """Receive into ``tensor``; return the sender's rank in the other program."""
         return self._irecv(tensor, src, tag, "Link.recv").source_rank()
 
@@ -335,7 +338,7 @@ class Link:
     # Broadcasts go source -> rank 0 of the other program -> its ranks, not through an
     # intercommunicator Ibcast (MPICH 5.0 delivers zeros there when the root is not 0).
 
-    def broadcast(self, tensor, src: int, src_program: str) -> None:
+    def broadcast(self, tensor: Array, src: int, src_program: str) -> None:
         """Copy ``tensor`` of rank ``src`` of ``src_program`` into every rank of the other
         program.
 
@@ -370,12 +373,14 @@ class Link:
 
     def _check(self, op: str, *args) -> None:
         """Debug mode: compare this call across every rank of both programs."""
-        fields, _ = OPS[op].fingerprint(self._pg, *args)
+        fingerprint = OPS[op].fingerprint
+        assert fingerprint is not None, f"{op} has no fingerprint in the op table"
+        fields, _ = fingerprint(self._pg, *args)
         _checked.check_link_call(self._pg, self._local_comm, self.remote.ranks, op, fields)
 
     # -- objects -----------------------------------------------------------------
 
-    def send_object(self, obj, dst: int) -> None:
+    def send_object(self, obj: object, dst: int) -> None:
         """Send a picklable object to rank ``dst`` of the other program."""
         op = "Link.send_object"
         self._live(op)
@@ -398,7 +403,7 @@ class Link:
         self._wait(msg.Irecv(data), op, data)
         return data, status.Get_source()
 
-    def recv_object(self, src: int | None = None):
+    def recv_object(self, src: int | None = None) -> Any:
         """Receive an object sent by :meth:`send_object` (from any rank if ``src`` is None).
 
         Unpickling runs code the sender chose: link only programs you trust.
@@ -409,7 +414,7 @@ class Link:
         data, _ = self._recv_bytes(peer, _OBJECT_TAG, op)
         return pickle.loads(memoryview(data))
 
-    def broadcast_object(self, obj, src: int, src_program: str):
+    def broadcast_object(self, obj: object, src: int, src_program: str) -> Any:
         """Every rank of the other program gets rank ``src`` of ``src_program``'s ``obj``.
 
         Every rank of both programs calls it with the same ``src`` and ``src_program``.

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 
 from mpi4py import MPI
 
@@ -11,7 +12,7 @@ __all__ = ["PSEUDO_NODE_ENV", "node_layout", "pseudo_node_size", "split_node"]
 PSEUDO_NODE_ENV = "SPMD_PSEUDO_NODE_SIZE"
 
 
-def pseudo_node_size(environ=None) -> int | None:
+def pseudo_node_size(environ: Mapping[str, str] | None = None) -> int | None:
     """The pseudo-node size from ``SPMD_PSEUDO_NODE_SIZE``, or None when it is unset.
 
     Raises:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import pickle
 import time
+from typing import Any
 
 import numpy as np
 from mpi4py import MPI
@@ -26,7 +27,7 @@ from mpi4py import MPI
 from .backends import checked as _checked
 from .collectives import root_rank
 from .errors import DistTimeoutError, located
-from .group import resolve
+from .group import GroupArg, resolve
 from .p2p import OBJECT_TAG, peer_rank
 from .work import Work
 
@@ -127,7 +128,7 @@ def _check_list(obj_list, op: str, arg: str, pg, length: int | None = None) -> l
     return obj_list
 
 
-def all_gather_object(object_list, obj, group=None) -> None:
+def all_gather_object(object_list: list[Any], obj: object, group: GroupArg = None) -> None:
     """Gather every rank's ``obj`` into ``object_list`` (one entry per rank) on every rank."""
     op = "all_gather_object"
     pg = resolve(group, op)
@@ -142,7 +143,9 @@ def all_gather_object(object_list, obj, group=None) -> None:
     return None
 
 
-def gather_object(obj, object_gather_list=None, dst=None, group=None, group_dst=None) -> None:
+def gather_object(obj: object, object_gather_list: list[Any] | None = None,
+                  dst: int | None = None, group: GroupArg = None,
+                  group_dst: int | None = None) -> None:
     """Gather every rank's ``obj`` into ``object_gather_list`` on rank ``dst``."""
     op = "gather_object"
     pg = resolve(group, op)
@@ -163,7 +166,8 @@ def gather_object(obj, object_gather_list=None, dst=None, group=None, group_dst=
     return None
 
 
-def broadcast_object_list(object_list, src=None, group=None, device=None, group_src=None) -> None:
+def broadcast_object_list(object_list: list[Any], src: int | None = None, group: GroupArg = None,
+                          device: object = None, group_src: int | None = None) -> None:
     """Replace the entries of ``object_list`` on every rank with those of rank ``src``.
 
     The list must have the same length on every rank.
@@ -194,8 +198,10 @@ def broadcast_object_list(object_list, src=None, group=None, device=None, group_
     return None
 
 
-def scatter_object_list(scatter_object_output_list, scatter_object_input_list=None, src=None,
-                        group=None, group_src=None) -> None:
+def scatter_object_list(scatter_object_output_list: list[Any],
+                        scatter_object_input_list: list[Any] | None = None,
+                        src: int | None = None, group: GroupArg = None,
+                        group_src: int | None = None) -> None:
     """Send ``scatter_object_input_list[i]`` from rank ``src`` to group rank i, which stores
     it in ``scatter_object_output_list[0]``."""
     op = "scatter_object_list"
@@ -237,8 +243,9 @@ def scatter_object_list(scatter_object_output_list, scatter_object_input_list=No
     return None
 
 
-def send_object_list(object_list, dst=None, group=None, device=None, group_dst=None,
-                     use_batch=False) -> None:
+def send_object_list(object_list: list[Any], dst: int | None = None, group: GroupArg = None,
+                     device: object = None, group_dst: int | None = None,
+                     use_batch: bool = False) -> None:
     """Send the objects of ``object_list`` to rank ``dst`` in one message.
 
     ``device`` and ``use_batch`` are accepted for torch compatibility; objects always
@@ -261,8 +268,9 @@ def send_object_list(object_list, dst=None, group=None, device=None, group_dst=N
     return None
 
 
-def recv_object_list(object_list, src=None, group=None, device=None, group_src=None,
-                     use_batch=False) -> int:
+def recv_object_list(object_list: list[Any], src: int | None = None, group: GroupArg = None,
+                     device: object = None, group_src: int | None = None,
+                     use_batch: bool = False) -> int:
     """Receive objects sent by :func:`send_object_list` into ``object_list`` (same length).
 
     Returns:

@@ -3,6 +3,13 @@
 from __future__ import annotations
 
 import numbers
+from typing import Any
+
+import numpy as np
+
+from ._typing import Array
+
+Factor = complex | np.number | Array
 
 __all__ = ["ReduceOp", "RedOpType", "make_premul_sum"]
 
@@ -39,17 +46,18 @@ class ReduceOp:
     AVG: ReduceOp
     PREMUL_SUM: ReduceOp
     UNUSED: ReduceOp
+    RedOpType: type[ReduceOp]
 
-    def __init__(self, name: str, factor=None):
+    def __init__(self, name: str, factor: Factor | None = None):
         self.name = name
-        self.factor = factor
+        self.factor: Any = factor  # PREMUL_SUM's: a scalar or a one-element array
 
     def __repr__(self) -> str:
         if self.factor is not None:
             return f"ReduceOp.{self.name}(factor={self.factor!r})"
         return f"ReduceOp.{self.name}"
 
-    def __eq__(self, other) -> bool:
+    def __eq__(self, other: object) -> bool:
         if isinstance(other, ReduceOp):
             return self.name == other.name and self.factor is other.factor
         if isinstance(other, str):
@@ -59,7 +67,7 @@ class ReduceOp:
     def __hash__(self) -> int:
         return hash(self.name)
 
-    def __reduce__(self):
+    def __reduce__(self) -> tuple[Any, ...]:
         if self.factor is None:
             return (getattr, (ReduceOp, self.name))
         return (make_premul_sum, (self.factor,))
@@ -72,7 +80,7 @@ ReduceOp.RedOpType = ReduceOp  # torch spells the members ReduceOp.RedOpType.SUM
 RedOpType = ReduceOp
 
 
-def make_premul_sum(factor) -> ReduceOp:
+def make_premul_sum(factor: Factor) -> ReduceOp:
     """Return a PREMUL_SUM op that multiplies every input by ``factor`` before summing.
 
     Args:

@@ -13,8 +13,9 @@ the others), and the public function that validates and calls it.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 __all__ = ["OpSpec", "OPS", "ENGINE_OPS", "P2P_OPS", "is_p2p", "bus_factor", "work_bytes"]
 

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
+
 from mpi4py import MPI
 
+from ._typing import Array
 from .arrays import array_in, array_out, device_of
 from .collectives import group_rank_of
 from .errors import located
-from .group import resolve
+from .group import GroupArg, resolve
+from .work import Work
 
 __all__ = ["send", "recv", "isend", "irecv", "P2POp", "batch_isend_irecv"]
 
@@ -38,7 +42,8 @@ def peer_rank(pg, op: str, peer, group_peer, arg: str, any_source: bool = False)
     return r
 
 
-def isend(tensor, dst=None, group=None, tag=0, group_dst=None):
+def isend(tensor: Array, dst: int | None = None, group: GroupArg = None, tag: int = 0,
+          group_dst: int | None = None) -> Work | None:
     """Start sending ``tensor`` to rank ``dst``; return a Work."""
     pg = resolve(group, "isend")
     if pg is None:
@@ -48,7 +53,8 @@ def isend(tensor, dst=None, group=None, tag=0, group_dst=None):
     return pg._backend_for(device_of(a)).send(a, peer, check_tag(tag, "isend", pg))
 
 
-def irecv(tensor, src=None, group=None, tag=0, group_src=None):
+def irecv(tensor: Array, src: int | None = None, group: GroupArg = None, tag: int = 0,
+          group_src: int | None = None) -> Work | None:
     """Start receiving into ``tensor`` from rank ``src`` (any rank if None); return a Work
     whose ``source_rank()`` tells the sender."""
     pg = resolve(group, "irecv")
@@ -59,7 +65,8 @@ def irecv(tensor, src=None, group=None, tag=0, group_src=None):
     return pg._backend_for(device_of(a)).recv(a, peer, check_tag(tag, "irecv", pg))
 
 
-def send(tensor, dst=None, group=None, tag=0, group_dst=None) -> None:
+def send(tensor: Array, dst: int | None = None, group: GroupArg = None, tag: int = 0,
+         group_dst: int | None = None) -> None:
     """Send ``tensor`` to rank ``dst`` and wait until the buffer can be reused."""
     pg = resolve(group, "send")
     if pg is None:
@@ -70,7 +77,8 @@ def send(tensor, dst=None, group=None, tag=0, group_dst=None) -> None:
     return None
 
 
-def recv(tensor, src=None, group=None, tag=0, group_src=None) -> int:
+def recv(tensor: Array, src: int | None = None, group: GroupArg = None, tag: int = 0,
+         group_src: int | None = None) -> int:
     """Receive into ``tensor`` from rank ``src`` (any rank if None).
 
     Returns:
@@ -96,7 +104,8 @@ class P2POp:
 
     __slots__ = ("op", "tensor", "peer", "group", "tag", "group_peer")
 
-    def __init__(self, op, tensor, peer=None, group=None, tag=0, group_peer=None):
+    def __init__(self, op: Callable[..., Work | None], tensor: Array, peer: int | None = None,
+                 group: GroupArg = None, tag: int = 0, group_peer: int | None = None):
         if op not in (isend, irecv):
             raise ValueError("P2POp: op must be spmd.isend or spmd.irecv, got "
                              f"{getattr(op, '__name__', op)!r}")
@@ -107,14 +116,14 @@ class P2POp:
         return f"P2POp({self.op.__name__}, peer={self.peer}, group_peer={self.group_peer}, tag={self.tag})"
 
 
-def batch_isend_irecv(p2p_op_list) -> list:
+def batch_isend_irecv(p2p_op_list: Sequence[P2POp]) -> list[Work | None]:
     """Start every send and receive of the list; return their Works in the same order.
 
     Every operation is checked before any is started, so a bad entry sends nothing.
     """
     if not isinstance(p2p_op_list, (list, tuple)) or not p2p_op_list:
         raise ValueError("batch_isend_irecv: expected a non-empty list of P2POp")
-    started = []
+    started: list[tuple | None] = []
     for i, p in enumerate(p2p_op_list):
         if not isinstance(p, P2POp):
             raise TypeError(f"batch_isend_irecv: entry {i} is {type(p).__name__}, expected P2POp")
@@ -129,7 +138,7 @@ def batch_isend_irecv(p2p_op_list) -> list:
         a = check(p.tensor, f"batch_isend_irecv[{i}] {name}", "tensor", pg)
         started.append((pg, sending, a, peer, check_tag(p.tag, "batch_isend_irecv", pg)))
     # One batch per backend: NCCL must see a group's sends and receives together.
-    works = [None] * len(started)
+    works: list[Work | None] = [None] * len(started)
     batches: dict = {}
     for i, item in enumerate(started):
         if item is not None:

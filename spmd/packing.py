@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 
 import numpy as np
+import numpy.typing as npt
 from mpi4py import MPI
 
 __all__ = ["get_bucket_bytes", "set_bucket_bytes", "buckets", "pack", "unpack",
@@ -101,7 +102,8 @@ class Packed:
 
     __slots__ = ("arrays", "buf", "_layout")
 
-    def __init__(self, arrays, buf, layout=None):
+    def __init__(self, arrays: list[np.ndarray] | None, buf: np.ndarray,
+                 layout: MPI.Datatype | None = None):
         self.arrays = arrays
         self.buf = buf
         self._layout = layout
@@ -127,7 +129,7 @@ class Packed:
             self._layout = None
 
 
-def pack_buckets(arrays: list, dtype, in_place: bool = True, limit: int | None = None
+def pack_buckets(arrays: list, dtype: np.dtype, in_place: bool = True, limit: int | None = None
                  ) -> list[Packed]:
     """Pack ``arrays`` into buffers of ``dtype`` of at most ``limit`` bytes each
     (``get_bucket_bytes()`` if None).  With ``in_place``, a contiguous array of
@@ -162,7 +164,7 @@ def pack_buckets(arrays: list, dtype, in_place: bool = True, limit: int | None =
     return out
 
 
-def pack(arrays: list, dtype) -> np.ndarray:
+def pack(arrays: list, dtype: npt.DTypeLike) -> np.ndarray:
     """The arrays, flattened and concatenated into one new buffer of ``dtype``."""
     dtype = np.dtype(dtype)
     if not arrays:

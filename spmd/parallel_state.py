@@ -19,13 +19,15 @@ group; a rank may be in one embedding group only; group timeouts default to WORL
 from __future__ import annotations
 
 import warnings
+from collections.abc import Callable
 from datetime import timedelta
-
 
 from . import _megatron_layout as ml
 from .group import GroupMember, ProcessGroup, new_subgroups_by_enumeration
 from .group import world_state as _world_state
 from .mesh import DeviceMesh
+
+RanksFn = Callable[[list[int]], list[int]]  # pipeline ranks -> embedding ranks
 
 __all__ = [
     "destroy_model_parallel",
@@ -110,7 +112,8 @@ def initialize_model_parallel(tensor_model_parallel_size: int = 1,
                               order: str = "tp-cp-ep-dp-pp", *,
                               expert_tensor_parallel_size: int | None = None,
                               virtual_pipeline_model_parallel_size: int | None = None,
-                              get_embedding_ranks=None, get_position_embedding_ranks=None,
+                              get_embedding_ranks: RanksFn | None = None,
+                              get_position_embedding_ranks: RanksFn | None = None,
                               distributed_timeout_minutes: float | None = None) -> None:
     """Build the tensor-, pipeline-, data-, context-, model- and expert-parallel groups.
 

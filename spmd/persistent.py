@@ -29,16 +29,19 @@ from __future__ import annotations
 
 import os
 import weakref
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 from mpi4py import MPI
 
 from . import collectives as _c
+from ._typing import Array
 from .arrays import array_in, array_out, movable
 from .backends import checked as _checked
 from .backends.reduction import AVERAGE, PLANS, checked_plan, mpi_view
 from .errors import located
-from .group import resolve
+from .group import GroupArg, ProcessGroup, resolve
 from .ops import ReduceOp
 from .optable import OPS
 from .work import Work
@@ -65,8 +68,11 @@ def available() -> bool:
 class Plan:
     """One prepared collective; ``start()`` runs it and returns its Work."""
 
-    def __init__(self, name: str, pg, outputs: list, native_init, fallback, finish=None,
-                 keep=None, args: tuple = ()):
+    def __init__(self, name: str, pg: ProcessGroup, outputs: list[Any],
+                 native_init: Callable[[], MPI.Prequest] | None,
+                 fallback: Callable[[], Work | None],
+                 finish: Callable[[], None] | None = None, keep: object = None,
+                 args: tuple = ()):
         self.name = name
         self.group = pg
         self._outputs = outputs
@@ -137,7 +143,7 @@ class Plan:
     def __enter__(self) -> Plan:
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.free()
 
     def __repr__(self) -> str:
@@ -170,7 +176,7 @@ def _group(group, name: str):
     return pg
 
 
-def all_reduce(tensor, op=_SUM, group=None) -> Plan:
+def all_reduce(tensor: Array, op: ReduceOp = _SUM, group: GroupArg = None) -> Plan:
     """Plan ``spmd.all_reduce(tensor, op, group)``: in place, on every rank."""
     pg = _group(group, "all_reduce")
     a = array_out(tensor, "persistent.all_reduce", "tensor", pg)
@@ -182,7 +188,8 @@ def all_reduce(tensor, op=_SUM, group=None) -> Plan:
                 _averager(plan, a, pg._size), a, (a, op))
 
 
-def broadcast(tensor, src=None, group=None, group_src=None) -> Plan:
+def broadcast(tensor: Array, src: int | None = None, group: GroupArg = None,
+              group_src: int | None = None) -> Plan:
     """Plan ``spmd.broadcast(tensor, src, group)``."""
     pg = _group(group, "broadcast")
     root = _c.root_rank(pg, "persistent.broadcast", src, group_src, "src")
@@ -194,7 +201,8 @@ def broadcast(tensor, src=None, group=None, group_src=None) -> Plan:
                 (a, root))
 
 
-def reduce(tensor, dst=None, op=_SUM, group=None, group_dst=None) -> Plan:
+def reduce(tensor: Array, dst: int | None = None, op: ReduceOp = _SUM, group: GroupArg = None,
+           group_dst: int | None = None) -> Plan:
     """Plan ``spmd.reduce(tensor, dst, op, group)``: the result lands on ``dst`` only."""
     pg = _group(group, "reduce")
     root = _c.root_rank(pg, "persistent.reduce", dst, group_dst, "dst")
@@ -227,7 +235,8 @@ def _gather_shapes(out, a, name: str, pg, n_out_per_in: bool) -> None:
                       f"({pg._size}) x {other} ({small.size}) = {pg._size * small.size}", pg)
 
 
-def all_gather_into_tensor(output_tensor, input_tensor, group=None) -> Plan:
+def all_gather_into_tensor(output_tensor: Array, input_tensor: Array,
+                           group: GroupArg = None) -> Plan:
     """Plan ``spmd.all_gather_into_tensor(output_tensor, input_tensor, group)``."""
     name = "persistent.all_gather_into_tensor"
     pg = _group(group, "all_gather_into_tensor")
@@ -242,7 +251,8 @@ def all_gather_into_tensor(output_tensor, input_tensor, group=None) -> Plan:
                 (out, a))
 
 
-def reduce_scatter_tensor(output, input, op=_SUM, group=None) -> Plan:  # noqa: A002
+def reduce_scatter_tensor(output: Array, input: Array, op: ReduceOp = _SUM,  # noqa: A002
+                          group: GroupArg = None) -> Plan:
     """Plan ``spmd.reduce_scatter_tensor(output, input, op, group)``."""
     name = "persistent.reduce_scatter_tensor"
     pg = _group(group, "reduce_scatter_tensor")
@@ -258,7 +268,8 @@ def reduce_scatter_tensor(output, input, op=_SUM, group=None) -> Plan:  # noqa: 
                 _averager(plan, out, pg._size), (a, out), (out, a, op))
 
 
-def all_to_all_single(output, input, group=None) -> Plan:  # noqa: A002
+def all_to_all_single(output: Array, input: Array,  # noqa: A002
+                      group: GroupArg = None) -> Plan:
     """Plan ``spmd.all_to_all_single(output, input, group=group)`` with equal splits."""
     name = "persistent.all_to_all_single"
     pg = _group(group, "all_to_all_single")
@@ -276,7 +287,7 @@ def all_to_all_single(output, input, group=None) -> Plan:  # noqa: A002
                 (out, a, None, None))
 
 
-def barrier(group=None) -> Plan:
+def barrier(group: GroupArg = None) -> Plan:
     """Plan ``spmd.barrier(group)``."""
     pg = _group(group, "barrier")
     return Plan("barrier", pg, [], lambda: pg._comm.Barrier_init(),

@@ -10,10 +10,19 @@ A pseudo-node never spans two real nodes, so shared memory still works inside it
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 
-
-from .group import ProcessGroup, backend_name_of, register_group, split_comm, timeout_seconds, resolve
+from ._typing import Timeout
+from .group import (
+    GroupArg,
+    ProcessGroup,
+    backend_name_of,
+    register_group,
+    resolve,
+    split_comm,
+    timeout_seconds,
+)
 from .nodes import PSEUDO_NODE_ENV, node_layout, pseudo_node_size, split_node
 from .world import get_node_local_rank
 
@@ -50,7 +59,8 @@ class NodeTopology:
         return self.node_group.ranks
 
 
-def node_topology(group=None, *, timeout=None, backend=None) -> NodeTopology:
+def node_topology(group: GroupArg = None, *, timeout: Timeout | None = None,
+                  backend: str | None = None) -> NodeTopology:
     """Split ``group`` (WORLD if None) by node: a node-local and a cross-node group.
 
     Every rank of ``group`` must call it.  Costs one shared-memory split, one
@@ -95,7 +105,7 @@ def _visible_entries(value: str) -> list[str]:
     return out
 
 
-def visible_device_count(environ=None) -> int:
+def visible_device_count(environ: Mapping[str, str] | None = None) -> int:
     """How many GPUs this process may use, honouring ``CUDA_VISIBLE_DEVICES``.
 
     Asks CuPy when it is installed (it applies the variable itself); otherwise counts

@@ -29,6 +29,7 @@ import socket
 import sys
 import threading
 import time
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -36,6 +37,7 @@ from . import flight_recorder as _fr
 from . import work as _work
 from ._lines import write_lines
 from .optable import P2P_OPS, work_bytes
+from .work import Work
 
 __all__ = ["Tracer", "start", "stop", "is_tracing", "expand_path", "merge", "main"]
 
@@ -85,7 +87,7 @@ class Tracer:
         self._wall0_us = time.time_ns() / 1e3
         self._clk0 = _clock_ns()
 
-    def started(self, work) -> None:
+    def started(self, work: Work) -> None:
         kind = 1 if work._op in P2P_OPS else 0
         entry = getattr(work, "_fr", None)
         if entry is not None:  # the flight recorder's number: the one every rank agrees on
@@ -100,7 +102,7 @@ class Tracer:
                 seq = counters[kind]
         self._inflight[id(work)] = (_clock_ns(), seq, kind, work_bytes(work))
 
-    def completed(self, work) -> None:
+    def completed(self, work: Work) -> None:
         # Only references are kept here; turning them into JSON waits for write().
         entry = self._inflight.pop(id(work), None)
         if entry is None:
@@ -251,7 +253,7 @@ def merge(paths: list[str], out: str | None = None, align: bool = False) -> dict
     events: list[dict] = []
     used: set = set()
     ranks = []
-    for i, (path, doc) in enumerate(docs):
+    for _path, doc in docs:
         rank = doc.get("otherData", {}).get("rank")
         pid = rank if rank is not None and rank not in used else max(used, default=-1) + 1
         used.add(pid)
@@ -276,7 +278,7 @@ def merge(paths: list[str], out: str | None = None, align: bool = False) -> dict
     return merged
 
 
-def main(argv=None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     """``python -m spmd.trace merge -o OUT FILES...``"""
     parser = argparse.ArgumentParser(prog="python -m spmd.trace",
                                      description="tools for spmd's Chrome-trace files")

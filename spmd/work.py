@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from datetime import timedelta
-from typing import Any, Callable
+from typing import Any
 
 from mpi4py import MPI
 
 from ._wait import wait_until
+from .context import GroupContext
 from .futures import Future
 
 __all__ = ["Work"]
@@ -52,7 +54,7 @@ class Work:
     __slots__ = ("_reqs", "_finish", "_outputs", "_keep", "_done", "_exc", "_future",
                  "_op", "_group", "_status", "_meta", "_fr", "__weakref__")
 
-    def __init__(self, reqs: list, op: str, group, outputs: list | None = None,
+    def __init__(self, reqs: list, op: str, group: GroupContext, outputs: list | None = None,
                  finish: Callable[[], None] | None = None, keep: Any = None,
                  status: MPI.Status | None = None):
         self._reqs = reqs
@@ -157,7 +159,7 @@ class Work:
     def get_future(self) -> Future:
         """Return a Future completed with the output arrays when this Work completes."""
         if self._future is None:
-            self._future = Future(_wait_fn=self.wait, _poll_fn=self.is_completed)
+            self._future = Future._driven_by(self.wait, self.is_completed)
             if self._done:
                 if self._exc is None:
                     self._future.set_result(self._outputs)

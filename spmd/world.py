@@ -12,10 +12,20 @@ from . import _gpu, _wait
 from . import backend_registry as registry
 from . import watchdog as _watchdog
 from ._bootstrap import check_same_installation
+from ._typing import Timeout
 from .backend_registry import Backend, register_backend
-from .group import DEFAULT_TIMEOUT, GroupMember, ProcessGroup, default_group, resolve, world_state
+from .group import (
+    DEFAULT_TIMEOUT,
+    GroupArg,
+    GroupMember,
+    ProcessGroup,
+    default_group,
+    resolve,
+    world_state,
+)
 from .launch import check_world_size
 from .nodes import node_layout
+from .store import Store
 
 __all__ = [
     "Backend",
@@ -93,8 +103,10 @@ def _usable_cores() -> int:
         return os.cpu_count() or 1
 
 
-def init_process_group(backend=None, init_method=None, timeout=None, world_size=-1, rank=-1,
-                       store=None, group_name="", pg_options=None, device_id=None) -> None:
+def init_process_group(backend: str | None = None, init_method: str | None = None,
+                       timeout: Timeout | None = None, world_size: int = -1, rank: int = -1,
+                       store: Store | None = None, group_name: str = "",
+                       pg_options: object = None, device_id: object = None) -> None:
     """Initialise spmd: the default group (WORLD) over a private duplicate of COMM_WORLD.
 
     Every rank of the MPI job must call it.  Ranks and the world size come from the MPI
@@ -193,7 +205,7 @@ def init_process_group(backend=None, init_method=None, timeout=None, world_size=
         pg._backend_for("cuda").connect("init_process_group")  # eager, as c10d does
 
 
-def destroy_process_group(group=None) -> None:
+def destroy_process_group(group: GroupArg = None) -> None:
     """Free ``group``'s communicator, or every group and the default one if None.
 
     After ``destroy_process_group()`` spmd can be initialised again.  Every member must
@@ -227,7 +239,7 @@ def destroy_process_group(group=None) -> None:
         world_state.groups.remove(pg)
 
 
-def get_backend(group=None) -> str:
+def get_backend(group: GroupArg = None) -> Backend:
     """The backend string of ``group`` (the default group if None)."""
     pg = resolve(group, "get_backend")
     if pg is None:
@@ -237,7 +249,7 @@ def get_backend(group=None) -> str:
     return Backend(pg._backend_name)
 
 
-def get_rank(group=None) -> int:
+def get_rank(group: GroupArg = None) -> int:
     """This process's rank in ``group`` (global rank if None); -1 if not a member."""
     pg = world_state.world if group is None else group
     if pg is None:
@@ -247,7 +259,7 @@ def get_rank(group=None) -> int:
     return resolve(pg, "get_rank")._rank
 
 
-def get_world_size(group=None) -> int:
+def get_world_size(group: GroupArg = None) -> int:
     """The size of ``group`` (of the world if None); -1 if this rank is not a member."""
     pg = world_state.world if group is None else group
     if pg is None:

@@ -17,7 +17,7 @@ def next_to_python(name: str) -> str | None:
     return path if os.path.isfile(path) and os.access(path, os.X_OK) else None
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def mpiexec_prefix() -> tuple[str, ...]:
     """mpiexec from $SPMD_MPIEXEC, next to sys.executable, or PATH, with the flags Open MPI
     needs to run more ranks than cores (and as root in containers)."""

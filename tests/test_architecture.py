@@ -18,7 +18,7 @@ LAYERS = {
         "spmd.futures", "spmd._wait", "spmd.work", "spmd.optable", "spmd.context",
         "spmd.backend_registry", "spmd.packing", "spmd.nodes", "spmd.launch",
         "spmd._control", "spmd.flight_recorder", "spmd._stores", "spmd._filestore", "spmd._tcpstore",
-        "spmd.store", "spmd._bootstrap", "spmd._lines"],
+        "spmd.store", "spmd._bootstrap", "spmd._lines", "spmd._typing"],
     2: ["spmd.backends"],
     3: ["spmd.group", "spmd.world", "spmd.watchdog", "spmd.debug"],
     4: ["spmd.collectives", "spmd.p2p", "spmd.objects", "spmd.coalescing", "spmd.persistent",

@@ -27,7 +27,8 @@ def _still_in_step(dist):
 
 def test_wrong_types(dist):
     w = _where(dist)
-    with pytest.raises(TypeError, match=rf"all_reduce: tensor must be a numpy array \(or a cupy array, .*\), got list \(wrap it with numpy.asarray\) {w}"):
+    with pytest.raises(TypeError, match=rf"all_reduce: tensor must be a numpy array \(or a cupy "
+                       rf"array, .*\), got list \(wrap it with numpy.asarray\) {w}"):
         dist.all_reduce([1.0, 2.0])
     with pytest.raises(TypeError, match=r"all_reduce: tensor has unsupported dtype object"):
         dist.all_reduce(np.array([1, "a"], dtype=object))
@@ -76,7 +77,8 @@ def test_read_only_outputs(dist):
 def test_sizes_and_lengths(dist):
     n, me = dist.get_world_size(), dist.get_rank()
     w = _where(dist)
-    with pytest.raises(ValueError, match=rf"all_gather_into_tensor: output_tensor has {4 * n + 1} elements, expected world_size \({n}\) x input \(4\) = {4 * n} {w}"):
+    with pytest.raises(ValueError, match=rf"all_gather_into_tensor: output_tensor has {4 * n + 1} "
+                       rf"elements, expected world_size \({n}\) x input \(4\) = {4 * n} {w}"):
         dist.all_gather_into_tensor(np.zeros(4 * n + 1), np.zeros(4))
     with pytest.raises(TypeError, match="output_tensor has dtype float32, expected float64"):
         dist.all_gather_into_tensor(np.zeros(4 * n, np.float32), np.zeros(4))
@@ -91,7 +93,7 @@ def test_sizes_and_lengths(dist):
     if n > 1:
         with pytest.raises(ValueError, match="must be None or empty on ranks other than"):
             dist.gather(np.zeros(2), [np.zeros(2)] * n, dst=(me + 1) % n)
-    with pytest.raises(ValueError, match=rf"scatter_list\[0\] has 3 elements, expected 2"):
+    with pytest.raises(ValueError, match=r"scatter_list\[0\] has 3 elements, expected 2"):
         dist.scatter(np.zeros(2), [np.zeros(3)] * n, src=me)
     with pytest.raises(ValueError, match="src=.* is not a member"):
         dist.broadcast(np.zeros(2), src=n)
@@ -119,7 +121,8 @@ def test_all_to_all_checks(dist):
         dist.all_to_all_single(np.zeros((n, 3)), np.zeros((n, 2)))
     with pytest.raises(ValueError, match="at least one dimension"):
         dist.all_to_all_single(np.zeros(()), np.zeros(()))
-    with pytest.raises(ValueError, match=rf"input_tensor_list\[{me}\] has 2 elements but output_tensor_list\[{me}\] has 1"):
+    with pytest.raises(ValueError, match=rf"input_tensor_list\[{me}\] has 2 elements but "
+                       rf"output_tensor_list\[{me}\] has 1"):
         dist.all_to_all([np.zeros(1)] * n, [np.zeros(2)] * n)
     with pytest.raises(TypeError, match="dtype int64, expected float64"):
         dist.all_to_all([np.zeros(1)] * n, [np.zeros(1, np.int64)] * n)
@@ -132,7 +135,8 @@ def test_coalesced_checks(dist):
         dist.all_reduce_coalesced([])
     with pytest.raises(ValueError, match=rf"output_tensor_lists must be a list of {n} lists"):
         dist.all_gather_coalesced([[np.zeros(1)]] * (n + 1), [np.zeros(1)])
-    with pytest.raises(ValueError, match=r"output_tensor_lists\[0\]\[0\] is float64 with 2 elements, expected float64 with 1"):
+    with pytest.raises(ValueError, match=r"output_tensor_lists\[0\]\[0\] is float64 with 2 "
+                       r"elements, expected float64 with 1"):
         dist.all_gather_coalesced([[np.zeros(2)]] * n, [np.zeros(1)])
     _still_in_step(dist)
 

@@ -9,7 +9,6 @@ import os
 import sys
 
 import pytest
-
 from _launch import mpiexec, run
 
 QUICK = ["--quick", "--no-progress"]

@@ -3,7 +3,6 @@
 import sys
 
 import pytest
-
 from _launch import mpiexec, run
 
 

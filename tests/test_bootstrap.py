@@ -3,7 +3,6 @@ every rank runs the same installation."""
 
 import numpy as np
 import pytest
-
 from conftest import TEST_TIMEOUT
 
 pytestmark = pytest.mark.mpi

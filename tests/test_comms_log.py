@@ -55,7 +55,7 @@ def test_counts_and_bytes_exact(fresh_log, dist):
         ("all_reduce", 5): 1,
         ("barrier", 0): 1,
     }
-    for (op, nbytes, size), (count, total, lo, hi) in stats.items():
+    for (_op, _nbytes, size), (count, total, lo, hi) in stats.items():
         assert size == n
         assert 0 <= lo <= hi and total >= lo * count
 

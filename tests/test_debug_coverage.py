@@ -192,7 +192,7 @@ def test_persistent_plans_matched_pass_in_debug_mode(dist, fresh, detail):
             dist.persistent.broadcast(y, src=n - 1, group=g) as p2, \
             dist.persistent.all_gather_into_tensor(out, mine, group=g) as p3, \
             dist.persistent.barrier(group=g) as p4:
-        for step in range(2):
+        for _ in range(2):
             x[:] = np.arange(6.0) + me
             y[:] = me
             for p in (p1, p2, p3, p4):

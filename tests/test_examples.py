@@ -5,7 +5,6 @@ import re
 import sys
 
 import pytest
-
 from _launch import mpiexec, run
 
 

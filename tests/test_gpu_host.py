@@ -7,7 +7,6 @@ timeout and error logic driven by stand-in events and communicators."""
 
 import collections
 import os
-
 import re
 
 import numpy as np

@@ -101,7 +101,7 @@ def test_new_subgroups_by_enumeration(dist):
 
 
 def test_new_subgroups_by_enumeration_leaves_some_out(dist):
-    me, n = dist.get_rank(), dist.get_world_size()
+    me = dist.get_rank()
     cur, subs = dist.new_subgroups_by_enumeration([[0]])
     if me == 0:
         assert cur.ranks == [0]
@@ -164,7 +164,7 @@ def test_comm_attribute_is_usable_raw_mpi(dist):
 
 
 def test_non_member_gets_warning_not_hang(dist):
-    me, n = dist.get_rank(), dist.get_world_size()
+    me = dist.get_rank()
     pg = dist.new_group([0])
     if me != 0:
         with warnings.catch_warnings(record=True) as caught:

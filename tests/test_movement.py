@@ -3,7 +3,6 @@ barrier; every dtype, even and uneven sizes, views, groups, sync and async."""
 
 import numpy as np
 import pytest
-
 from conftest import all_dtypes
 from refs import LAYOUTS, buffer, make, shape_of
 
@@ -193,7 +192,8 @@ def test_all_to_all_single(dist, groups, group_kind, async_op, splits):
             recv = [(i + gr) % 3 for i in range(n)]
 
             def rows_of(i):
-                return make(members[i], (sum((i + j) % 3 for j in range(n)), 3), dt)
+                # called in this iteration only, so the loop's dt is the right one
+                return make(members[i], (sum((i + j) % 3 for j in range(n)), 3), dt)  # noqa: B023
 
             x = rows_of(gr)
             out = np.zeros((sum(recv) , 6), dt)[:, ::2]  # strided output

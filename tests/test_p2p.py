@@ -2,7 +2,6 @@
 
 import numpy as np
 import pytest
-
 from conftest import all_dtypes
 from refs import make
 

@@ -4,10 +4,18 @@ checked against numpy on every rank."""
 
 import numpy as np
 import pytest
-
 from conftest import all_dtypes
-from refs import (LAYOUTS, PREMUL_FACTOR, REDUCE_OPS, assert_equal, buffer, make, reduce_ref,
-                  shape_of, supported)
+from refs import (
+    LAYOUTS,
+    PREMUL_FACTOR,
+    REDUCE_OPS,
+    assert_equal,
+    buffer,
+    make,
+    reduce_ref,
+    shape_of,
+    supported,
+)
 
 pytestmark = pytest.mark.mpi
 DTYPES = all_dtypes()
@@ -136,7 +144,7 @@ def test_all_reduce_coalesced(dist, groups, opname, async_op):
     dts = [dt for dt in DTYPES if supported(dt, opname)]
     shapes = [(4,), (2, 3), (), (0,)]
     arrays, expects = [], []
-    for k, dt in enumerate(dts):
+    for dt in dts:
         for s, shape in enumerate(shapes):
             arrays.append(make(me, shape, dt, opname, salt=s))
             expects.append(reduce_ref([make(r, shape, dt, opname, salt=s) for r in members],

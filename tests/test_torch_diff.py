@@ -17,7 +17,6 @@ import sys
 
 import numpy as np
 import pytest
-
 from _launch import clean_env, mpiexec, next_to_python
 
 HERE = os.path.dirname(os.path.abspath(__file__))

@@ -4,9 +4,8 @@ from datetime import timedelta
 
 import numpy as np
 import pytest
-from mpi4py import MPI
-
 from conftest import TEST_TIMEOUT
+from mpi4py import MPI
 
 pytestmark = pytest.mark.mpi
 

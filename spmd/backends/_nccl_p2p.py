@@ -24,7 +24,7 @@ class NcclPointToPoint:
                     (a if a.flags.c_contiguous else cp.empty(a.shape, a.dtype)).reshape(-1).view(np.uint8)
                     for sending, a, _, _ in ops]
             with self._grouped():
-                for (sending, a, peer, _), buf in zip(ops, bufs):
+                for (sending, _, peer, _), buf in zip(ops, bufs):
                     if buf.size:
                         (comm.send if sending else comm.recv)(buf.data.ptr, buf.size, u8, peer, s)
             for (sending, a, _, _), buf in zip(ops, bufs):
@@ -35,7 +35,7 @@ class NcclPointToPoint:
         return body
 
     def _check_peers(self, ops, op: str) -> None:
-        for sending, _, peer, _ in ops:
+        for _, _, peer, _ in ops:
             if peer is None:
                 raise located(ValueError, op, "NCCL receives need a source rank (src=None, "
                               "any source, is MPI-only)", self.group)

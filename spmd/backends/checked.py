@@ -170,7 +170,9 @@ def check_call(pg, op: str, fields: dict, pairs: dict | None = None) -> None:
 def check_op(pg, op: str, *args) -> None:
     """:func:`check_call` with ``op``'s fingerprint from the op table, computed from
     ``args`` (the arguments its table entry names).  Every member of ``pg`` calls it."""
-    fields, pairs = OPS[op].fingerprint(pg, *args)
+    fingerprint = OPS[op].fingerprint
+    assert fingerprint is not None, f"{op} has no fingerprint in the op table"
+    fields, pairs = fingerprint(pg, *args)
     check_call(pg, op, fields, pairs)
 
 

@@ -560,7 +560,9 @@ class Sequence:
             outs = [[self.I.T(vals(x.shape, dt, self.rank, salt=10 + i)) for x in ins] for i in range(gn)]
             # torch's Future holds output_tensor_lists, except on a group of one, where it
             # holds the flat list of that one rank's outputs; spmd always returns the lists.
-            nest = (lambda v: [v] if gn == 1 and v and not isinstance(v[0], list) else v)
+            def nest(v):
+                return [v] if gn == 1 and v and not isinstance(v[0], list) else v
+
             self.call(key, self.d.all_gather_coalesced, mode, output_tensor_lists=outs,
                       input_tensor_list=ins, group=g, norm=nest)
             for i, lst in enumerate(outs):
@@ -585,11 +587,12 @@ class Sequence:
                     else:
                         skw, rkw = {"group_dst": (me + 1) % gn}, {"group_src": (me - 1) % gn}
 
+                    # snd and rcv run in this iteration only: the loop variables are current.
                     def snd():
-                        self.rec_s(key + "/send_ret", d.send(tensor=t, group=g, tag=tag, **skw))
+                        self.rec_s(key + "/send_ret", d.send(tensor=t, group=g, tag=tag, **skw))  # noqa: B023
 
                     def rcv():
-                        self.rec_s(key + "/recv_ret", d.recv(tensor=buf, group=g, tag=tag, **rkw))
+                        self.rec_s(key + "/recv_ret", d.recv(tensor=buf, group=g, tag=tag, **rkw))  # noqa: B023
 
                     if me % 2:
                         rcv(), snd()
@@ -631,8 +634,8 @@ class Sequence:
             to_right = self.I.T(vals((3,), "float64", self.rank, salt=72))
             to_left = self.I.T(vals((3,), "float64", self.rank, salt=73))
 
-            def peer(i):
-                return {"peer": ranks[i]} if how == "peer" else {"group_peer": i}
+            def peer(i):  # used in this iteration only
+                return {"peer": ranks[i]} if how == "peer" else {"group_peer": i}  # noqa: B023
 
             ops = [P(dist.irecv, from_left, group=g, tag=1, **peer((me - 1) % gn)),
                    P(dist.isend, to_right, group=g, tag=1, **peer((me + 1) % gn)),
