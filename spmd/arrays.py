@@ -196,7 +196,3 @@ def contiguous(a: np.ndarray) -> np.ndarray:
     """``a`` itself when C-contiguous, else a contiguous copy."""
     return a if a.flags.c_contiguous else np.ascontiguousarray(a)
 
-
-def byte_view(a: np.ndarray) -> np.ndarray:
-    """A contiguous array's bytes as a flat uint8 array (no copy)."""
-    return a.reshape(-1).view(np.uint8)

@@ -46,7 +46,8 @@ from mpi4py import MPI
 from .. import _wait
 from .._wait import wait_until
 from ..errors import GroupBrokenError
-from ..work import Work, seconds_of
+from ..work import Work
+from ._shm_records import Chunk, ShmWork, Task
 from ._shm_reduce import Reduction, accumulate, finalize
 from ._shm_settings import (
     ALIGN,
@@ -103,41 +104,6 @@ def _same_start(x: np.ndarray, y: np.ndarray) -> bool:
 
 # -- Work ----------------------------------------------------------------------------
 
-class _Task:
-    """One started engine op: its steps (a generator) and what it waits for next."""
-
-    __slots__ = ("done", "engine", "steps", "wait")
-
-    def __init__(self, engine, steps):
-        self.engine = engine
-        self.steps = steps
-        self.wait = None      # a step count every peer must reach, or an MPI request
-        self.done = False
-
-
-class _ShmWork(Work):
-    """A Work with no MPI request: testing it runs the engine's next steps.
-
-    ``wait`` drives the steps through ``Work._poll`` (deadline, diagnosis, backing off
-    when ranks outnumber cores), then lets ``Work.wait`` complete it.
-    """
-
-    __slots__ = ("_task",)
-
-    def __init__(self, task: _Task, op: str, group, outputs, keep=None):
-        self._task = task
-        super().__init__([], op, group, outputs, None, keep)
-
-    def _test(self) -> bool:
-        task = self._task
-        return task.done or task.engine.progress(task)
-
-    def wait(self, timeout=None) -> bool:
-        if not self._done and not self._test():
-            self._poll(self._group._timeout if timeout is None else seconds_of(timeout))
-        return super().wait(timeout)
-
-
 # -- the engine ----------------------------------------------------------------------
 
 _busy: set = set()  # engines with ops in their queues
@@ -165,7 +131,7 @@ class ShmEngine:
         self._win = None
         self._reason = None      # why the engine is unavailable, once known
         self._failed = None      # an error that left a step half done
-        self._queue: deque[_Task] = deque()
+        self._queue: deque[Task] = deque()
         self._next_slot = 0
         self._release: list[int] = []
         self._reductions: dict = {}  # plan -> Reduction, for plans without a factor
@@ -274,14 +240,14 @@ class ShmEngine:
                 # The set-up raised the threshold (the group spans nodes) or found no window.
                 steps.close()
                 return fallback()
-        task = _Task(self, steps)
+        task = Task(self, steps)
         self._queue.append(task)
         _busy.add(self)
-        work = _ShmWork(task, op, self._group, outputs, keep)
+        work = ShmWork(task, op, self._group, outputs, keep)
         self.progress(task)
         return work
 
-    def progress(self, task: _Task) -> bool:
+    def progress(self, task: Task) -> bool:
         """Run queued steps until one must wait; True once ``task`` is done.
 
         While ``task`` waits, the other groups' engines get their turn too, so a rank
@@ -484,7 +450,7 @@ class ShmEngine:
         acc0, tmp = red.scratch(part, dt)
         acc1 = None if acc0 is None else np.empty_like(acc0)
         copy_out = root is None or me == root
-        prev = None  # chunk i-1: (first item, cuts, slot, accumulator, its slot part, request)
+        prev: Chunk | None = None  # chunk i-1, finished while chunk i is copied in
         for c, lo in enumerate(range(0, flat.size, per)):
             n = min(per, flat.size - lo)
             cut = _cuts(n, q, step)
@@ -495,13 +461,13 @@ class ShmEngine:
                 if j != me:
                     mine[cut[j]:cut[j + 1]] = flat[lo + cut[j]:lo + cut[j + 1]]
             if prev is not None and cross is not None:
-                yield prev[5]
-                finalize(red, prev[3], prev[4])
+                yield prev.request
+                finalize(red, prev.acc, prev.dst)
             yield w.publish()
             if prev is not None:
                 if copy_out:
                     self._copy_out(flat, prev)
-                self._release[prev[2]] = w.seq + 1
+                self._release[prev.slot] = w.seq + 1
             s0, s1 = cut[me], cut[me + 1]
             srcs = [flat[lo + s0:lo + s1] if i == me else w.view(i, k, dt, n)[s0:s1]
                     for i in range(q)]
@@ -513,19 +479,19 @@ class ShmEngine:
                 req = cross.Iallreduce(MPI.IN_PLACE, acc, red.mpi_op)
             else:
                 finalize(red, acc, dst)
-            prev = (lo, cut, k, acc, dst, req)
+            prev = Chunk(lo, cut, k, acc, dst, req)
         if prev is not None:
             if cross is not None:
-                yield prev[5]
-                finalize(red, prev[3], prev[4])
+                yield prev.request
+                finalize(red, prev.acc, prev.dst)
             yield w.publish()
             if copy_out:
                 self._copy_out(flat, prev)
-            self._release[prev[2]] = w.seq + 1
+            self._release[prev.slot] = w.seq + 1
 
-    def _copy_out(self, flat, chunk) -> None:
+    def _copy_out(self, flat, chunk: Chunk) -> None:
         """Copy every rank's reduced part of a chunk from its slot into ``flat``."""
-        lo, cut, k = chunk[0], chunk[1], chunk[2]
+        lo, cut, k = chunk.lo, chunk.cuts, chunk.slot
         w = self._win
         for j in range(w.local_size):
             flat[lo + cut[j]:lo + cut[j + 1]] = w.view(j, k, flat.dtype, cut[-1])[cut[j]:cut[j + 1]]
