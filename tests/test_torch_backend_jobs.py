@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 import subprocess
 import sys
 
@@ -47,6 +48,41 @@ def test_unmodified_ddp_script(n):
     assert proc.returncode == 0, proc.stdout[-4000:]
     for r in range(n):
         assert f"rank {r} of {n}: DDP matches single-process training" in proc.stdout
+
+
+def _slurm_unavailable() -> str | None:
+    """Why srun cannot start a job here, or None when a SLURM node is up."""
+    hint = "(start a local cluster with: sudo bash slurm/setup_local_cluster.sh)"
+    missing = [c for c in ("srun", "sinfo") if shutil.which(c) is None]
+    if missing:
+        return f"SLURM not available: {', '.join(missing)} not on PATH {hint}"
+    try:
+        proc = subprocess.run(["sinfo", "-h", "-o", "%t"], capture_output=True, text=True,
+                              timeout=30, check=False)
+    except subprocess.TimeoutExpired:
+        return f"SLURM cluster not up: sinfo timed out {hint}"
+    states = proc.stdout.split()
+    if proc.returncode != 0 or not {"idle", "mix", "alloc"} & set(states):
+        return f"SLURM cluster not up: sinfo: {(proc.stderr or proc.stdout).strip()!r} {hint}"
+    return None
+
+
+@pytest.mark.parametrize("nodes, n", [(1, 2), (2, 4)])
+def test_unmodified_ddp_script_under_srun(nodes, n):
+    if reason := _slurm_unavailable():
+        pytest.skip(reason)
+    env = clean_env()  # no SLURM_*/PMI_* of an enclosing job: srun makes its own allocation
+    for var in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        env.pop(var, None)
+    # --time: SLURM itself ends a job that outlives the limit, even if srun is killed.
+    cmd = ["srun", f"--nodes={nodes}", f"--ntasks={n}", "--mpi=pmi2", "--time=4",
+           sys.executable, f"{DIR}/ddp_script.py"]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, text=True, timeout=240, check=False)
+    assert proc.returncode == 0, proc.stdout[-4000:]
+    for r in range(n):
+        assert f"rank {r} of {n}: DDP matches single-process training" in proc.stdout, \
+            proc.stdout[-4000:]
 
 
 @pytest.mark.parametrize("n", [2, 3])
