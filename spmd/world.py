@@ -25,6 +25,7 @@ from .group import (
 )
 from .launch import check_world_size
 from .nodes import node_layout
+from .settings import parse_options
 from .store import Store
 
 __all__ = [
@@ -128,7 +129,7 @@ def init_process_group(backend: str | None = None, init_method: str | None = Non
             would otherwise go over MPI: the check that every rank runs the same spmd,
             mpi4py and MPI library, and GPU communicator ids.
         group_name: name of the default group in messages ("WORLD" if empty).
-        pg_options: a dict of reliability settings (``spmd.watchdog.Config``):
+        pg_options: a dict of reliability settings (``spmd.settings.Config``):
             ``debug`` ("OFF"/"INFO"/"DETAIL"), ``abort_on_exception``, ``dump_dir``,
             ``flight_recorder_size``, ``watchdog``, ``watchdog_interval``,
             ``heartbeat_timeout``, ``query_timeout``; unset ones come from the
@@ -182,7 +183,7 @@ def init_process_group(backend: str | None = None, init_method: str | None = Non
         seconds = timeout.total_seconds()
     else:
         raise ValueError(f"init_process_group: timeout must be a positive timedelta, got {timeout!r}")
-    reliability = _watchdog.parse_options(pg_options)
+    reliability = parse_options(pg_options)
     comm = world.Dup()
     comm.Set_name(f"spmd:{group_name or 'WORLD'}")
     world_state.node_rank, world_state.node_size, host_size = node_layout(comm)

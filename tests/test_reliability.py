@@ -354,19 +354,19 @@ def test_two_threads_on_two_groups(dist, fresh):
 # ----------------------------------------------------------------------------- settings
 
 def test_settings_from_options_and_environment(dist, monkeypatch):
-    from spmd import watchdog
+    from spmd import settings, watchdog
 
     assert sys.excepthook is watchdog._excepthook  # installed by init
     monkeypatch.setenv("SPMD_ABORT_ON_EXCEPTION", "0")
     monkeypatch.setenv("SPMD_QUERY_TIMEOUT", "1.5")
-    cfg = watchdog.parse_options(None)
+    cfg = settings.parse_options(None)
     assert cfg.abort_on_exception is False and cfg.query_timeout == 1.5
-    cfg = watchdog.parse_options({"abort_on_exception": True, "debug": "detail"})
+    cfg = settings.parse_options({"abort_on_exception": True, "debug": "detail"})
     assert cfg.abort_on_exception is True and cfg.debug == "DETAIL"
     with pytest.raises(ValueError, match="unknown pg_options key 'abort'"):
-        watchdog.parse_options({"abort": False})
+        settings.parse_options({"abort": False})
     monkeypatch.setenv("SPMD_ABORT_ON_EXCEPTION", "maybe")
     with pytest.raises(ValueError, match="SPMD_ABORT_ON_EXCEPTION='maybe'"):
-        watchdog.parse_options(None)
+        settings.parse_options(None)
     with pytest.raises(ValueError, match="unknown level"):
         dist.set_debug_level("LOUD")
