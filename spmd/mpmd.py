@@ -285,7 +285,7 @@ class Link:
             buf = self._device_source(a, op, collective=False)
         else:
             buf = movable(contiguous(a))
-        return Work([comm.Isend(buf, peer, tag)], op, self._pg, [a], None, (a, buf))
+        return Work([comm.Isend(buf, peer, tag)], op, self._pg, [a], keep=(a, buf))
 
     def _irecv(self, tensor, src, tag, op: str) -> Work:
         comm = self._live(op)
@@ -298,7 +298,7 @@ class Link:
             buf, finish = self._host_target(a)
         status = MPI.Status()
         req = comm.Irecv(movable(buf), peer, tag)
-        return Work([req], op, self._pg, [a], finish, (a, buf), status)
+        return Work([req], op, self._pg, [a], finish=finish, keep=(a, buf), status=status)
 
     def isend(self, tensor: Array, dst: int, tag: int = 0) -> Work:
         """Start sending ``tensor`` to rank ``dst`` of the other program; return a Work."""
@@ -331,7 +331,7 @@ class Link:
         return sending
 
     def _wait(self, req, op: str, keep=None, status=None) -> Work:
-        work = Work([req], op, self._pg, None, None, keep, status)
+        work = Work([req], op, self._pg, None, keep=keep, status=status)
         work.wait()
         return work
 

@@ -73,7 +73,7 @@ def _pieces(buf: np.ndarray) -> list[np.ndarray]:
 
 
 def _wait(pg, op: str, reqs, keep=None, status=None) -> Work:
-    work = Work(reqs if isinstance(reqs, list) else [reqs], op, pg, None, None, keep, status)
+    work = Work(reqs if isinstance(reqs, list) else [reqs], op, pg, None, keep=keep, status=status)
     work.wait()
     return work
 

@@ -117,8 +117,7 @@ class Plan:
             self._work = self._fallback()
         else:
             self._req.Start()
-            self._work = Work([self._req], self.name, self.group, self._outputs, self._finish,
-                              self._keep)
+            self._work = Work([self._req], self.name, self.group, self._outputs, finish=self._finish, keep=self._keep)
         return self._work
 
     def _check(self, call: str) -> None:

@@ -55,7 +55,7 @@ class Work:
                  "_op", "_group", "_status", "_meta", "_fr", "__weakref__")
 
     def __init__(self, reqs: list, op: str, group: GroupContext, outputs: list | None = None,
-                 finish: Callable[[], None] | None = None, keep: Any = None,
+                 *, finish: Callable[[], None] | None = None, keep: Any = None,
                  status: MPI.Status | None = None):
         self._reqs = reqs
         self._op = op

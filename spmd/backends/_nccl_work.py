@@ -20,7 +20,7 @@ class NcclWork(Work):
         self._owner = owner
         self._blocking = blocking  # barrier: waiting blocks the host
         self._peer = peer          # receives: the group rank received from
-        super().__init__([], op, owner.group, outputs, None, keep)
+        super().__init__([], op, owner.group, outputs, keep=keep)
 
     def _test(self) -> bool:
         self._owner.check(self._op)

@@ -151,7 +151,7 @@ class CudaMPIBackend(DeviceBackend):
         return work
 
     def _direct(self, reqs, op, outputs, keep, status=None) -> Work:
-        return Work(reqs, op, self.group, outputs, None, keep, status)
+        return Work(reqs, op, self.group, outputs, keep=keep, status=status)
 
     # -- reductions --------------------------------------------------------------------
 

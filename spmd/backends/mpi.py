@@ -98,8 +98,8 @@ class MPIBackend(DeviceBackend):
 
         return finish
 
-    def _work(self, reqs, op, outputs, finish=None, keep=None, status=None) -> Work:
-        return Work(reqs, op, self.group, outputs, finish, keep, status)
+    def _work(self, reqs, op, outputs, *, finish=None, keep=None, status=None) -> Work:
+        return Work(reqs, op, self.group, outputs, finish=finish, keep=keep, status=status)
 
     # -- reductions --------------------------------------------------------------
 
@@ -113,11 +113,11 @@ class MPIBackend(DeviceBackend):
         if type(plan) is Plan and plan.simple and a.flags.c_contiguous:
             req = self.comm.Iallreduce(_IN_PLACE, a if plan.view is None else a.view(plan.view),
                                        plan.mpi_op)
-            return Work([req], "all_reduce", self.group, [a], None, a)
+            return Work([req], "all_reduce", self.group, [a], keep=a)
         plan = self._plan(a.dtype, op, "all_reduce")
         buf = self._stage(a, plan, op, True)
         req = self.comm.Iallreduce(_IN_PLACE, mpi_view(buf, plan), plan.mpi_op)
-        return self._work([req], "all_reduce", [a], self._finisher(a, buf, plan), buf)
+        return self._work([req], "all_reduce", [a], finish=self._finisher(a, buf, plan), keep=buf)
 
     def all_reduce_coalesced(self, tensors, op):
         dt = tensors[0].dtype
@@ -146,7 +146,7 @@ class MPIBackend(DeviceBackend):
                     avg(p.buf, n)
                 p.unpack()
 
-        return Work(reqs, "all_reduce_coalesced", self.group, list(tensors), finish, packed)
+        return Work(reqs, "all_reduce_coalesced", self.group, list(tensors), finish=finish, keep=packed)
 
     def reduce(self, a, root, op):
         try:
@@ -159,15 +159,15 @@ class MPIBackend(DeviceBackend):
                 req = self.comm.Ireduce(_IN_PLACE, m, plan.mpi_op, root)
             else:
                 req = self.comm.Ireduce(m, None, plan.mpi_op, root)
-            return Work([req], "reduce", self.group, [a], None, a)
+            return Work([req], "reduce", self.group, [a], keep=a)
         plan = self._plan(a.dtype, op, "reduce")
         is_root = self.rank == root
         buf = self._stage(a, plan, op, is_root)
         if is_root:
             req = self.comm.Ireduce(_IN_PLACE, mpi_view(buf, plan), plan.mpi_op, root)
-            return self._work([req], "reduce", [a], self._finisher(a, buf, plan), buf)
+            return self._work([req], "reduce", [a], finish=self._finisher(a, buf, plan), keep=buf)
         req = self.comm.Ireduce(mpi_view(buf, plan), None, plan.mpi_op, root)
-        return self._work([req], "reduce", [a], None, buf)
+        return self._work([req], "reduce", [a], keep=buf)
 
     def reduce_scatter_tensor(self, out, a, op):
         try:
@@ -180,13 +180,13 @@ class MPIBackend(DeviceBackend):
             req = self.comm.Ireduce_scatter_block(a if view is None else a.view(view),
                                                   out if view is None else out.view(view),
                                                   plan.mpi_op)
-            return Work([req], "reduce_scatter_tensor", self.group, [out], None, (a, out))
+            return Work([req], "reduce_scatter_tensor", self.group, [out], keep=(a, out))
         plan = self._plan(a.dtype, op, "reduce_scatter_tensor")
         buf = self._stage(a, plan, op, False)
         rbuf = _recv_buffer(out, plan.upcast)
         req = self.comm.Ireduce_scatter_block(mpi_view(buf, plan), mpi_view(rbuf, plan), plan.mpi_op)
         return self._work([req], "reduce_scatter_tensor", [out],
-                          self._finisher(out, rbuf, plan), (buf, rbuf))
+                          finish=self._finisher(out, rbuf, plan), keep=(buf, rbuf))
 
     def reduce_scatter(self, out, inputs, op):
         plan = self._plan(out.dtype, op, "reduce_scatter")
@@ -196,8 +196,7 @@ class MPIBackend(DeviceBackend):
         rbuf = _recv_buffer(out, plan.upcast)
         counts = [x.size for x in inputs]
         req = self.comm.Ireduce_scatter(mpi_view(buf, plan), mpi_view(rbuf, plan), counts, plan.mpi_op)
-        return self._work([req], "reduce_scatter", [out], self._finisher(out, rbuf, plan),
-                          (buf, rbuf))
+        return self._work([req], "reduce_scatter", [out], finish=self._finisher(out, rbuf, plan), keep=(buf, rbuf))
 
     # -- data movement -----------------------------------------------------------
 
@@ -205,11 +204,11 @@ class MPIBackend(DeviceBackend):
         if a.flags.c_contiguous:  # the common case: MPI moves the array itself
             view = MOVE_AS[a.dtype]
             req = self.comm.Ibcast(a if view is None else a.view(view), root)
-            return Work([req], "broadcast", self.group, [a], None, a)
+            return Work([req], "broadcast", self.group, [a], keep=a)
         buf = _contig(a)
         req = self.comm.Ibcast(movable(buf), root)
         finish = None if buf is a or self.rank == root else (lambda: np.copyto(a, buf))
-        return self._work([req], "broadcast", [a], finish, buf)
+        return self._work([req], "broadcast", [a], finish=finish, keep=buf)
 
     def all_gather(self, outputs, a):
         src = movable(_contig(a))
@@ -220,7 +219,7 @@ class MPIBackend(DeviceBackend):
         else:
             req = self.comm.Iallgatherv(src, [movable(rbuf), counts_displs(counts)])
         return self._work([req], "all_gather", list(outputs),
-                          lambda: _unpack_into(outputs, rbuf), (src, rbuf))
+                          finish=lambda: _unpack_into(outputs, rbuf), keep=(src, rbuf))
 
     def all_gather_into_tensor(self, out, a):
         if a.flags.c_contiguous and out.flags.c_contiguous:
@@ -229,12 +228,12 @@ class MPIBackend(DeviceBackend):
                 req = self.comm.Iallgather(a, out)
             else:
                 req = self.comm.Iallgather(a.view(view), out.view(view))
-            return Work([req], "all_gather_into_tensor", self.group, [out], None, (a, out))
+            return Work([req], "all_gather_into_tensor", self.group, [out], keep=(a, out))
         src = movable(_contig(a))
         rbuf = _recv_buffer(out)
         req = self.comm.Iallgather(src, movable(rbuf))
         finish = None if rbuf is out else (lambda: np.copyto(out, rbuf))
-        return self._work([req], "all_gather_into_tensor", [out], finish, (src, rbuf))
+        return self._work([req], "all_gather_into_tensor", [out], finish=finish, keep=(src, rbuf))
 
     def all_gather_coalesced(self, output_lists, inputs):
         # Arrays of any dtypes travel together as bytes: one collective for the batch.
@@ -252,24 +251,23 @@ class MPIBackend(DeviceBackend):
                     np.copyto(o, row[pos:pos + nbytes].view(o.dtype).reshape(o.shape))
                     pos += nbytes
 
-        return self._work([req], "all_gather_coalesced", output_lists, finish, (sbuf, rbuf))
+        return self._work([req], "all_gather_coalesced", output_lists, finish=finish, keep=(sbuf, rbuf))
 
     def gather(self, a, outputs, root):
         src = movable(_contig(a))
         if self.rank != root:
             req = self.comm.Igather(src, None, root)
-            return self._work([req], "gather", [], None, src)
+            return self._work([req], "gather", [], keep=src)
         rbuf = np.empty(a.size * self.size, a.dtype)
         req = self.comm.Igather(src, movable(rbuf), root)
-        return self._work([req], "gather", list(outputs),
-                          lambda: _unpack_into(outputs, rbuf), (src, rbuf))
+        return self._work([req], "gather", list(outputs), finish=lambda: _unpack_into(outputs, rbuf), keep=(src, rbuf))
 
     def scatter(self, out, inputs, root):
         rbuf = _recv_buffer(out)
         sbuf = _pack(inputs, out.dtype) if self.rank == root else None
         req = self.comm.Iscatter(None if sbuf is None else movable(sbuf), movable(rbuf), root)
         finish = None if rbuf is out else (lambda: np.copyto(out, rbuf))
-        return self._work([req], "scatter", [out], finish, (sbuf, rbuf))
+        return self._work([req], "scatter", [out], finish=finish, keep=(sbuf, rbuf))
 
     def all_to_all(self, outputs, inputs):
         sbuf = _pack(inputs, inputs[0].dtype if inputs else outputs[0].dtype)
@@ -278,7 +276,7 @@ class MPIBackend(DeviceBackend):
         req = self.comm.Ialltoallv([movable(sbuf), counts_displs([x.size for x in inputs])],
                                    [movable(rbuf), counts_displs(rcounts)])
         return self._work([req], "all_to_all", list(outputs),
-                          lambda: _unpack_into(outputs, rbuf), (sbuf, rbuf))
+                          finish=lambda: _unpack_into(outputs, rbuf), keep=(sbuf, rbuf))
 
     def all_to_all_single(self, out, a, output_counts, input_counts):
         if input_counts is None and a.flags.c_contiguous and out.flags.c_contiguous:
@@ -287,7 +285,7 @@ class MPIBackend(DeviceBackend):
                 req = self.comm.Ialltoall(a, out)
             else:
                 req = self.comm.Ialltoall(a.view(view), out.view(view))
-            return Work([req], "all_to_all_single", self.group, [out], None, (a, out))
+            return Work([req], "all_to_all_single", self.group, [out], keep=(a, out))
         src = movable(_contig(a))
         rbuf = _recv_buffer(out)
         if input_counts is None:
@@ -296,7 +294,7 @@ class MPIBackend(DeviceBackend):
             req = self.comm.Ialltoallv([src, counts_displs(input_counts)],
                                        [movable(rbuf), counts_displs(output_counts)])
         finish = None if rbuf is out else (lambda: np.copyto(out, rbuf))
-        return self._work([req], "all_to_all_single", [out], finish, (src, rbuf))
+        return self._work([req], "all_to_all_single", [out], finish=finish, keep=(src, rbuf))
 
     def barrier(self):
         return Work([self.comm.Ibarrier()], "barrier", self.group, [])
@@ -307,9 +305,9 @@ class MPIBackend(DeviceBackend):
         if a.flags.c_contiguous:
             view = MOVE_AS[a.dtype]
             req = self.comm.Isend(a if view is None else a.view(view), peer, tag)
-            return Work([req], "send", self.group, [a], None, a)
+            return Work([req], "send", self.group, [a], keep=a)
         buf = movable(_contig(a))
-        return self._work([self.comm.Isend(buf, peer, tag)], "send", [a], None, buf)
+        return self._work([self.comm.Isend(buf, peer, tag)], "send", [a], keep=buf)
 
     def recv(self, a, peer, tag):
         if a.flags.c_contiguous:
@@ -317,9 +315,9 @@ class MPIBackend(DeviceBackend):
             status = MPI.Status()
             req = self.comm.Irecv(a if view is None else a.view(view),
                                   _ANY_SOURCE if peer is None else peer, tag)
-            return Work([req], "recv", self.group, [a], None, a, status)
+            return Work([req], "recv", self.group, [a], keep=a, status=status)
         buf = _recv_buffer(a)
         status = MPI.Status()
         req = self.comm.Irecv(movable(buf), MPI.ANY_SOURCE if peer is None else peer, tag)
         finish = None if buf is a else (lambda: np.copyto(a, buf))
-        return self._work([req], "recv", [a], finish, buf, status)
+        return self._work([req], "recv", [a], finish=finish, keep=buf, status=status)
