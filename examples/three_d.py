@@ -23,7 +23,6 @@ training of the unsharded model on one process.
 
 import _mlp
 import numpy as np
-from dp_mlp import GradBuckets
 from pp_1f1b import StageLink, run_1f1b
 from tp_mlp import ParallelMLP
 
@@ -76,9 +75,13 @@ def main():
     mine = range(stage * per_stage, (stage + 1) * per_stage)
     blocks = [ParallelMLP(*params[4 * b:4 * b + 4], group=tp) for b in mine]
     stage_params = [p for block in blocks for p in block.params]
-    buckets = GradBuckets(stage_params, BUCKET_BYTES, group=dp)
+    # DDP's buckets over the dp group; the gradients are views into the bucket buffers.
+    reducer = dist.BucketReducer([np.zeros_like(p) for p in stage_params],
+                                 bucket_cap_mb=BUCKET_BYTES / (1 << 20), group=dp,
+                                 gradient_as_bucket_view=True)
+    grads = reducer.grads
     for j, block in enumerate(blocks):
-        block.grads = buckets.grads[4 * j:4 * j + 4]
+        block.grads = grads[4 * j:4 * j + 4]
     rows = slice(replica * BATCH // n_replicas, (replica + 1) * BATCH // n_replicas)
     xs = x[rows].reshape(N_MICRO, -1, D)
     ts = target[rows].reshape(N_MICRO, -1, D)
@@ -105,16 +108,18 @@ def main():
         for j in reversed(range(len(blocks))):
             dy = blocks[j].backward(*saved[j], dy)
             if i == N_MICRO - 1:       # block j's gradients are complete: reduce them now
-                buckets.ready(*range(4 * j, 4 * j + 4))
+                for k in reversed(range(4 * j, 4 * j + 4)):
+                    reducer.mark_ready(k)
         return dy
 
     losses = np.zeros(STEPS)
     for step in range(STEPS):
-        buckets.zero_grad()
+        for g in grads:                # the blocks accumulate over micro-batches
+            g[...] = 0.0
         step_loss[0] = 0.0
         run_1f1b(link, N_MICRO, forward_step, backward_step)
-        buckets.wait()
-        _mlp.sgd(stage_params, buckets.grads, LR)
+        reducer.wait()
+        _mlp.sgd(stage_params, grads, LR)
         losses[step] = step_loss[0]
 
     # The last stage's replicas hold their slices' losses: average them, then hand the

@@ -1,14 +1,13 @@
 """Type names of the public API: the arrays spmd accepts, and timeouts.
 
-Only for annotations: nothing here runs on a call's path.
+Only for annotations: nothing here runs on a call's path.  ``Array`` is made on first
+use, so modules that need only ``Timeout`` (the stores) do not import numpy.
 """
 
 from __future__ import annotations
 
 from datetime import timedelta
-from typing import Any, Protocol
-
-import numpy as np
+from typing import TYPE_CHECKING, Any, Protocol
 
 __all__ = ["Array", "CudaArrayInterface", "DLPackArray", "Timeout"]
 
@@ -31,7 +30,21 @@ class DLPackArray(Protocol):
 # What the array arguments of collectives and point-to-point calls accept: numpy arrays,
 # cupy arrays, torch tensors (CPU or CUDA), and other __cuda_array_interface__ or DLPack
 # producers.  Outputs must be writable and contiguous; the checks say so at run time.
-Array = np.ndarray | CudaArrayInterface | DLPackArray
+if TYPE_CHECKING:
+    import numpy as np
+
+    Array = np.ndarray | CudaArrayInterface | DLPackArray
+
+
+def __getattr__(name: str) -> Any:
+    if name == "Array":
+        import numpy as np
+
+        global Array
+        Array = np.ndarray | CudaArrayInterface | DLPackArray
+        return Array
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 # A timeout: a timedelta or a number of seconds.
 Timeout = timedelta | float

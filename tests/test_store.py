@@ -755,4 +755,4 @@ def test_store_modules_use_only_the_standard_library():
                          capture_output=True, text=True, timeout=30)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == ("['spmd', 'spmd._filestore', 'spmd._stores', 'spmd._tcpstore', "
-                                  "'spmd.errors', 'spmd.store']")
+                                  "'spmd._typing', 'spmd.errors', 'spmd.store']")
