@@ -38,31 +38,34 @@ def _view(t: torch.Tensor, op: str, arg: str, reduces: bool):
     return t.numpy()
 
 
-def host_in(t, op: str, arg: str, reduces: bool = False):
-    """What spmd reads for tensor ``t``: a numpy view (CPU) or the tensor (CUDA)."""
+def _cpu_tensor(t, op: str, arg: str):
+    """``t`` without autograd if it is a CPU tensor, None for a device tensor."""
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{op}: {arg} must be a torch.Tensor, got {type(t).__name__}")
     if t.device.type != "cpu":
+        return None
+    return t.detach() if t.requires_grad else t
+
+
+def host_in(t, op: str, arg: str, reduces: bool = False):
+    """What spmd reads for tensor ``t``: a numpy view (CPU) or the tensor (CUDA)."""
+    cpu = _cpu_tensor(t, op, arg)
+    if cpu is None:
         return t
-    if t.requires_grad:
-        t = t.detach()
-    if t.is_conj() or t.is_neg():
-        t = t.resolve_conj().resolve_neg()  # a lazy view: its values, materialised
-    return _view(t, op, arg, reduces)
+    if cpu.is_conj() or cpu.is_neg():
+        cpu = cpu.resolve_conj().resolve_neg()  # a lazy view: its values, materialised
+    return _view(cpu, op, arg, reduces)
 
 
 def host_out(t, op: str, arg: str, reduces: bool = False):
     """What spmd writes for tensor ``t``: a numpy view sharing its memory (CPU)."""
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{op}: {arg} must be a torch.Tensor, got {type(t).__name__}")
-    if t.device.type != "cpu":
+    cpu = _cpu_tensor(t, op, arg)
+    if cpu is None:
         return t
-    if t.requires_grad:
-        t = t.detach()
-    if t.is_conj() or t.is_neg():
+    if cpu.is_conj() or cpu.is_neg():
         raise TypeError(f"{op}: {arg} is a lazy conjugate/negative view; results cannot be "
                         "written into it (call resolve_conj()/resolve_neg() first)")
-    return _view(t, op, arg, reduces)
+    return _view(cpu, op, arg, reduces)
 
 
 def same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
