@@ -110,22 +110,20 @@ def _contiguous_in_file(gshape, start, shape) -> bool:
 _NOTHING = np.empty(0, np.uint8)
 
 
-def write_block(comm: MPI.Intracomm, path: str, offset: int, gshape: tuple[int, ...],
-                itemsize: int, start: tuple[int, ...] | None, block: np.ndarray | None,
-                sync: bool = False) -> None:
-    """Collectively write each rank's ``block`` at ``start`` of the global array whose
-    data begins ``offset`` bytes into ``path`` (created beforehand).  Every rank of
-    ``comm`` must call it; a rank passes ``block=None`` to write nothing.  ``sync``
-    flushes the file to stable storage before it is closed."""
+def _transfer(comm: MPI.Intracomm, path: str, amode: int, access: str, offset: int,
+              gshape: tuple[int, ...], itemsize: int, start: tuple[int, ...] | None,
+              buf: np.ndarray | None, sync: bool = False) -> None:
+    """Open ``path`` on every rank of ``comm``, set each rank's view to its block and
+    run the collective ``access`` (``Write_at_all``/``Read_at_all``) on ``buf``."""
     types = _Types()
-    fh = MPI.File.Open(comm, path, MPI.MODE_WRONLY)
+    fh = MPI.File.Open(comm, path, amode)
     try:
-        shape = None if block is None else block.shape
+        shape = None if buf is None else buf.shape
         etype = _view(fh, offset, itemsize, gshape, start, shape, types)
-        if block is None or block.size == 0:
-            fh.Write_at_all(0, [_NOTHING, 0, etype])
+        if buf is None or buf.size == 0:
+            getattr(fh, access)(0, [_NOTHING, 0, etype])
         else:
-            fh.Write_at_all(0, _memory(block, etype, types))
+            getattr(fh, access)(0, _memory(buf, etype, types))
         if sync:
             fh.Sync()
     finally:
@@ -133,19 +131,19 @@ def write_block(comm: MPI.Intracomm, path: str, offset: int, gshape: tuple[int, 
         types.free()
 
 
+def write_block(comm: MPI.Intracomm, path: str, offset: int, gshape: tuple[int, ...],
+                itemsize: int, start: tuple[int, ...] | None, block: np.ndarray | None,
+                sync: bool = False) -> None:
+    """Collectively write each rank's ``block`` at ``start`` of the global array whose
+    data begins ``offset`` bytes into ``path`` (created beforehand).  Every rank of
+    ``comm`` must call it; a rank passes ``block=None`` to write nothing.  ``sync``
+    flushes the file to stable storage before it is closed."""
+    _transfer(comm, path, MPI.MODE_WRONLY, "Write_at_all", offset, gshape, itemsize, start,
+              block, sync)
+
+
 def read_block(comm: MPI.Intracomm, path: str, offset: int, gshape: tuple[int, ...],
                itemsize: int, start: tuple[int, ...] | None, out: np.ndarray | None) -> None:
     """Collectively read each rank's block at ``start`` into ``out`` (its shape is the
     block's); every rank of ``comm`` must call it, ``out=None`` reads nothing."""
-    types = _Types()
-    fh = MPI.File.Open(comm, path, MPI.MODE_RDONLY)
-    try:
-        shape = None if out is None else out.shape
-        etype = _view(fh, offset, itemsize, gshape, start, shape, types)
-        if out is None or out.size == 0:
-            fh.Read_at_all(0, [_NOTHING, 0, etype])
-        else:
-            fh.Read_at_all(0, _memory(out, etype, types))
-    finally:
-        fh.Close()
-        types.free()
+    _transfer(comm, path, MPI.MODE_RDONLY, "Read_at_all", offset, gshape, itemsize, start, out)
