@@ -16,7 +16,6 @@ from . import _gpu
 __all__ = ["Backend", "register_backend", "DEVICES"]
 
 DEVICES = ("cpu", "cuda")
-_DEVICES = DEVICES
 
 # name -> factory(group) -> engine; (name, device) -> factory where one name has a class
 # per device ("mpi" for cuda arrays is the GPU-aware/staging MPI engine).
@@ -68,9 +67,9 @@ class Backend(str):
         out: dict[str, str] = {}
         for part in spec.split(","):
             device, sep, name = part.strip().partition(":")
-            if not sep or device not in _DEVICES or name not in known:
+            if not sep or device not in DEVICES or name not in known:
                 raise ValueError(f"Backend: cannot parse {part!r} in {spec!r}; expected "
-                                 f"device:backend with device in {_DEVICES} and backend in {known}")
+                                 f"device:backend with device in {DEVICES} and backend in {known}")
             if device in out:
                 raise ValueError(f"Backend: device {device!r} appears twice in {spec!r}")
             out[device] = "mpi" if name == "gloo" else name
@@ -100,9 +99,9 @@ def register_backend(name: str, factory: Callable[[Any], Any],
         raise ValueError(f"register_backend: backend {key!r} is already registered")
     if not callable(factory):
         raise TypeError(f"register_backend: factory must be callable, got {type(factory).__name__}")
-    devs = _DEVICES if devices is None else tuple(str(d).lower() for d in devices)
-    if not devs or any(d not in _DEVICES for d in devs):
-        raise ValueError(f"register_backend: devices must be a non-empty subset of {_DEVICES}, "
+    devs = DEVICES if devices is None else tuple(str(d).lower() for d in devices)
+    if not devs or any(d not in DEVICES for d in devs):
+        raise ValueError(f"register_backend: devices must be a non-empty subset of {DEVICES}, "
                          f"got {devices!r}")
     backend_factories[key] = factory
     backend_devices[key] = devs
