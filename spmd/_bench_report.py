@@ -78,7 +78,8 @@ def targets(doc: dict) -> list[dict]:
                 add(name, op, nbytes, t, by_size[nbytes][OURS], bound, True)
     fusion = {row["impl"]: row for row in doc.get("fusion", [])}
     separate = fusion.get("spmd all_reduce x N")
-    for impl in ("spmd all_reduce_coalesced", "spmd coalescing_manager"):
+    for impl in ("spmd all_reduce_coalesced", "spmd coalescing_manager",
+                 "spmd persistent all_reduce_coalesced"):
         if separate and impl in fusion:
             add(f"fusion: {impl} vs separate all_reduce", "all_reduce",
                 fusion[impl]["array_bytes"], separate, fusion[impl], FUSION_BOUND, True)
@@ -118,9 +119,9 @@ def table(doc: dict) -> str:
         f0 = doc["fusion"][0]
         lines += ["", f"== fusion: {f0['arrays']} all-reduces of {format_size(f0['array_bytes'])}"
                   " each, per batch",
-                  f"{'impl':28s} {'median':>11s} {'p10':>11s} {'p90':>11s} {'speed-up':>9s}"]
+                  f"{'impl':38s} {'median':>11s} {'p10':>11s} {'p90':>11s} {'speed-up':>9s}"]
         for r in doc["fusion"]:
-            lines.append(f"{r['impl']:28s} {_t(r['median_us']):>11s} {_t(r['p10_us']):>11s} "
+            lines.append(f"{r['impl']:38s} {_t(r['median_us']):>11s} {_t(r['p10_us']):>11s} "
                          f"{_t(r['p90_us']):>11s} {r['speedup_vs_separate']:8.1f}x")
     if doc.get("targets"):
         lines += ["", "== targets (medians decide; the same ratio from p10s in brackets)"]

@@ -135,8 +135,8 @@ for _name in ("send_object_list", "recv_object_list"):
 
 # Persistent plans: checked as the collective they plan, with the plan's number in its
 # group (``plan``), when the plan is made and at every start().
-for _name in ("all_reduce", "broadcast", "reduce", "all_gather_into_tensor",
-              "reduce_scatter_tensor", "all_to_all_single", "barrier"):
+for _name in ("all_reduce", "all_reduce_coalesced", "broadcast", "reduce",
+              "all_gather_into_tensor", "reduce_scatter_tensor", "all_to_all_single", "barrier"):
     _planned = OPS[_name]
     _op(f"persistent.{_name}", fingerprint=_planned.fingerprint, bus=_planned.bus,
         share_output=_planned.share_output)

@@ -14,7 +14,7 @@ import numpy.typing as npt
 from mpi4py import MPI
 
 __all__ = ["get_bucket_bytes", "set_bucket_bytes", "buckets", "pack", "unpack",
-           "pack_buckets", "Packed", "DEFAULT_BUCKET_BYTES"]
+           "pack_buckets", "Packed", "PackPlan", "DEFAULT_BUCKET_BYTES"]
 
 DEFAULT_BUCKET_BYTES = 128 * 1024 * 1024
 
@@ -162,6 +162,53 @@ def pack_buckets(arrays: list, dtype: np.dtype, in_place: bool = True, limit: in
             out.append(Packed(run, pack(run, dtype)))
         lo = hi
     return out
+
+
+class PackPlan:
+    """The same arrays packed into the same buffers again and again (a persistent fused
+    collective): each bucket's layout, an MPI datatype listing its arrays' addresses,
+    is built once, so packing or unpacking a bucket is one C call however many arrays
+    it holds.  An array alone in its bucket is its own buffer (nothing to copy).
+
+    ``arrays`` must be C-contiguous host arrays of ``dtype``, alive and unmoved while
+    the plan is used; ``free()`` releases the datatypes.
+    """
+
+    __slots__ = ("bufs", "_copies")
+
+    def __init__(self, arrays: list[np.ndarray], dtype: np.dtype, limit: int | None = None):
+        self.bufs: list[np.ndarray] = []
+        self._copies: list[tuple[np.ndarray, MPI.Datatype]] = []   # (buffer, layout)
+        try:
+            for run in buckets(arrays, limit):
+                if len(run) == 1:
+                    self.bufs.append(run[0].reshape(-1))
+                    continue
+                sizes = [a.nbytes for a in run]
+                layout = _BYTE.Create_hindexed(sizes, [_get_address(a) for a in run]).Commit()
+                buf = np.empty(sum(sizes) // dtype.itemsize, dtype)
+                self._copies.append((buf, layout))
+                self.bufs.append(buf)
+        except BaseException:
+            self.free()
+            raise
+
+    def pack(self) -> None:
+        """Copy the arrays into the buffers."""
+        comm = _self()
+        for buf, layout in self._copies:
+            comm.Sendrecv([_BOTTOM, 1, layout], 0, 0, [buf, _BYTE], 0, 0)
+
+    def unpack(self) -> None:
+        """Copy the buffers back into the arrays."""
+        comm = _self()
+        for buf, layout in self._copies:
+            comm.Sendrecv([buf, _BYTE], 0, 0, [_BOTTOM, 1, layout], 0, 0)
+
+    def free(self) -> None:
+        for _, layout in self._copies:
+            layout.Free()
+        self._copies = []
 
 
 def pack(arrays: list, dtype: npt.DTypeLike) -> np.ndarray:

@@ -37,20 +37,22 @@ from mpi4py import MPI
 
 from . import collectives as _c
 from ._typing import Array
-from .arrays import array_in, array_out, movable
+from .arrays import array_in, array_list, array_out, common_device, movable
 from .backends import checked as _checked
 from .backends.reduction import AVERAGE, PLANS, checked_plan, mpi_view
 from .errors import located
 from .group import GroupArg, ProcessGroup, resolve
 from .ops import ReduceOp
 from .optable import OPS
+from .packing import PackPlan
 from .work import Work
 
-__all__ = ["Plan", "available", "all_reduce", "broadcast", "reduce", "all_gather_into_tensor",
+__all__ = ["Plan", "available", "all_reduce", "all_reduce_coalesced", "broadcast", "reduce", "all_gather_into_tensor",
            "reduce_scatter_tensor", "all_to_all_single", "barrier"]
 
 _SUM = ReduceOp.SUM
 _IN_PLACE = MPI.IN_PLACE
+_startall = MPI.Prequest.Startall
 _ndarray = np.ndarray
 
 # Plans made per group: a plan's number, the same on every rank that makes the same plans.
@@ -65,14 +67,35 @@ def available() -> bool:
     return MPI.Get_version() >= (4, 0) and hasattr(MPI.Comm, "Allreduce_init")
 
 
+class _AllOf:
+    """Several started persistent requests as one, for a Work: complete when all are.
+
+    Not ``Testall``: MPICH 5.0.2's fails with MPI_ERR_IN_STATUS ("pending request") when
+    some persistent collective requests of the list are complete and others are not.
+    """
+
+    __slots__ = ("_reqs",)
+
+    def __init__(self, reqs: list):
+        self._reqs = reqs
+
+    def Test(self, status: Any = None) -> bool:  # noqa: N802 - an MPI request's name
+        for req in self._reqs:   # a completed persistent request tests true again
+            if not req.Test():
+                return False
+        return True
+
+
 class Plan:
     """One prepared collective; ``start()`` runs it and returns its Work."""
 
     def __init__(self, name: str, pg: ProcessGroup, outputs: list[Any],
-                 native_init: Callable[[], MPI.Prequest] | None,
+                 native_init: Callable[[], MPI.Prequest | list[MPI.Prequest]] | None,
                  fallback: Callable[[], Work | None],
                  finish: Callable[[], None] | None = None, keep: object = None,
-                 args: tuple = ()):
+                 args: tuple = (), prepare: Callable[[], None] | None = None,
+                 release: Callable[[], None] | None = None):
+        # prepare: run before each native start (packing inputs); release: run by free().
         self.name = name
         self.group = pg
         self._outputs = outputs
@@ -81,7 +104,9 @@ class Plan:
         self._fallback = fallback
         self._work: Work | None = None
         self._freed = False
-        self._req = None
+        self._req: Any = None   # one request, or a list of them (started together)
+        self._prepare = prepare
+        self._release = release
         self._number = _plans_made.get(pg, 0) + 1
         _plans_made[pg] = self._number
         self._args = args  # the planned collective's engine arguments: its fingerprint
@@ -115,9 +140,15 @@ class Plan:
             self._check("start")
         if self._req is None:
             self._work = self._fallback()
-        else:
+        elif type(self._req) is not list:
             self._req.Start()
             self._work = Work([self._req], self.name, self.group, self._outputs, finish=self._finish, keep=self._keep)
+        elif type(self._req) is list:
+            if self._prepare is not None:
+                self._prepare()
+            _startall(self._req)
+            self._work = Work([_AllOf(self._req)], self.name, self.group, self._outputs,
+                              finish=self._finish, keep=self._keep)
         return self._work
 
     def _check(self, call: str) -> None:
@@ -135,8 +166,11 @@ class Plan:
         if self._work is not None:
             self._work.wait()
         if self._req is not None:
-            self._req.Free()
+            for req in self._req if type(self._req) is list else [self._req]:
+                req.Free()
             self._req = None
+        if self._release is not None:
+            self._release()
         self._freed = True
 
     def __enter__(self) -> Plan:
@@ -185,6 +219,68 @@ def all_reduce(tensor: Array, op: ReduceOp = _SUM, group: GroupArg = None) -> Pl
     return Plan("all_reduce", pg, [a], init,
                 lambda: _c.all_reduce(a, op, pg, async_op=True),
                 _averager(plan, a, pg._size), a, (a, op))
+
+
+def all_reduce_coalesced(tensors: list[Array], op: ReduceOp = _SUM,
+                         group: GroupArg = None) -> Plan:
+    """Plan ``spmd.all_reduce_coalesced(tensors, op, group)``: the training-loop case of
+    the same arrays fused every step.
+
+    The arrays are packed into one buffer per dtype (and fusion bucket) whose layout is
+    built once, and each buffer gets a persistent all-reduce: a start is one C copy in,
+    one ``MPI_Startall`` and, on completion, one C copy out per bucket, with no Python
+    per array.  The arrays must stay the same objects (refill them in place).
+    """
+    name = "persistent.all_reduce_coalesced"
+    pg = _group(group, "all_reduce_coalesced")
+    dev = common_device(name, pg, ("tensors", tensors))
+    arrays = array_list(tensors, name, "tensors", pg, None, out=True)
+    if not arrays:
+        raise located(ValueError, name, "tensors is empty", pg)
+    by_dtype: dict[Any, list] = {}
+    for a in arrays:
+        by_dtype.setdefault(a.dtype, []).append(a)
+    plans = {dt: checked_plan(PLANS, dt, op, name, pg) for dt in by_dtype}
+    direct = dev == "cpu" and all(p.upcast is None and not p.premul for p in plans.values()) \
+        and all(a.flags.c_contiguous for a in arrays)
+    packs: list[tuple[PackPlan, Any]] = []
+
+    def release():
+        for pack, _ in packs:
+            pack.free()
+        packs.clear()
+
+    def init():
+        reqs: list = []
+        try:
+            for dt, run in by_dtype.items():
+                packs.append((PackPlan(run, dt), plans[dt]))
+                plan = plans[dt]
+                reqs.extend(pg._comm.Allreduce_init(_IN_PLACE, mpi_view(buf, plan), plan.mpi_op)
+                            for buf in packs[-1][0].bufs)
+        except BaseException:
+            for req in reqs:
+                req.Free()
+            release()
+            raise
+        return reqs
+
+    def prepare():
+        for pack, _ in packs:
+            pack.pack()
+
+    n = pg._size
+
+    def finish():
+        for pack, plan in packs:
+            if plan.avg:
+                for buf in pack.bufs:
+                    AVERAGE[plan.avg](buf, n)
+            pack.unpack()
+
+    return Plan("all_reduce_coalesced", pg, arrays, init if direct else None,
+                lambda: pg._backend_for(dev).all_reduce_coalesced(arrays, op),
+                finish, packs, (arrays, op), prepare=prepare, release=release)
 
 
 def broadcast(tensor: Array, src: int | None = None, group: GroupArg = None,

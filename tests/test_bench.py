@@ -49,7 +49,8 @@ def test_quick_json_has_every_field(n, tmp_path):
             assert r["count"] % n == 0
     fusion = {r["impl"]: r for r in doc["fusion"]}
     assert set(fusion) == {"spmd all_reduce x N", "mpi4py Allreduce x N",
-                           "spmd all_reduce_coalesced", "spmd coalescing_manager"}
+                           "spmd all_reduce_coalesced", "spmd coalescing_manager",
+                           "spmd persistent all_reduce_coalesced"}
     assert fusion["spmd all_reduce x N"]["speedup_vs_separate"] == 1.0
     names = {t["name"].split(":")[0] for t in doc["targets"]}
     assert {"latency", "fusion"} <= names

@@ -164,6 +164,9 @@ def test_persistent_plan_made_differently_raises_everywhere(dist, fresh, detail)
     src = 1 if me == n - 1 else 0
     _expect_mismatch(dist, g, lambda: dist.persistent.broadcast(np.ones(3), src=src, group=g),
                      "root", "dbgplan_make")
+    fused = [np.ones(2), np.ones((2, 3) if me == n - 1 else (3, 2))]
+    _expect_mismatch(dist, g, lambda: dist.persistent.all_reduce_coalesced(fused, group=g),
+                     "shapes", "dbgplan_make")
 
 
 def test_persistent_plans_started_out_of_order_raise_everywhere(dist, fresh, detail):

@@ -86,6 +86,62 @@ def test_movement_and_rooted_plans(dist, mode):
             p.free()
 
 
+def _fused_arrays(rank: int, step: int) -> list:
+    """Many small arrays of three dtypes (one float32 bucket, an int64 and a float64
+    array alone in theirs), shapes 1-D to 3-D, filled from rank and step."""
+    arrays = [np.full((3, i + 1), rank + i + step, np.float32) for i in range(12)]
+    arrays += [np.full((2, 2, 2), rank * step, np.int64), np.arange(7.0) * (rank + step)]
+    return arrays
+
+
+@pytest.mark.parametrize("opname", ["SUM", "AVG", "MAX"])
+@pytest.mark.parametrize("bucket_bytes", [None, 64])   # 64 B: several buckets per dtype
+def test_all_reduce_coalesced_over_starts(dist, mode, opname, bucket_bytes, monkeypatch):
+    from spmd import packing
+
+    if bucket_bytes is not None:
+        monkeypatch.setattr(packing, "_bucket_bytes", bucket_bytes)
+    n, rank = dist.get_world_size(), dist.get_rank()
+    op = getattr(dist.ReduceOp, opname)
+    arrays = _fused_arrays(rank, 0)
+    with persistent.all_reduce_coalesced(arrays, op) as plan:
+        _check_native(plan, mode)
+        for step in range(3):
+            for a, fresh in zip(arrays, _fused_arrays(rank, step)):  # refill in place
+                a[...] = fresh
+            plan.start().wait()
+            per_rank = [_fused_arrays(r, step) for r in range(n)]
+            for i, a in enumerate(arrays):
+                stack = np.stack([p[i] for p in per_rank])
+                if opname == "SUM":
+                    want = stack.sum(0)
+                elif opname == "MAX":
+                    want = stack.max(0)
+                else:   # integer AVG truncates, as torch's
+                    want = stack.sum(0) // n if a.dtype.kind == "i" else stack.mean(0)
+                np.testing.assert_allclose(a, want.astype(a.dtype), rtol=1e-6, err_msg=str(i))
+
+
+def test_all_reduce_coalesced_non_contiguous_and_bad_input(dist):
+    n = dist.get_world_size()
+    base = np.ones((4, 4))
+    arrays = [base[:, ::2], np.ones(3)]
+    with persistent.all_reduce_coalesced(arrays) as plan:
+        assert not plan.native   # the ordinary fused collective at each start
+        plan.start().wait()
+    np.testing.assert_array_equal(base[:, ::2], np.full((4, 2), float(n)))
+    np.testing.assert_array_equal(base[:, 1::2], np.ones((4, 2)))
+    np.testing.assert_array_equal(arrays[1], np.full(3, float(n)))
+    with pytest.raises(ValueError, match="tensors is empty"):
+        persistent.all_reduce_coalesced([])
+    with pytest.raises(TypeError, match="BAND"):
+        persistent.all_reduce_coalesced([np.zeros(2)], op=dist.ReduceOp.BAND)
+    with pytest.raises(ValueError, match="read-only"):
+        ro = np.zeros(2)
+        ro.flags.writeable = False
+        persistent.all_reduce_coalesced([np.zeros(2), ro])
+
+
 def test_non_contiguous_uses_the_ordinary_collective(dist):
     n = dist.get_world_size()
     base = np.ones((4, 4))
