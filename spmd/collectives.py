@@ -25,6 +25,7 @@ from .arrays import (
     same_dtype,
     same_size,
 )
+from .backends.host import HostBackend
 from .errors import located
 from .futures import Future
 from .group import GroupArg, resolve
@@ -138,6 +139,10 @@ def broadcast(tensor: Array, src: int | None = None, group: GroupArg = None,
     if pg is None:
         return None
     root = root_rank(pg, "broadcast", src, group_src, "src")
+    if not async_op and type(tensor) is _ndarray:
+        host = pg._backends.get("cpu")
+        if type(host) is HostBackend and host.blocking.broadcast(tensor, root):
+            return None
     a = array_out(tensor, "broadcast", "tensor", pg)
     work = pg._backend_for("cpu" if type(a) is _ndarray else device_of(a)).broadcast(a, root)
     if async_op:
@@ -152,6 +157,10 @@ def all_reduce(tensor: Array, op: ReduceOp = _SUM, group: GroupArg = None,
     pg = resolve(group, "all_reduce")
     if pg is None:
         return None
+    if not async_op and type(tensor) is _ndarray:
+        host = pg._backends.get("cpu")
+        if type(host) is HostBackend and host.blocking.all_reduce(tensor, op):
+            return None
     a = array_out(tensor, "all_reduce", "tensor", pg)
     work = pg._backend_for("cpu" if type(a) is _ndarray else device_of(a)).all_reduce(a, op)
     if async_op:
@@ -188,6 +197,10 @@ def reduce(tensor: Array, dst: int | None = None, op: ReduceOp = _SUM, group: Gr
     if pg is None:
         return None
     root = root_rank(pg, "reduce", dst, group_dst, "dst")
+    if not async_op and type(tensor) is _ndarray:
+        host = pg._backends.get("cpu")
+        if type(host) is HostBackend and host.blocking.reduce(tensor, root, op, pg._rank == root):
+            return None
     a = (array_out if pg._rank == root else array_in)(tensor, "reduce", "tensor", pg)
     work = pg._backend_for("cpu" if type(a) is _ndarray else device_of(a)).reduce(a, root, op)
     if async_op:
@@ -226,6 +239,11 @@ def all_gather_into_tensor(output_tensor: Array, input_tensor: Array, group: Gro
     pg = resolve(group, "all_gather_into_tensor")
     if pg is None:
         return None
+    if not async_op and type(output_tensor) is _ndarray and type(input_tensor) is _ndarray:
+        host = pg._backends.get("cpu")
+        if type(host) is HostBackend and host.blocking.all_gather_into_tensor(output_tensor,
+                                                                              input_tensor):
+            return None
     dev = "cpu" if type(output_tensor) is _ndarray and type(input_tensor) is _ndarray else \
         common_device("all_gather_into_tensor", pg, ("output_tensor", output_tensor),
                       ("input_tensor", input_tensor))
@@ -345,6 +363,10 @@ def reduce_scatter_tensor(output: Array, input: Array, op: ReduceOp = _SUM,  # n
     pg = resolve(group, "reduce_scatter_tensor")
     if pg is None:
         return None
+    if not async_op and type(output) is _ndarray and type(input) is _ndarray:
+        host = pg._backends.get("cpu")
+        if type(host) is HostBackend and host.blocking.reduce_scatter_tensor(output, input, op):
+            return None
     dev = "cpu" if type(output) is _ndarray and type(input) is _ndarray else \
         common_device("reduce_scatter_tensor", pg, ("output", output), ("input", input))
     out = array_out(output, "reduce_scatter_tensor", "output", pg)
@@ -394,6 +416,11 @@ def all_to_all_single(output: Array, input: Array,  # noqa: A002
     pg = resolve(group, op)
     if pg is None:
         return None
+    if not async_op and output_split_sizes is None and input_split_sizes is None \
+            and type(output) is _ndarray and type(input) is _ndarray:
+        host = pg._backends.get("cpu")
+        if type(host) is HostBackend and host.blocking.all_to_all_single(output, input):
+            return None
     dev = "cpu" if type(output) is _ndarray and type(input) is _ndarray else \
         common_device(op, pg, ("output", output), ("input", input))
     a = array_in(input, op, "input", pg)
@@ -469,6 +496,10 @@ def barrier(group: GroupArg = None, async_op: bool = False,
     pg = resolve(group, "barrier")
     if pg is None:
         return None
+    if not async_op and timeout is None and not device_ids:
+        host = pg._backends.get("cpu")
+        if type(host) is HostBackend and host.blocking.barrier():
+            return None
     work = pg._backend_for(_barrier_device(pg, device_ids)).barrier()
     if async_op:
         return work

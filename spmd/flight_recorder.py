@@ -122,9 +122,9 @@ class FlightRecorder:
 
     # -- the hot path: called for every Work --------------------------------------
 
-    def started(self, work) -> None:
-        g = work._group
-        op = work._op
+    def begin(self, op: str, g, a) -> list:
+        """Record ``op`` starting on group ``g`` (``a``: its first array, or None);
+        return the entry, which :meth:`end` completes."""
         try:
             c = g._fr[op]
         except (TypeError, KeyError):  # the group's or the op's first time
@@ -133,13 +133,25 @@ class FlightRecorder:
         ring = self._ring
         if ring[0][T1] is None:  # about to push out an operation still in flight
             self._stale.append(ring[0])
+        if a is None:
+            e = [op, g, seq, c, None, None, _monotonic(), None, False, False]
+        else:
+            e = [op, g, seq, c, a.size, a.dtype, _monotonic(), None, False, False]
+        ring.append(e)
+        return e
+
+    @staticmethod
+    def end(e: list) -> None:
+        """Mark an entry from :meth:`begin` completed."""
+        e[T1] = _monotonic()
+
+    def started(self, work) -> None:
         try:
             a = work._outputs[0]
-            e = [op, g, seq, c, a.size, a.dtype, _monotonic(), None, False, False]
+            a.size  # noqa: B018 - an array, not a list of lists
         except (TypeError, IndexError, AttributeError):  # no outputs, or a list of lists
-            e = [op, g, seq, c, None, None, _monotonic(), None, False, False]
-        work._fr = e
-        ring.append(e)
+            a = None
+        work._fr = self.begin(work._op, work._group, a)
 
     def completed(self, work) -> None:
         try:

@@ -7,7 +7,8 @@ from collections.abc import Callable, Sequence
 from mpi4py import MPI
 
 from ._typing import Array
-from .arrays import array_in, array_out, device_of
+from .arrays import _ndarray, array_in, array_out, device_of
+from .backends.host import HostBackend
 from .collectives import group_rank_of
 from .errors import located
 from .group import GroupArg, resolve
@@ -72,8 +73,13 @@ def send(tensor: Array, dst: int | None = None, group: GroupArg = None, tag: int
     if pg is None:
         return None
     peer = peer_rank(pg, "send", dst, group_dst, "dst")
+    tag = check_tag(tag, "send", pg)
+    if type(tensor) is _ndarray:
+        host = pg._backends.get("cpu")
+        if type(host) is HostBackend and host.blocking.send(tensor, peer, tag):
+            return None
     a = array_in(tensor, "send", "tensor", pg)
-    pg._backend_for(device_of(a)).send(a, peer, check_tag(tag, "send", pg)).wait()
+    pg._backend_for(device_of(a)).send(a, peer, tag).wait()
     return None
 
 
@@ -88,8 +94,13 @@ def recv(tensor: Array, src: int | None = None, group: GroupArg = None, tag: int
     if pg is None:
         return -1
     peer = peer_rank(pg, "recv", src, group_src, "src", any_source=True)
+    tag = check_tag(tag, "recv", pg)
+    if peer is not None and type(tensor) is _ndarray:
+        host = pg._backends.get("cpu")
+        if type(host) is HostBackend and host.blocking.recv(tensor, peer, tag):
+            return pg._global_rank(peer)
     a = array_out(tensor, "recv", "tensor", pg)
-    work = pg._backend_for(device_of(a)).recv(a, peer, check_tag(tag, "recv", pg))
+    work = pg._backend_for(device_of(a)).recv(a, peer, tag)
     return work.source_rank()
 
 

@@ -11,6 +11,7 @@ from typing import Any
 
 from ..optable import ENGINE_OPS
 from .base import DeviceBackend
+from .blocking import BlockingHost
 from .mpi import MPIBackend
 from .shm import engine_for
 
@@ -31,6 +32,8 @@ class HostBackend(DeviceBackend):
         self.mpi = MPIBackend(group)
         # The engine falls back to MPI for a call its window cannot take.
         self.shm = engine_for(self.mpi)
+        # Blocking calls of the common case skip the Work (collectives try it first).
+        self.blocking = BlockingHost(group, self.mpi.comm, self.shm)
         for name in (*ENGINE_OPS, "batch_p2p"):
             if self.shm is None or name not in _DISPATCHED:
                 setattr(self, name, getattr(self.mpi, name))
