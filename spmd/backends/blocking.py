@@ -34,6 +34,25 @@ _IN_PLACE = MPI.IN_PLACE
 _NOT_MOVED = np.dtype([("not moved", np.uint8)])
 
 
+def _as(x: np.ndarray, view: np.dtype | None) -> np.ndarray:
+    """``x`` as MPI moves it: itself, or reinterpreted as ``view`` (bool as uint8...)."""
+    return x if view is None else x.view(view)
+
+
+def _simple_plan(a: np.ndarray, op: Any) -> Plan | None:
+    """The reduction plan of ``a`` and ``op`` when MPI reduces ``a`` itself, else None."""
+    try:
+        plan = PLANS[op.name].get(a.dtype)
+    except (KeyError, AttributeError):  # not a ReduceOp
+        return None
+    return plan if type(plan) is Plan and plan.simple else None
+
+
+def _contiguous_pair(out: np.ndarray, a: np.ndarray) -> bool:
+    """Input and output contiguous, the output writeable."""
+    return a.flags.c_contiguous and out.flags.c_contiguous and out.flags.writeable
+
+
 class BlockingHost:
     """The short blocking path of one group's host engine (``HostBackend.blocking``)."""
 
@@ -64,33 +83,25 @@ class BlockingHost:
         return bool(_observers) and (len(_observers) != 1 or _observers[0] is not recorder)
 
     def all_reduce(self, a: np.ndarray, op: Any) -> bool:
-        try:
-            plan = PLANS[op.name].get(a.dtype)
-        except (KeyError, AttributeError):
-            return False
+        plan = _simple_plan(a, op)
         flags = a.flags
-        if type(plan) is not Plan or not plan.simple or not flags.c_contiguous \
-                or not flags.writeable or self._declines():
+        if plan is None or not flags.c_contiguous or not flags.writeable or self._declines():
             return False
         if self.shm is not None and a.nbytes >= self.shm.all_reduce_from:
             return False
-        req = self.comm.Iallreduce(_IN_PLACE, a if plan.view is None else a.view(plan.view),
-                                   plan.mpi_op)
+        req = self.comm.Iallreduce(_IN_PLACE, _as(a, plan.view), plan.mpi_op)
         self._run(req, "all_reduce", a)
         return True
 
     def reduce(self, a: np.ndarray, root: int, op: Any, is_root: bool) -> bool:
-        try:
-            plan = PLANS[op.name].get(a.dtype)
-        except (KeyError, AttributeError):
-            return False
+        plan = _simple_plan(a, op)
         flags = a.flags
-        if type(plan) is not Plan or not plan.simple or not flags.c_contiguous \
+        if plan is None or not flags.c_contiguous \
                 or (is_root and not flags.writeable) or self._declines():
             return False
         if self.shm is not None and a.nbytes >= self.shm.reduce_from:
             return False
-        m = a if plan.view is None else a.view(plan.view)
+        m = _as(a, plan.view)
         if is_root:
             req = self.comm.Ireduce(_IN_PLACE, m, plan.mpi_op, root)
         else:
@@ -106,39 +117,29 @@ class BlockingHost:
             return False
         if self.shm is not None and a.nbytes >= self.shm.broadcast_from:
             return False
-        self._run(self.comm.Ibcast(a if view is None else a.view(view), root), "broadcast", a)
+        self._run(self.comm.Ibcast(_as(a, view), root), "broadcast", a)
         return True
 
     def all_gather_into_tensor(self, out: np.ndarray, a: np.ndarray) -> bool:
         view = MOVE_AS.get(a.dtype, _NOT_MOVED)
         if view is _NOT_MOVED or out.dtype != a.dtype or out.size != self._n * a.size \
-                or not (a.flags.c_contiguous and out.flags.c_contiguous and out.flags.writeable) \
-                or self._declines():
+                or not _contiguous_pair(out, a) or self._declines():
             return False
         if self.shm is not None and self.shm.gathers(out.nbytes):
             return False
-        if view is None:
-            req = self.comm.Iallgather(a, out)
-        else:
-            req = self.comm.Iallgather(a.view(view), out.view(view))
-        self._run(req, "all_gather_into_tensor", out)
+        self._run(self.comm.Iallgather(_as(a, view), _as(out, view)), "all_gather_into_tensor",
+                  out)
         return True
 
     def reduce_scatter_tensor(self, out: np.ndarray, a: np.ndarray, op: Any) -> bool:
-        try:
-            plan = PLANS[op.name].get(a.dtype)
-        except (KeyError, AttributeError):
-            return False
-        if type(plan) is not Plan or not plan.simple or out.dtype != a.dtype \
-                or a.size != self._n * out.size \
-                or not (a.flags.c_contiguous and out.flags.c_contiguous and out.flags.writeable) \
+        plan = _simple_plan(a, op)
+        if plan is None or out.dtype != a.dtype \
+                or a.size != self._n * out.size or not _contiguous_pair(out, a) \
                 or self._declines():
             return False
         if self.shm is not None and a.nbytes >= self.shm.reduce_scatter_from:
             return False
-        view = plan.view
-        req = self.comm.Ireduce_scatter_block(a if view is None else a.view(view),
-                                              out if view is None else out.view(view),
+        req = self.comm.Ireduce_scatter_block(_as(a, plan.view), _as(out, plan.view),
                                               plan.mpi_op)
         self._run(req, "reduce_scatter_tensor", out)
         return True
@@ -149,15 +150,9 @@ class BlockingHost:
         view = MOVE_AS.get(a.dtype, _NOT_MOVED)
         shape = a.shape
         if view is _NOT_MOVED or out.dtype != a.dtype or out.shape != shape or not shape \
-                or shape[0] % self._n \
-                or not (a.flags.c_contiguous and out.flags.c_contiguous and out.flags.writeable) \
-                or self._declines():
+                or shape[0] % self._n or not _contiguous_pair(out, a) or self._declines():
             return False
-        if view is None:
-            req = self.comm.Ialltoall(a, out)
-        else:
-            req = self.comm.Ialltoall(a.view(view), out.view(view))
-        self._run(req, "all_to_all_single", out)
+        self._run(self.comm.Ialltoall(_as(a, view), _as(out, view)), "all_to_all_single", out)
         return True
 
     def barrier(self) -> bool:
@@ -170,7 +165,7 @@ class BlockingHost:
         view = MOVE_AS.get(a.dtype, _NOT_MOVED)
         if view is _NOT_MOVED or not a.flags.c_contiguous or self._declines():
             return False
-        self._run(self.comm.Isend(a if view is None else a.view(view), peer, tag), "send", a)
+        self._run(self.comm.Isend(_as(a, view), peer, tag), "send", a)
         return True
 
     def recv(self, a: np.ndarray, peer: int, tag: int) -> bool:
@@ -180,5 +175,5 @@ class BlockingHost:
         if view is _NOT_MOVED or not flags.c_contiguous or not flags.writeable \
                 or self._declines():
             return False
-        self._run(self.comm.Irecv(a if view is None else a.view(view), peer, tag), "recv", a)
+        self._run(self.comm.Irecv(_as(a, view), peer, tag), "recv", a)
         return True
