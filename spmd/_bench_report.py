@@ -12,6 +12,7 @@ __all__ = ["add_ratios", "targets", "table", "write_json", "plot"]
 BASE = "mpi4py"
 TORCH = "torch-gloo"
 OURS = "spmd"
+TORCH_OURS = "torch-spmd"
 
 # The targets the bench checks (issue: "Performance and observability").
 LATENCY_BOUND = 1.3        # spmd / mpi4py time at the smallest size, at most
@@ -20,6 +21,10 @@ BANDWIDTH_FROM = 1024**2
 TORCH_SMALL_BOUND = 20.0   # torch / spmd time at the smallest size, at least
 TORCH_LARGE_BOUND = 1.0    # torch / spmd time at the largest size, at least
 FUSION_BOUND = 10.0        # separate / fused time, at least
+# The torch backend (issue: "spmd as a torch.distributed backend"), torch tensors on both
+# sides: gloo / torch-spmd time for all_reduce at the smallest size, and at every size.
+TORCH_BACKEND_SMALL_BOUND = 20.0
+TORCH_BACKEND_ANY_BOUND = 1.0
 
 
 def _by_size(results: list[dict]) -> dict:
@@ -76,6 +81,18 @@ def targets(doc: dict) -> list[dict]:
             t = by_size[nbytes].get(TORCH)
             if t is not None:
                 add(name, op, nbytes, t, by_size[nbytes][OURS], bound, True)
+    for op, by_size in _by_size(doc["results"]).items():
+        sizes = sorted(s for s, impls in by_size.items() if TORCH in impls and TORCH_OURS in impls)
+        if not sizes:
+            continue
+        if op == "all_reduce":
+            add("torch backend: torch-gloo / torch-spmd time, smallest size", op, sizes[0],
+                by_size[sizes[0]][TORCH], by_size[sizes[0]][TORCH_OURS],
+                TORCH_BACKEND_SMALL_BOUND, True)
+        worst = min(sizes, key=lambda s: by_size[s][TORCH]["median_us"]
+                    / by_size[s][TORCH_OURS]["median_us"])
+        add("torch backend: torch-gloo / torch-spmd time (worst size)", op, worst,
+            by_size[worst][TORCH], by_size[worst][TORCH_OURS], TORCH_BACKEND_ANY_BOUND, True)
     fusion = {row["impl"]: row for row in doc.get("fusion", [])}
     separate = fusion.get("spmd all_reduce x N")
     for impl in ("spmd all_reduce_coalesced", "spmd coalescing_manager",

@@ -19,9 +19,11 @@ Nested dicts that hold arrays are flattened with ``.`` (``{"model": {"w": ...}}`
 How it works: every rank describes its leaves, the descriptions are all-gathered and
 checked on every rank alike (same names, dtypes and global shapes everywhere; the
 Shards of an array cover it exactly), so a mistake raises the same error on every
-rank before any file is touched.  Each array is then written collectively with
-MPI-IO (``MPI_File_write_at_all`` through subarray file views: blocks of any shape,
-strided local arrays without a copy).  The files go to a temporary directory next to
+rank before any file is touched.  Each array is then written with MPI-IO: strided
+blocks collectively (``MPI_File_write_at_all`` through subarray file views: blocks of
+any shape), blocks that are byte ranges of the file (row splits) with independent
+writes, ranks spread over the files (see ``_mpiio.write_blocks``); strided local arrays
+without a copy.  The files go to a temporary directory next to
 the target, which is renamed to the target only after every rank has finished
 writing and the data is synced: a crash leaves at most a ``<path>.tmp-*`` directory,
 never a complete-looking checkpoint.  :func:`load` reads any block layout at any
@@ -54,6 +56,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
+from mpi4py import MPI
 
 from . import _mpiio
 from ._ckpt_plan import Reject, check_bounds, coverage, flatten, replicated_block
@@ -280,25 +283,34 @@ def save(state: Mapping[str, Any], path: str | os.PathLike, group: Any = None, *
             status = ("OSError", f"cannot create {tmp!r}: {exc}")
     _barrier_raise(op, status, pg)
 
+    writes = []
     for name in sorted(entries):
         entry = entries[name]
         dt = _dtype_of(entry["dtype"])
         gshape = tuple(entry["shape"])
-        fname = os.path.join(tmp, entry["file"])
-        offset = len(_mpiio.npy_header(dt, gshape))
         leaf = leaves[name]
         if entry["sharded"]:
-            block = entry["writers"].get(pg.rank())
-            part = (block[0], _host(leaf.data)) if block is not None else None
+            blocks = entry["writers"]
+            block = blocks.get(pg.rank())
+            data = _host(leaf.data) if block is not None else None
         else:
-            block = replicated_block(gshape, pg.rank(), pg.size())
-            part = None
+            blocks = {r: replicated_block(gshape, r, pg.size()) for r in range(pg.size())}
+            block = blocks[pg.rank()]
+            data = None
             if block is not None:
                 sel = tuple(slice(s, s + n) for s, n in zip(*block))
-                part = (block[0], _host(leaf[sel] if sel else leaf))
-        _mpiio.write_block(pg.comm, fname, offset, gshape, dt.itemsize,
-                           None if part is None else part[0],
-                           None if part is None else part[1], sync=sync)
+                data = _host(leaf[sel] if sel else leaf)
+        writes.append(_mpiio.BlockWrite(
+            os.path.join(tmp, entry["file"]), len(_mpiio.npy_header(dt, gshape)), gshape,
+            dt.itemsize, None if block is None else tuple(block[0]), data,
+            all(_mpiio.byte_range(gshape, tuple(b[0]), tuple(b[1]))
+                for b in blocks.values() if b is not None)))
+    status = None
+    try:
+        _mpiio.write_blocks(pg.comm, writes, sync=sync)
+    except (OSError, MPI.Exception) as exc:
+        status = ("OSError", f"cannot write into {tmp!r}: {exc}")
+    _barrier_raise(op, status, pg)
     _fault("written")
 
     status = None

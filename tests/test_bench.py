@@ -84,6 +84,7 @@ def test_torch_gloo_in_the_same_job(tmp_path):
     pytest.importorskip("torch.distributed")
     out = tmp_path / "bench.json"
     proc = _bench(2, *QUICK, "--ops", "all_reduce,send_recv", "--max-bytes", "64",
+                  "--impls", "spmd,mpi4py,torch-gloo,torch-spmd",
                   "--fusion-arrays", "0", "--json", str(out))
     assert proc.returncode == 0, proc.stdout[-3000:]
     doc = json.loads(out.read_text())
@@ -93,6 +94,10 @@ def test_torch_gloo_in_the_same_job(tmp_path):
     spmd_rows = [r for r in doc["results"] if r["impl"] == "spmd"]
     assert all(r["torch_over_spmd"] > 0 for r in spmd_rows)
     assert any(t["name"].startswith("speed-up over torch") for t in doc["targets"])
+    backend = {(t["op"], t["name"]) for t in doc["targets"] if t["name"].startswith("torch backend")}
+    assert backend == {("all_reduce", "torch backend: torch-gloo / torch-spmd time, smallest size"),
+                       ("all_reduce", "torch backend: torch-gloo / torch-spmd time (worst size)"),
+                       ("send_recv", "torch backend: torch-gloo / torch-spmd time (worst size)")}
 
 
 def test_bad_arguments():

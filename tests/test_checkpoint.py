@@ -157,6 +157,47 @@ def test_mesh_replicas(dist, where):
         np.testing.assert_array_equal(np.load(os.path.join(path, name + ".npy")), g)
 
 
+def test_many_files_side_by_side_and_collective(dist, where, monkeypatch):
+    """More byte-range files than are held open at once, written side by side (each
+    rank starting at another file), mixed with column blocks (collective writes),
+    a replicated 0-d array and a rank-less empty block: every file equals its array."""
+    from spmd import _mpiio
+    monkeypatch.setattr(_mpiio, "OPEN_AT_ONCE", 3)
+    batches, collective = [], []
+    side_by_side, write_block = _mpiio._write_side_by_side, _mpiio.write_block
+    monkeypatch.setattr(_mpiio, "_write_side_by_side",
+                        lambda comm, w, sync: (batches.append(len(w)), side_by_side(comm, w, sync)))
+    monkeypatch.setattr(_mpiio, "write_block",
+                        lambda comm, path, *a: (collective.append(os.path.basename(path)),
+                                                write_block(comm, path, *a)))
+    rank, n = dist.get_rank(), dist.get_world_size()
+    state, ref = {}, {}
+    for k in range(8):
+        g = global_array((9, 3 + k), np.float64 if k % 2 else np.int32, seed=k)
+        ref[f"r{k}"] = g
+        lo, hi = rows(9, rank, n)
+        # every other file from a strided local array, which MPI reads in place
+        local = g[lo:hi] if k % 3 else np.asfortranarray(g[lo:hi])
+        state[f"r{k}"] = ckpt.Shard(local, g.shape, (lo, 0))
+    for k in range(2):
+        g = global_array((4, 7), np.float32, seed=10 + k)
+        ref[f"c{k}"] = g
+        lo, hi = rows(7, rank, n)
+        state[f"c{k}"] = ckpt.Shard(g[:, lo:hi], g.shape, (0, lo))
+    ref["zero_d"] = state["zero_d"] = np.array(7.5)
+    ref["few_rows"] = state["few_rows"] = global_array((1, 5), np.int64, seed=20)
+    path = os.path.join(where, "c")
+    ckpt.save(state, path)
+    for name, g in ref.items():
+        np.testing.assert_array_equal(np.load(os.path.join(path, name + ".npy")), g)
+    # 10 byte-range files in batches of 3; column blocks are strided unless one rank
+    assert batches == [3, 3, 3, 1] if n > 1 else [3, 3, 3, 3]
+    assert collective == (["c0.npy", "c1.npy"] if n > 1 else [])
+    assert _mpiio.byte_range((9, 4), (2, 0), (3, 4))
+    assert not _mpiio.byte_range((4, 7), (0, 2), (4, 3))
+    assert _mpiio.byte_range((4, 7), (1, 2), (1, 3))  # part of one row
+
+
 def test_permissions_and_overwrite(dist, where):
     path = os.path.join(where, "c")
     ckpt.save({"a": np.ones(3)}, path)
