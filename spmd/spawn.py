@@ -54,7 +54,6 @@ import shlex
 import shutil
 import signal
 import socket
-import subprocess
 import sys
 import tempfile
 import threading
@@ -67,7 +66,7 @@ from mpi4py import MPI
 
 from ._spawn_child import BOOT, HELLO, PAYLOAD, RESULT, STOP
 from .errors import DistError, DistTimeoutError
-from .launch import SINGLETON, launch_info
+from .launch import SINGLETON, find_hydra, launch_info
 
 __all__ = [
     "ProcessContext",
@@ -84,6 +83,10 @@ __all__ = [
 # can watch it from the start.
 _GRACE = 3.0      # seconds STOPped ranks get to leave before they are killed
 _CHECK = 0.1      # seconds between liveness checks
+# A rank sends its result and exits at once: MPI completes a small send before it is
+# delivered, so the result can still be on its way when the process is gone.  A rank
+# found dead without a result gets this long for it to arrive before it counts as dead.
+_LATE_RESULT = 1.0
 
 
 class ProcessException(DistError):
@@ -180,55 +183,6 @@ class _Launcher:
 
 
 _launcher = _Launcher()
-
-
-def find_hydra() -> str:
-    """The path of the MPI library's ``mpiexec`` (Hydra), for singleton spawns.
-
-    Raises:
-        RuntimeError: none found; says what to install or set.
-    """
-    candidates = []
-    if os.environ.get("SPMD_MPIEXEC"):
-        candidates.append(os.environ["SPMD_MPIEXEC"])
-    candidates.append(os.path.join(os.path.dirname(sys.executable), "mpiexec"))
-    candidates.append(os.path.join(sys.prefix, "bin", "mpiexec"))
-    lib = _loaded_libmpi()
-    if lib:
-        candidates.append(os.path.join(os.path.dirname(os.path.dirname(lib)), "bin", "mpiexec"))
-    on_path = shutil.which("mpiexec")
-    if on_path:
-        candidates.append(on_path)
-    tried = []
-    for path in dict.fromkeys(candidates):
-        if not (os.path.isfile(path) and os.access(path, os.X_OK)):
-            continue
-        try:
-            out = subprocess.run([path, "--version"], check=False, capture_output=True, text=True,
-                                 timeout=20).stdout
-        except (OSError, subprocess.SubprocessError):
-            out = ""
-        if "HYDRA" in out.upper():
-            return os.path.realpath(path)
-        tried.append(path)
-    raise RuntimeError(
-        "spawn: MPICH starts spawned processes through its mpiexec (Hydra), and none was "
-        f"found (looked next to {sys.executable}, in {sys.prefix}/bin, next to libmpi and "
-        f"on PATH{'; not Hydra: ' + ', '.join(tried) if tried else ''}); install the MPICH "
-        "wheel into this environment (pip install 'spmd[mpich]') or set SPMD_MPIEXEC to "
-        "the mpiexec of the MPI library mpi4py uses")
-
-
-def _loaded_libmpi() -> str | None:
-    try:
-        with open("/proc/self/maps") as f:
-            for line in f:
-                path = line.rsplit(None, 1)[-1]
-                if "/libmpi" in path and ".so" in path:
-                    return path
-    except OSError:
-        pass
-    return None
 
 
 def _alive(pid: int) -> bool:
@@ -416,9 +370,18 @@ class ProcessContext:
         if self._failure is None:
             self._failure = exc
 
-    def _check(self, now: float) -> BaseException | None:
-        dead = [r for r, pid in sorted(self._pids.items()) if r not in self._replied
+    def _dead_silent(self) -> list[int]:
+        """Ranks on this host whose process is gone and whose result has not arrived."""
+        return [r for r, pid in sorted(self._pids.items()) if r not in self._replied
                 and self._hosts.get(r) == self._host and not _alive(pid)]
+
+    def _check(self, now: float) -> BaseException | None:
+        dead = self._dead_silent()
+        limit = now + _LATE_RESULT
+        while dead and time.monotonic() < limit:
+            if not self._drain():
+                time.sleep(0.01)
+            dead = [r for r in dead if r not in self._replied]
         if len(dead) == 1:
             rank, pid = dead[0], self._pids[dead[0]]
             return ProcessExitedException(

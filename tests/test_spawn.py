@@ -141,3 +141,55 @@ def test_refused_inside_a_multi_rank_job():
     proc = run(mpiexec(2, sys.executable, "-c", code), timeout=60)
     assert proc.stdout.count("REFUSED spawn: this process is rank") == 2, proc.stdout
     assert "of an MPI job of 2 ranks" in proc.stdout
+
+
+class _LateComm:
+    """An intercommunicator whose one message (rank 0's result) arrives on the third probe."""
+
+    def __init__(self, data):
+        self.data, self.probes = data, 0
+
+    def improbe(self, source, tag, status):
+        from spmd._spawn_child import RESULT
+
+        self.probes += 1
+        if self.probes != 3:
+            return None
+        status.Set_source(0)
+        status.Set_tag(RESULT)
+        data = self.data
+
+        class Message:
+            def recv(self):
+                return data
+        return Message()
+
+
+def test_result_arriving_after_the_process_is_gone_is_a_finished_rank():
+    """A rank sends its result and exits at once; MPI may deliver the message after the
+    parent sees the process gone: that rank finished, it did not die.  A rank whose
+    result never comes is reported dead after the grace."""
+    import importlib
+    import pickle
+    import socket
+    import time
+
+    sp = importlib.import_module("spmd.spawn")  # the module; spmd.spawn is the function
+
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()  # a pid with no process behind it
+    for data, finished in (("ok", True), (None, False)):
+        comm = _LateComm(("ok", pickle.dumps(42)) if data else None)
+        if data is None:
+            comm.improbe = lambda source, tag, status: None
+        ctx = sp.ProcessContext(comm, 1, None, None)
+        ctx._pids[0], ctx._hosts[0] = gone.pid, socket.gethostname()
+        t0 = time.monotonic()
+        problem = ctx._check(t0)
+        if finished:
+            assert problem is None and ctx._replied == {0} and ctx._values[0] == 42
+            assert time.monotonic() - t0 < sp._LATE_RESULT
+        else:
+            assert isinstance(problem, sp.ProcessExitedException), problem
+            assert "rank 0 of 1" in str(problem) and "died without reporting" in str(problem)
+            assert time.monotonic() - t0 >= sp._LATE_RESULT
