@@ -61,7 +61,12 @@ def targets(doc: dict) -> list[dict]:
                     "measured_p10": num["p10_us"] / den["p10_us"], "bound": bound,
                     "met": measured >= bound if at_least else measured <= bound})
 
-    for op, by_size in _by_size(doc["results"]).items():
+    def worst(by_size, sizes, num, den):
+        """The size at which ``num``'s time over ``den``'s is smallest."""
+        return min(sizes, key=lambda s: by_size[s][num]["median_us"] / by_size[s][den]["median_us"])
+
+    ops = _by_size(doc["results"])
+    for op, by_size in ops.items():
         sizes = sorted(s for s, impls in by_size.items() if OURS in impls and BASE in impls)
         if not sizes:
             continue
@@ -70,10 +75,9 @@ def targets(doc: dict) -> list[dict]:
             by_size[small][BASE], LATENCY_BOUND, False)
         big = [s for s in sizes if s >= BANDWIDTH_FROM]
         if big:
-            worst = min(big, key=lambda s: by_size[s][BASE]["median_us"]
-                        / by_size[s][OURS]["median_us"])
-            add("bandwidth: spmd / mpi4py (worst size >= 1 MiB)", op, worst,
-                by_size[worst][BASE], by_size[worst][OURS], BANDWIDTH_BOUND, True)
+            w = worst(by_size, big, BASE, OURS)
+            add("bandwidth: spmd / mpi4py (worst size >= 1 MiB)", op, w,
+                by_size[w][BASE], by_size[w][OURS], BANDWIDTH_BOUND, True)
         checks = [(small, "speed-up over torch gloo, smallest size", TORCH_SMALL_BOUND)]
         if large != small:
             checks.append((large, "speed-up over torch gloo, largest size", TORCH_LARGE_BOUND))
@@ -81,7 +85,7 @@ def targets(doc: dict) -> list[dict]:
             t = by_size[nbytes].get(TORCH)
             if t is not None:
                 add(name, op, nbytes, t, by_size[nbytes][OURS], bound, True)
-    for op, by_size in _by_size(doc["results"]).items():
+    for op, by_size in ops.items():
         sizes = sorted(s for s, impls in by_size.items() if TORCH in impls and TORCH_OURS in impls)
         if not sizes:
             continue
@@ -89,10 +93,9 @@ def targets(doc: dict) -> list[dict]:
             add("torch backend: torch-gloo / torch-spmd time, smallest size", op, sizes[0],
                 by_size[sizes[0]][TORCH], by_size[sizes[0]][TORCH_OURS],
                 TORCH_BACKEND_SMALL_BOUND, True)
-        worst = min(sizes, key=lambda s: by_size[s][TORCH]["median_us"]
-                    / by_size[s][TORCH_OURS]["median_us"])
-        add("torch backend: torch-gloo / torch-spmd time (worst size)", op, worst,
-            by_size[worst][TORCH], by_size[worst][TORCH_OURS], TORCH_BACKEND_ANY_BOUND, True)
+        w = worst(by_size, sizes, TORCH, TORCH_OURS)
+        add("torch backend: torch-gloo / torch-spmd time (worst size)", op, w,
+            by_size[w][TORCH], by_size[w][TORCH_OURS], TORCH_BACKEND_ANY_BOUND, True)
     fusion = {row["impl"]: row for row in doc.get("fusion", [])}
     separate = fusion.get("spmd all_reduce x N")
     for impl in ("spmd all_reduce_coalesced", "spmd coalescing_manager",

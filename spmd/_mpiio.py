@@ -92,7 +92,7 @@ def _view(fh: MPI.File, offset: int, itemsize: int, gshape: tuple[int, ...],
         return etype
     if not gshape:  # a 0-d array is one element
         gshape, shape, start = (1,), (1,), (0,)
-    if _contiguous_in_file(gshape, start, shape):
+    if byte_range(gshape, start, shape):
         # One byte range (row blocks, the common case): a plain view at its start lets
         # ROMIO write it directly instead of going through its strided-access machinery.
         first = int(np.ravel_multi_index(start, gshape)) * itemsize
@@ -104,9 +104,11 @@ def _view(fh: MPI.File, offset: int, itemsize: int, gshape: tuple[int, ...],
     return etype
 
 
-def _contiguous_in_file(gshape, start, shape) -> bool:
-    """Whether a block is one run of the C-order global array: whole in every dimension
-    after the first one it does not span, and one element thick before it."""
+def byte_range(gshape: tuple[int, ...], start: tuple[int, ...],
+               shape: tuple[int, ...]) -> bool:
+    """Whether the block at ``start`` of ``shape`` is one byte range of the C-order global
+    array: whole in every dimension after the first one it does not span, and one
+    element thick before it (a 0-d array is one element)."""
     d = 0
     while d < len(shape) and shape[d] == 1:
         d += 1
@@ -168,12 +170,6 @@ class BlockWrite(NamedTuple):
     start: tuple[int, ...] | None    # this rank's block, None to write nothing
     block: np.ndarray | None
     ranges: bool                     # every rank's block of this file is one byte range
-
-
-def byte_range(gshape: tuple[int, ...], start: tuple[int, ...],
-               shape: tuple[int, ...]) -> bool:
-    """Whether the block at ``start`` of ``shape`` is one byte range of the file."""
-    return not gshape or _contiguous_in_file(gshape, start, shape)
 
 
 def write_blocks(comm: MPI.Intracomm, writes: list[BlockWrite], sync: bool = False) -> None:

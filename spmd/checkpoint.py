@@ -290,21 +290,20 @@ def save(state: Mapping[str, Any], path: str | os.PathLike, group: Any = None, *
         gshape = tuple(entry["shape"])
         leaf = leaves[name]
         if entry["sharded"]:
-            blocks = entry["writers"]
-            block = blocks.get(pg.rank())
+            block = entry["writers"].get(pg.rank())
             data = _host(leaf.data) if block is not None else None
+            ranges = all(_mpiio.byte_range(gshape, tuple(start), tuple(shape))
+                         for start, shape in entry["writers"].values())
         else:
-            blocks = {r: replicated_block(gshape, r, pg.size()) for r in range(pg.size())}
-            block = blocks[pg.rank()]
+            block = replicated_block(gshape, pg.rank(), pg.size())
             data = None
             if block is not None:
                 sel = tuple(slice(s, s + n) for s, n in zip(*block))
                 data = _host(leaf[sel] if sel else leaf)
+            ranges = True  # whole rows on every rank: byte ranges by construction
         writes.append(_mpiio.BlockWrite(
             os.path.join(tmp, entry["file"]), len(_mpiio.npy_header(dt, gshape)), gshape,
-            dt.itemsize, None if block is None else tuple(block[0]), data,
-            all(_mpiio.byte_range(gshape, tuple(b[0]), tuple(b[1]))
-                for b in blocks.values() if b is not None)))
+            dt.itemsize, None if block is None else tuple(block[0]), data, ranges))
     status = None
     try:
         _mpiio.write_blocks(pg.comm, writes, sync=sync)
