@@ -136,8 +136,12 @@ def test_env_reaches_children():
 @pytest.mark.timeout(60)
 def test_refused_inside_a_multi_rank_job():
     from _launch import mpiexec, run
-    code = ("import spmd\ntry:\n    spmd.spawn(print, nprocs=1)\nexcept RuntimeError as e:\n"
-            "    print('REFUSED', e)\n")
+    # Rank 0 prints every rank's refusal: lines of two ranks sharing mpiexec's stdout can
+    # interleave inside a line.
+    code = ("import spmd\nfrom mpi4py import MPI\ntry:\n    spmd.spawn(print, nprocs=1)\n"
+            "except RuntimeError as e:\n    said = f'REFUSED {e}'\nelse:\n    said = 'not refused'\n"
+            "lines = MPI.COMM_WORLD.gather(said)\n"
+            "if lines:\n    print('\\n'.join(lines), flush=True)\n")
     proc = run(mpiexec(2, sys.executable, "-c", code), timeout=60)
     assert proc.stdout.count("REFUSED spawn: this process is rank") == 2, proc.stdout
     assert "of an MPI job of 2 ranks" in proc.stdout
