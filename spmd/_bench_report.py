@@ -120,7 +120,8 @@ def table(doc: dict) -> str:
     lines = [f"spmd bench: {n} rank(s) on {env['hosts']} host(s), {env['dtype']}, "
              f"{env['mpi_library']} (MPI {env['mpi_standard']}), mpi4py {env['mpi4py']}, "
              f"torch {env['torch'] or '-'}"
-             + (f" ({env['torch_note']})" if env.get("torch_note") else ""),
+             + (f" ({env['torch_note']})" if env.get("torch_note") else "")
+             + (f"; spmd's call path: {env['call_path']}" if env.get("call_path") else ""),
              "time: per call, slowest rank, median [p10 p90]; send_recv: one way (half a "
              "round trip); busbw as nccl-tests; x mpi4py: time / mpi4py's time"]
     head = (f"{'size':>10s}  {'impl':16s} {'median':>11s} {'p10':>11s} {'p90':>11s} "

@@ -443,6 +443,7 @@ def _environment(comm, torch_, torch_note, cfg) -> dict:
     import spmd
 
     from . import _wait
+    from .backends import fastcall
 
     hosts = comm.allgather(socket.gethostname())
     return {"world_size": comm.Get_size(), "hosts": len(set(hosts)),
@@ -452,6 +453,8 @@ def _environment(comm, torch_, torch_note, cfg) -> dict:
             "numpy": np.__version__, "spmd": spmd.__version__, "python": platform.python_version(),
             "torch": torch_.version if torch_ else None, "torch_note": torch_note,
             "persistent_native": spmd.persistent.available(), "quick": cfg.quick,
+            "call_path": "compiled" if fastcall.compiled is not None else
+            f"Python ({fastcall.reason})",
             "date": time.strftime("%Y-%m-%d %H:%M:%S")}
 
 

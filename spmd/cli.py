@@ -20,6 +20,7 @@ def _rank_info() -> dict:
     from ._gpu import gpu_info
     from ._version import __version__
     from .arrays import bfloat16
+    from .backends import fastcall
     from .backends.shm import status as shm_status
     from .group import GroupMember
     from .launch import launch_info
@@ -42,6 +43,8 @@ def _rank_info() -> dict:
         "numpy": np.__version__,
         "bfloat16": "ml_dtypes" if bfloat16 is not None else "unavailable",
         "shm_engine": shm_status(GroupMember.WORLD),  # collective: every rank gets here
+        "call_path": ("compiled (spmd._fastcall)" if fastcall.compiled is not None
+                      else f"Python: {fastcall.reason}"),
         **gpu_info(),
     }
 

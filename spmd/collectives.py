@@ -25,6 +25,7 @@ from .arrays import (
     same_dtype,
     same_size,
 )
+from .backends.fastcall import function
 from .backends.host import HostBackend
 from .errors import located
 from .futures import Future
@@ -50,6 +51,16 @@ __all__ = [
 ]
 
 _SUM = ReduceOp.SUM
+
+# The compiled call path of each op (None when it is off); it returns False for a call
+# it does not take.
+_c_broadcast = function("broadcast")
+_c_all_reduce = function("all_reduce")
+_c_reduce = function("reduce")
+_c_all_gather_into_tensor = function("all_gather_into_tensor")
+_c_reduce_scatter_tensor = function("reduce_scatter_tensor")
+_c_all_to_all_single = function("all_to_all_single")
+_c_barrier = function("barrier")
 
 
 def _done(work: Work, async_op: bool) -> Work | None:
@@ -135,6 +146,8 @@ def _split_counts(splits, n: int, rows: int, row_size: int, op: str, arg: str, p
 def broadcast(tensor: Array, src: int | None = None, group: GroupArg = None,
               async_op: bool = False, group_src: int | None = None) -> Work | None:
     """Copy ``tensor`` from rank ``src`` into ``tensor`` on every rank of the group."""
+    if _c_broadcast is not None and _c_broadcast(tensor, src, group, async_op, group_src):
+        return None
     pg = resolve(group, "broadcast")
     if pg is None:
         return None
@@ -154,6 +167,8 @@ def broadcast(tensor: Array, src: int | None = None, group: GroupArg = None,
 def all_reduce(tensor: Array, op: ReduceOp = _SUM, group: GroupArg = None,
                async_op: bool = False) -> Work | None:
     """Reduce ``tensor`` across the group with ``op``; every rank gets the result in place."""
+    if _c_all_reduce is not None and _c_all_reduce(tensor, op, group, async_op):
+        return None
     pg = resolve(group, "all_reduce")
     if pg is None:
         return None
@@ -193,6 +208,8 @@ def all_reduce_coalesced(tensors: Sequence[Array], op: ReduceOp = _SUM, group: G
 def reduce(tensor: Array, dst: int | None = None, op: ReduceOp = _SUM, group: GroupArg = None,
            async_op: bool = False, group_dst: int | None = None) -> Work | None:
     """Reduce ``tensor`` across the group into ``tensor`` on rank ``dst`` only."""
+    if _c_reduce is not None and _c_reduce(tensor, dst, op, group, async_op, group_dst):
+        return None
     pg = resolve(group, "reduce")
     if pg is None:
         return None
@@ -236,6 +253,9 @@ def all_gather_into_tensor(output_tensor: Array, input_tensor: Array, group: Gro
     The output is the inputs concatenated along dimension 0 (shape ``[n*d0, ...]``) or
     stacked (``[n, d0, ...]``); any shape with ``n`` times the input's elements works.
     """
+    if _c_all_gather_into_tensor is not None \
+            and _c_all_gather_into_tensor(output_tensor, input_tensor, group, async_op):
+        return None
     pg = resolve(group, "all_gather_into_tensor")
     if pg is None:
         return None
@@ -360,6 +380,9 @@ def reduce_scatter_tensor(output: Array, input: Array, op: ReduceOp = _SUM,  # n
                           group: GroupArg = None, async_op: bool = False) -> Work | None:
     """Reduce ``input`` across the group and scatter it: group rank i gets the i-th of
     ``n`` equal chunks (along dimension 0) in ``output``."""
+    if _c_reduce_scatter_tensor is not None \
+            and _c_reduce_scatter_tensor(output, input, op, group, async_op):
+        return None
     pg = resolve(group, "reduce_scatter_tensor")
     if pg is None:
         return None
@@ -412,6 +435,9 @@ def all_to_all_single(output: Array, input: Array,  # noqa: A002
     divisible by the group size); with them, ``input_split_sizes[i]`` rows go to rank i
     and ``output_split_sizes[i]`` rows come from it.
     """
+    if _c_all_to_all_single is not None and _c_all_to_all_single(
+            output, input, output_split_sizes, input_split_sizes, group, async_op):
+        return None
     op = "all_to_all_single"
     pg = resolve(group, op)
     if pg is None:
@@ -493,6 +519,8 @@ def barrier(group: GroupArg = None, async_op: bool = False,
     Args:
         timeout: how long to wait (the group's timeout if None).
     """
+    if _c_barrier is not None and _c_barrier(group, async_op, device_ids, timeout):
+        return None
     pg = resolve(group, "barrier")
     if pg is None:
         return None

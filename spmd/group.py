@@ -11,7 +11,9 @@ from mpi4py import MPI
 
 from ._typing import Timeout
 from .backend_registry import Backend, make_backend
+from .backends import fastcall
 from .backends.checked import free_check_comm
+from .backends.host import HostBackend
 from .context import GroupContext
 from .store import Store
 
@@ -138,6 +140,10 @@ class WorldState:
 
 world_state = WorldState()
 NON_GROUP_MEMBER = GroupMember.NON_GROUP_MEMBER
+
+# The compiled call path finds the default group through world_state and takes plain
+# groups (not subclasses) whose host backend is the plain one.
+fastcall.bind(ProcessGroup, HostBackend, world_state)
 
 
 def __getattr__(name: str):

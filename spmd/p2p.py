@@ -8,6 +8,7 @@ from mpi4py import MPI
 
 from ._typing import Array
 from .arrays import _ndarray, array_in, array_out, device_of
+from .backends.fastcall import function
 from .backends.host import HostBackend
 from .collectives import group_rank_of
 from .errors import located
@@ -18,6 +19,11 @@ __all__ = ["send", "recv", "isend", "irecv", "P2POp", "batch_isend_irecv"]
 
 # The largest tag is kept for spmd's own object messages (send_object_list).
 OBJECT_TAG = MPI.COMM_WORLD.Get_attr(MPI.TAG_UB)
+
+
+# The compiled call path (None when it is off); False: a call it does not take.
+_c_send = function("send")
+_c_recv = function("recv")
 
 
 def check_tag(tag, op: str, pg) -> int:
@@ -69,6 +75,8 @@ def irecv(tensor: Array, src: int | None = None, group: GroupArg = None, tag: in
 def send(tensor: Array, dst: int | None = None, group: GroupArg = None, tag: int = 0,
          group_dst: int | None = None) -> None:
     """Send ``tensor`` to rank ``dst`` and wait until the buffer can be reused."""
+    if _c_send is not None and _c_send(tensor, dst, group, tag, group_dst):
+        return None
     pg = resolve(group, "send")
     if pg is None:
         return None
@@ -90,6 +98,10 @@ def recv(tensor: Array, src: int | None = None, group: GroupArg = None, tag: int
     Returns:
         The global rank of the sender (-1 on a rank outside ``group``).
     """
+    if _c_recv is not None:
+        sender = _c_recv(tensor, src, group, tag, group_src)
+        if sender is not False:
+            return sender
     pg = resolve(group, "recv")
     if pg is None:
         return -1

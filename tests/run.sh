@@ -5,7 +5,8 @@
 #
 #   tests/run.sh               all of it
 #   SIZES="2 4" tests/run.sh   other world sizes for the MPI part (SHM_SIZES and
-#                              SHM_OFF_SIZES: those run with the engine forced on, off)
+#                              SHM_OFF_SIZES: those run with the engine forced on, off;
+#                              PYTHON_PATH_SIZES: with the compiled call path off)
 #
 # Uses python and mpiexec from PATH (or $PYTHON / $SPMD_MPIEXEC).
 set -uo pipefail
@@ -16,6 +17,7 @@ MPIEXEC=${SPMD_MPIEXEC:-$(command -v mpiexec || true)}
 SIZES=${SIZES:-"1 2 3 4"}
 SHM_SIZES=${SHM_SIZES:-"1 2 3 4"}    # SPMD_SHM=force
 SHM_OFF_SIZES=${SHM_OFF_SIZES:-"2 3"}  # SPMD_SHM=0
+PYTHON_PATH_SIZES=${PYTHON_PATH_SIZES:-"2 3"}  # SPMD_FASTCALL=0
 LIMIT=${LIMIT:-900}            # seconds for one mpiexec job
 LOGS=$(mktemp -d "${TMPDIR:-/tmp}/spmd-tests.XXXXXX")
 export OMP_NUM_THREADS=1 PYTHONUNBUFFERED=1
@@ -58,6 +60,15 @@ done
 for n in $SHM_OFF_SIZES; do
     mpi_run "mpi n=$n shm=off" "$n" SPMD_SHM=0
 done
+# The blocking ops' compiled call path (spmd._fastcall, where pip built it) off: the
+# Python path it stands in for takes the same calls.
+if "$PYTHON" -c "import spmd._fastcall" 2>/dev/null; then
+    for n in $PYTHON_PATH_SIZES; do
+        mpi_run "mpi n=$n fastcall=off" "$n" SPMD_FASTCALL=0
+    done
+else
+    echo "=== spmd._fastcall is not built: every run above took the Python path ==="
+fi
 
 # torch's own distributed test suite against the spmd torch backend, when torch is here.
 if "$PYTHON" -c "import torch.distributed, expecttest" 2>/dev/null; then

@@ -1,12 +1,18 @@
-"""The blocking short path (spmd.backends.blocking): the calls that take it give the
-numpy reference on every rank and are recorded like any op; every other call takes
-the Work path, with the same results and errors."""
+"""The blocking short path: the calls that take it give the numpy reference on every
+rank and are recorded like any op; every other call takes the Work path, with the same
+results and errors.
+
+The short path is the compiled one (spmd._fastcall) where it is built and on, else the
+Python one (spmd.backends.blocking); the suite runs with both (SPMD_FASTCALL=0 in
+tests/run.sh), and each test checks that the path it expects took the calls."""
 
 import numpy as np
 import pytest
 
+from spmd import collectives, p2p
 from spmd import flight_recorder as fr
 from spmd import work as work_mod
+from spmd.backends import fastcall
 from spmd.backends.blocking import BlockingHost
 
 pytestmark = pytest.mark.mpi
@@ -17,21 +23,27 @@ _OPS = ("all_reduce", "reduce", "broadcast", "all_gather_into_tensor", "reduce_s
 
 @pytest.fixture
 def taken(dist, monkeypatch):
-    """The names of the ops the short path ran, in order."""
+    """The names of the ops the short path ran, in order (and that it was the path
+    this process should take: the compiled one where it is on)."""
     ran: list[str] = []
+    path = "compiled" if fastcall.compiled is not None else "python"
 
-    def counting(name):
-        run = getattr(BlockingHost, name)
-
-        def counted(self, *args):
-            ok = run(self, *args)
-            if ok:
+    def counting(name, run, where):
+        def counted(*args):
+            ok = run(*args)
+            if ok is not False:
+                assert where == path, f"{name} took the {where} path, expected {path}"
                 ran.append(name)
             return ok
         return counted
 
     for name in _OPS:
-        monkeypatch.setattr(BlockingHost, name, counting(name))
+        monkeypatch.setattr(BlockingHost, name,
+                            counting(name, getattr(BlockingHost, name), "python"))
+        module = p2p if name in ("send", "recv") else collectives
+        compiled = getattr(module, f"_c_{name}")
+        if compiled is not None:
+            monkeypatch.setattr(module, f"_c_{name}", counting(name, compiled, "compiled"))
     dist.all_reduce(np.zeros(1))  # the group's host engine exists from here on
     ran.clear()
     return ran

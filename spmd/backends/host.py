@@ -12,6 +12,7 @@ from typing import Any
 from ..optable import ENGINE_OPS
 from .base import DeviceBackend
 from .blocking import BlockingHost
+from .fastcall import comm_of
 from .mpi import MPIBackend
 from .shm import engine_for
 
@@ -34,6 +35,8 @@ class HostBackend(DeviceBackend):
         self.shm = engine_for(self.mpi)
         # Blocking calls of the common case skip the Work (collectives try it first).
         self.blocking = BlockingHost(group, self.mpi.comm, self.shm)
+        # ... and the compiled call path before that (None when it is off).
+        self.fast = comm_of(group, self.mpi.comm, self.shm)
         for name in (*ENGINE_OPS, "batch_p2p"):
             if self.shm is None or name not in _DISPATCHED:
                 setattr(self, name, getattr(self.mpi, name))

@@ -1,0 +1,220 @@
+"""The compiled call path (spmd._fastcall, bound by spmd.backends.fastcall).
+
+The suite runs with it on (where it is built) and off (SPMD_FASTCALL=0 in tests/run.sh);
+these tests hold for both paths: every dtype and reduce op against numpy, a blocking op
+past the group's timeout, other threads running during a long wait, groups the path
+declines.  test_blocking_path.py checks which path took which call.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sysconfig
+import threading
+import time
+from datetime import timedelta
+
+import numpy as np
+import pytest
+
+from spmd.backends import fastcall
+from spmd.backends.reduction import PLANS, Plan
+from spmd.dtypes import SUPPORTED_DTYPES
+from spmd.ops import ReduceOp
+
+SLACK = 4.0  # seconds a diagnosis may take beyond the timeout on a loaded machine
+
+
+def _reference(values: list[np.ndarray], name: str) -> np.ndarray:
+    fold = {"SUM": np.add, "PRODUCT": np.multiply, "MIN": np.minimum, "MAX": np.maximum,
+            "BAND": np.bitwise_and, "BOR": np.bitwise_or, "BXOR": np.bitwise_xor}[name]
+    if values[0].dtype == np.bool_:
+        fold = {"SUM": np.logical_or, "MAX": np.logical_or, "PRODUCT": np.logical_and,
+                "MIN": np.logical_and, "BXOR": np.logical_xor, "BAND": np.logical_and,
+                "BOR": np.logical_or}[name]
+    out = values[0]
+    for v in values[1:]:
+        out = fold(out, v)
+    return out.astype(values[0].dtype)
+
+
+def _data(dtype: np.dtype, rank: int) -> np.ndarray:
+    base = np.arange(5) + 2 * rank + 1
+    if dtype == np.bool_:
+        return (base % 3 == 0)
+    return base.astype(dtype)
+
+
+@pytest.mark.mpi
+def test_every_reduced_dtype_and_op_matches_numpy(dist):
+    """Every (dtype, op) MPI reduces itself: all_reduce, reduce and reduce_scatter_tensor
+    against numpy's fold of every rank's input."""
+    n, r = dist.get_world_size(), dist.get_rank()
+    checked = 0
+    for name in ("SUM", "PRODUCT", "MIN", "MAX", "BAND", "BOR", "BXOR"):
+        op = getattr(ReduceOp, name)
+        for dt in SUPPORTED_DTYPES:
+            plan = PLANS[name][dt]
+            if type(plan) is not Plan or not plan.simple:
+                continue
+            want = _reference([_data(dt, k) for k in range(n)], name)
+            x = _data(dt, r)
+            dist.all_reduce(x, op=op)
+            np.testing.assert_array_equal(x, want, err_msg=f"all_reduce {name} {dt}")
+            y = _data(dt, r)
+            dist.reduce(y, dst=0, op=op)
+            np.testing.assert_array_equal(y, want if r == 0 else _data(dt, r),
+                                          err_msg=f"reduce {name} {dt}")
+            full = np.concatenate([_data(dt, r)] * n)
+            part = np.empty(5, dt)
+            dist.reduce_scatter_tensor(part, full, op=op)
+            np.testing.assert_array_equal(part, want, err_msg=f"reduce_scatter {name} {dt}")
+            checked += 1
+    assert checked >= 30, checked
+
+
+@pytest.mark.mpi
+def test_every_moved_dtype_matches_numpy(dist):
+    n, r = dist.get_world_size(), dist.get_rank()
+    for dt in SUPPORTED_DTYPES:
+        b = _data(dt, r)
+        dist.broadcast(b, src=n - 1)
+        np.testing.assert_array_equal(b, _data(dt, n - 1), err_msg=f"broadcast {dt}")
+        out = np.empty((n, 5), dt)
+        dist.all_gather_into_tensor(out, _data(dt, r))
+        np.testing.assert_array_equal(out, [_data(dt, k) for k in range(n)], err_msg=str(dt))
+        sent = np.stack([_data(dt, r + 10 * k) for k in range(n)])
+        got = np.empty_like(sent)
+        dist.all_to_all_single(got, sent)
+        np.testing.assert_array_equal(got, [_data(dt, k + 10 * r) for k in range(n)],
+                                      err_msg=f"all_to_all_single {dt}")
+        if n > 1 and r < 2:
+            if r == 0:
+                dist.send(_data(dt, 7), dst=1, tag=11)
+            else:
+                msg = np.empty(5, dt)
+                assert dist.recv(msg, src=0, tag=11) == 0
+                np.testing.assert_array_equal(msg, _data(dt, 7), err_msg=f"send/recv {dt}")
+
+
+@pytest.mark.mpi
+def test_subgroups_and_other_ranks_as_roots(dist):
+    """Groups of part of the world (their communicators' handles are not the world's),
+    roots given as global ranks."""
+    n, r = dist.get_world_size(), dist.get_rank()
+    odd = dist.new_group([k for k in range(n) if k % 2 == 1])
+    even = dist.new_group([k for k in range(n) if k % 2 == 0])
+    mine = odd if r % 2 else even
+    members = [k for k in range(n) if k % 2 == r % 2]
+    x = np.full(3, float(r))
+    dist.all_reduce(x, group=mine)
+    np.testing.assert_array_equal(x, sum(members))
+    b = np.full(2, r, np.int32)
+    dist.broadcast(b, src=members[-1], group=mine)
+    np.testing.assert_array_equal(b, members[-1])
+    out = np.empty(len(members), np.int64)
+    dist.all_gather_into_tensor(out, np.array([r]), group=mine)
+    np.testing.assert_array_equal(out, members)
+    dist.barrier(group=mine)
+    dist.destroy_process_group(mine)   # the other one is GroupMember.NON_GROUP_MEMBER here
+
+
+@pytest.mark.mpi
+def test_blocking_op_past_the_timeout_is_diagnosed(dist):
+    """A blocking all_reduce (the short path's case) whose peer comes late: the same
+    diagnosed DistTimeoutError and broken group as a Work's wait."""
+    n, me = dist.get_world_size(), dist.get_rank()
+    if n < 2:
+        pytest.skip("needs 2 ranks")
+    late = n - 1
+    g = dist.new_group(list(range(n)), timeout=timedelta(seconds=1))
+    x = np.ones(2)
+    dist.all_reduce(x, group=g)
+    outcome = None
+    if me != late:
+        t0 = time.monotonic()
+        try:
+            dist.all_reduce(x, group=g)
+        except Exception as exc:  # noqa: BLE001 - checked after every rank met again
+            outcome = exc
+        waited = time.monotonic() - t0
+        dist.barrier()
+    else:
+        dist.barrier()   # the straggler: here while the others time out
+        dist.all_reduce(x, group=g)   # completes the others' abandoned all_reduce
+    dist.barrier()
+    dist.destroy_process_group(g)
+    if me == late:
+        return
+    assert isinstance(outcome, dist.DistTimeoutError), repr(outcome)
+    assert 1.0 <= waited < 1.0 + SLACK, waited
+    text = str(outcome)
+    assert "all_reduce: did not complete within 1.0 s (collective #2 on group" in text, text
+    assert f"rank {late}: last finished all_reduce #1" in text, text
+
+
+@pytest.mark.mpi
+def test_other_threads_run_while_a_call_waits(dist):
+    """A blocking receive that waits 0.5 s hands the GIL over: a Python thread of the
+    same rank keeps running meanwhile."""
+    n, r = dist.get_world_size(), dist.get_rank()
+    if n < 2:
+        pytest.skip("needs 2 ranks")
+    if r == 1:
+        time.sleep(0.5)
+        dist.send(np.ones(4), dst=0, tag=21)
+    elif r == 0:
+        ticks = []
+        stop = threading.Event()
+
+        def tick():
+            while not stop.is_set():
+                ticks.append(time.monotonic())
+                time.sleep(0.01)
+
+        t = threading.Thread(target=tick)
+        buf = np.zeros(4)
+        t0 = time.monotonic()
+        t.start()
+        assert dist.recv(buf, src=1, tag=21) == 1
+        t1 = time.monotonic()
+        stop.set()
+        t.join()
+        np.testing.assert_array_equal(buf, 1.0)
+        during = [x for x in ticks if t0 < x < t1]
+        assert t1 - t0 >= 0.3, t1 - t0
+        assert len(during) >= 10, (len(during), t1 - t0)
+
+
+@pytest.mark.mpi
+def test_coalescing_manager_and_group_subclasses_take_the_python_path(dist, monkeypatch):
+    """Calls the compiled path must decline: inside coalescing_manager (the group's
+    host backend is wrapped) and on a ProcessGroup subclass; results still exact."""
+    n = dist.get_world_size()
+    arrays = [np.full(3, float(k)) for k in range(4)]
+    with dist.coalescing_manager():
+        for a in arrays:
+            dist.all_reduce(a)
+    for k, a in enumerate(arrays):
+        np.testing.assert_array_equal(a, k * n)
+    if fastcall.compiled is not None:
+        host = dist.GroupMember.WORLD._backends["cpu"]
+        monkeypatch.setattr(host, "fast", None)   # as a backend without the handle
+        assert fastcall.compiled.all_reduce(np.ones(2), ReduceOp.SUM, None, False) is False
+        x = np.ones(2)
+        dist.all_reduce(x)    # the Python path
+        np.testing.assert_array_equal(x, n)
+
+
+def test_the_extension_is_built_where_a_compiler_is():
+    """pip builds spmd._fastcall where a C compiler and Python's headers are present; a
+    missing build would silently leave only the Python path tested."""
+    headers = os.path.exists(os.path.join(sysconfig.get_paths()["include"], "Python.h"))
+    compiler = shutil.which(sysconfig.get_config_var("CC").split()[0] or "cc")
+    if not (headers and compiler):
+        pytest.skip("no C compiler or no Python headers: the Python path is the only one")
+    from spmd import _fastcall  # noqa: F401 - the import is the check
+
+    if os.environ.get("SPMD_FASTCALL", "1") != "0":
+        assert fastcall.compiled is not None, fastcall.reason
