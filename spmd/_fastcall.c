@@ -127,18 +127,19 @@ static int bound;
 
 static PyObject *s_world, *s_comm, *s_error, *s_backends, *s_cpu, *s_fast, *s_index,
     *s_timeout, *s_oversubscribed, *s_dtype;
-static PyObject *s_ops[9];
 enum { O_ALL_REDUCE, O_BROADCAST, O_REDUCE, O_ALL_GATHER, O_REDUCE_SCATTER, O_ALL_TO_ALL,
-       O_BARRIER, O_SEND, O_RECV };
-static const char *const OP_NAMES[9] = {
+       O_BARRIER, O_SEND, O_RECV, O_COALESCED, N_OPS };
+static PyObject *s_ops[N_OPS];
+static const char *const OP_NAMES[N_OPS] = {
     "all_reduce", "broadcast", "reduce", "all_gather_into_tensor", "reduce_scatter_tensor",
-    "all_to_all_single", "barrier", "send", "recv"};
+    "all_to_all_single", "barrier", "send", "recv", "all_reduce_coalesced"};
 /* The shared-memory engine's threshold attribute for each op (NULL: the engine never
  * takes it). */
-static const char *const SHM_FROM[9] = {
+static const char *const SHM_FROM[N_OPS] = {
     "all_reduce_from", "broadcast_from", "reduce_from", NULL, "reduce_scatter_from",
-    NULL, NULL, NULL, NULL};
-static PyObject *s_shm_from[9], *s_gather_from, *s_gather_to;
+    NULL, NULL, NULL, NULL, NULL};
+static PyObject *s_shm_from[N_OPS], *s_gather_from, *s_gather_to, *s_bucket_bytes;
+static PyObject *packing_module;     /* spmd.packing: its _bucket_bytes, the fusion limit */
 
 /* -- FastComm: one group's communicator, as the host backend holds it ------------- */
 
@@ -597,6 +598,90 @@ static PyObject *fc_recv(PyObject *m, PyObject *const *a, Py_ssize_t n) {
     return p2p(O_RECV, a, n);
 }
 
+/* all_reduce_coalesced(tensors, op, group, async_op): two or more arrays of one dtype,
+ * each an exact, C-contiguous, writable ndarray, at most one fusion bucket together:
+ * packed into one buffer, one all-reduce, copied back (the Python path's MPI call on
+ * the same bytes, without its Python per array). */
+#define MAX_FUSED 4096
+static char *scratch;            /* the packing buffer, kept between calls */
+static size_t scratch_size;
+static int scratch_busy;         /* a call in another thread holds it (GIL released) */
+
+static PyObject *fc_all_reduce_coalesced(PyObject *m, PyObject *const *a, Py_ssize_t n) {
+    START("all_reduce_coalesced", 4, a[2], !is_false(a[3]));
+    PyObject *seq = a[0];
+    Py_ssize_t k = PyList_CheckExact(seq) ? PyList_GET_SIZE(seq) : -1;
+    if (k < 2 || k > MAX_FUSED) DECLINE;
+    Py_buffer *views = PyMem_Malloc(sizeof(Py_buffer) * (size_t)k);
+    if (views == NULL) { end_call(&c, NULL); return PyErr_NoMemory(); }
+    PyObject *dtype = NULL, *res = NULL;
+    Py_ssize_t held = 0, total = 0;
+    intptr_t type = 0, mop = 0;
+    int take = 1;
+    for (; held < k && take; held++) {
+        PyObject *d, *x = PyList_GET_ITEM(seq, held);
+        if (!array(x, 1, &views[held], &d)) { take = 0; break; }
+        if (dtype == NULL) {
+            dtype = d;
+            take = reduced_type(a[1], dtype, &type, &mop);
+        } else {
+            take = d == dtype;
+        }
+        total += views[held].len;
+    }
+    long long limit = -1;
+    PyObject *lim = take ? get(packing_module, s_bucket_bytes) : NULL;
+    if (lim != NULL) {
+        limit = PyLong_AsLongLong(lim);
+        Py_DECREF(lim);
+        PyErr_Clear();
+    }
+    Py_ssize_t itemsize = held ? views[0].itemsize : 1;
+    if (!take || total > limit || total / itemsize > INT_MAX) {
+        res = Py_NewRef(Py_False);
+        goto done;
+    }
+    char *buf = scratch;
+    int own = scratch_busy || scratch_size < (size_t)total;
+    if (own) {
+        buf = PyMem_RawMalloc((size_t)total ? (size_t)total : 1);
+        if (buf == NULL) { PyErr_NoMemory(); goto done; }
+    } else {
+        scratch_busy = 1;
+    }
+    Py_ssize_t pos = 0;
+    for (Py_ssize_t i = 0; i < k; i++) {
+        memcpy(buf + pos, views[i].buf, (size_t)views[i].len);
+        pos += views[i].len;
+    }
+    Handle req;
+    int rc = c_iallreduce(in_place, buf, (int)(total / itemsize), type, mop, c.t.fc->comm, &req);
+    res = complete(rc, &req, O_COALESCED, c.rec, c.t.group, PyList_GET_ITEM(seq, 0));
+    if (res != NULL) {
+        pos = 0;
+        for (Py_ssize_t i = 0; i < k; i++) {
+            memcpy(views[i].buf, buf + pos, (size_t)views[i].len);
+            pos += views[i].len;
+        }
+    }
+    if (own) {
+        /* Keep the larger buffer for the next call when no other call holds one. */
+        if (!scratch_busy && (size_t)total > scratch_size) {
+            PyMem_RawFree(scratch);
+            scratch = buf;
+            scratch_size = (size_t)total;
+        } else {
+            PyMem_RawFree(buf);
+        }
+    } else {
+        scratch_busy = 0;
+    }
+done:
+    for (Py_ssize_t i = 0; i < held; i++) PyBuffer_Release(&views[i]);
+    PyMem_Free(views);
+    return end_call(&c, res);
+}
+
 /* -- binding -------------------------------------------------------------------------- */
 
 static void set_ref(PyObject **slot, PyObject *v) {
@@ -606,20 +691,20 @@ static void set_ref(PyObject **slot, PyObject *v) {
 
 /* bind(functions, handle_size, in_place, moved, reduced, ndarray, group_type,
  *      host_type, world_state, observers, recorder, expired, mpi_error, wait_module,
- *      t1_index, tag_ub)
+ *      t1_index, tag_ub, packing)
  *
  * functions: {MPI function name: address}; moved: [(dtype, type handle)]; reduced:
  * [(op, [(dtype, type handle, op handle)])].  Called once, by spmd.backends.fastcall. */
 static PyObject *fc_bind(PyObject *m, PyObject *args) {
-    PyObject *functions, *mv, *rd, *nd, *gt, *ht, *ws, *obs, *rec, *exp, *me, *wm;
+    PyObject *functions, *mv, *rd, *nd, *gt, *ht, *ws, *obs, *rec, *exp, *me, *wm, *pk;
     int hsize;
     long long ip;
     Py_ssize_t t1;
     long ub;
-    if (!PyArg_ParseTuple(args, "O!iLO!O!O!O!O!OO!OOOOnl", &PyDict_Type, &functions, &hsize,
+    if (!PyArg_ParseTuple(args, "O!iLO!O!O!O!O!OO!OOOOnlO", &PyDict_Type, &functions, &hsize,
                           &ip, &PyList_Type, &mv, &PyList_Type, &rd, &PyType_Type, &nd,
                           &PyType_Type, &gt, &PyType_Type, &ht, &ws, &PyList_Type, &obs,
-                          &rec, &exp, &me, &wm, &t1, &ub))
+                          &rec, &exp, &me, &wm, &t1, &ub, &pk))
         return NULL;
     if (hsize != 4 && hsize != (int)sizeof(void *)) {
         PyErr_Format(PyExc_ValueError, "bind: MPI handles of %d bytes are not supported", hsize);
@@ -691,6 +776,7 @@ static PyObject *fc_bind(PyObject *m, PyObject *args) {
     set_ref(&expired, exp);
     set_ref(&mpi_error, me);
     set_ref(&wait_module, wm);
+    set_ref(&packing_module, pk);
     PyObject *b = PyObject_GetAttrString(rec, "begin");
     if (b == NULL) return NULL;
     Py_XSETREF(begin, b);
@@ -724,6 +810,8 @@ static PyMethodDef methods[] = {
      "send(tensor, dst, group, tag, group_dst) -> bool"},
     {"recv", (PyCFunction)(void (*)(void))fc_recv, METH_FASTCALL,
      "recv(tensor, src, group, tag, group_src) -> sender's global rank, or False"},
+    {"all_reduce_coalesced", (PyCFunction)(void (*)(void))fc_all_reduce_coalesced,
+     METH_FASTCALL, "all_reduce_coalesced(tensors, op, group, async_op) -> bool"},
     {NULL, NULL, 0, NULL},
 };
 
@@ -749,7 +837,8 @@ PyMODINIT_FUNC PyInit__fastcall(void) {
     INTERN(s_dtype, "dtype");
     INTERN(s_gather_from, "all_gather_from");
     INTERN(s_gather_to, "all_gather_to");
-    for (int i = 0; i < 9; i++) {
+    INTERN(s_bucket_bytes, "_bucket_bytes");
+    for (int i = 0; i < N_OPS; i++) {
         INTERN(s_ops[i], OP_NAMES[i]);
         if (SHM_FROM[i] != NULL) INTERN(s_shm_from[i], SHM_FROM[i]);
     }

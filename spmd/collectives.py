@@ -56,6 +56,7 @@ _SUM = ReduceOp.SUM
 # it does not take.
 _c_broadcast = function("broadcast")
 _c_all_reduce = function("all_reduce")
+_c_all_reduce_coalesced = function("all_reduce_coalesced")
 _c_reduce = function("reduce")
 _c_all_gather_into_tensor = function("all_gather_into_tensor")
 _c_reduce_scatter_tensor = function("reduce_scatter_tensor")
@@ -190,6 +191,9 @@ def all_reduce_coalesced(tensors: Sequence[Array], op: ReduceOp = _SUM, group: G
 
     With ``async_op=True`` it returns a Future (as torch does) whose value is ``tensors``.
     """
+    if _c_all_reduce_coalesced is not None \
+            and _c_all_reduce_coalesced(tensors, op, group, async_op):
+        return None
     pg = resolve(group, "all_reduce_coalesced")
     if pg is None:
         return None

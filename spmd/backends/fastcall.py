@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 from mpi4py import MPI
 
-from .. import _wait
+from .. import _wait, packing
 from ..dtypes import MOVE_AS
 from ..flight_recorder import COUNTER, SEQ, T1, TIMED_OUT, recorder
 from ..launch import _loaded_libmpi
@@ -157,7 +157,7 @@ def bind(group_type: type, host_type: type, world_state: Any) -> None:
     tag_ub = int(MPI.COMM_WORLD.Get_attr(MPI.TAG_UB) or 32767)   # 32767: MPI's minimum
     _module.bind(functions, sizes.pop(), int(MPI.IN_PLACE), _moved(), _reduced(), np.ndarray,
                  group_type, host_type, world_state, _observers, recorder, _expired,
-                 _mpi_error, _wait, T1, tag_ub)
+                 _mpi_error, _wait, T1, tag_ub, packing)
     compiled = _module
     reason = ""
 
