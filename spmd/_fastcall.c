@@ -140,6 +140,7 @@ static const char *const SHM_FROM[N_OPS] = {
     NULL, NULL, NULL, NULL, NULL};
 static PyObject *s_shm_from[N_OPS], *s_gather_from, *s_gather_to, *s_bucket_bytes;
 static PyObject *packing_module;     /* spmd.packing: its _bucket_bytes, the fusion limit */
+static PyObject *shm_all_reduce;     /* (engine, buffer, dtype, op): its all_reduce, waited */
 
 /* -- FastComm: one group's communicator, as the host backend holds it ------------- */
 
@@ -654,15 +655,36 @@ static PyObject *fc_all_reduce_coalesced(PyObject *m, PyObject *const *a, Py_ssi
         memcpy(buf + pos, views[i].buf, (size_t)views[i].len);
         pos += views[i].len;
     }
-    Handle req;
-    int rc = c_iallreduce(in_place, buf, (int)(total / itemsize), type, mop, c.t.fc->comm, &req);
-    res = complete(rc, &req, O_COALESCED, c.rec, c.t.group, PyList_GET_ITEM(seq, 0));
-    if (res != NULL) {
-        pos = 0;
-        for (Py_ssize_t i = 0; i < k; i++) {
-            memcpy(views[i].buf, buf + pos, (size_t)views[i].len);
-            pos += views[i].len;
+    if (total >= shm_from(c.t.fc, O_ALL_REDUCE)) {
+        /* The shared-memory engine's size: its all_reduce on the packed bytes, as the
+         * Python path (HostBackend.all_reduce_coalesced) does; it records itself. */
+        PyObject *mv = PyMemoryView_FromMemory(buf, total, PyBUF_WRITE);
+        PyObject *args[4] = {c.t.fc->shm, mv, dtype, a[1]};
+        PyObject *r = mv ? PyObject_Vectorcall(shm_all_reduce, args, 4, NULL) : NULL;
+        res = r == NULL ? NULL : Py_NewRef(Py_True);
+        Py_XDECREF(r);
+        if (res != NULL) {   /* nothing may keep a view of the buffer past this call */
+            PyObject *gone = PyObject_CallMethod(mv, "release", NULL);
+            if (gone == NULL) Py_CLEAR(res);
+            Py_XDECREF(gone);
         }
+        Py_XDECREF(mv);
+    } else {
+        Handle req;
+        int rc = c_iallreduce(in_place, buf, (int)(total / itemsize), type, mop, c.t.fc->comm,
+                              &req);
+        res = complete(rc, &req, O_COALESCED, c.rec, c.t.group, PyList_GET_ITEM(seq, 0));
+    }
+    if (res == NULL) {
+        /* A failed or timed-out op may still write into the buffer later: never reuse
+         * or free it. */
+        if (!own) { scratch = NULL; scratch_size = 0; scratch_busy = 0; }
+        goto done;
+    }
+    pos = 0;
+    for (Py_ssize_t i = 0; i < k; i++) {
+        memcpy(views[i].buf, buf + pos, (size_t)views[i].len);
+        pos += views[i].len;
     }
     if (own) {
         /* Keep the larger buffer for the next call when no other call holds one. */
@@ -691,20 +713,20 @@ static void set_ref(PyObject **slot, PyObject *v) {
 
 /* bind(functions, handle_size, in_place, moved, reduced, ndarray, group_type,
  *      host_type, world_state, observers, recorder, expired, mpi_error, wait_module,
- *      t1_index, tag_ub, packing)
+ *      t1_index, tag_ub, packing, shm_all_reduce)
  *
  * functions: {MPI function name: address}; moved: [(dtype, type handle)]; reduced:
  * [(op, [(dtype, type handle, op handle)])].  Called once, by spmd.backends.fastcall. */
 static PyObject *fc_bind(PyObject *m, PyObject *args) {
-    PyObject *functions, *mv, *rd, *nd, *gt, *ht, *ws, *obs, *rec, *exp, *me, *wm, *pk;
+    PyObject *functions, *mv, *rd, *nd, *gt, *ht, *ws, *obs, *rec, *exp, *me, *wm, *pk, *sa;
     int hsize;
     long long ip;
     Py_ssize_t t1;
     long ub;
-    if (!PyArg_ParseTuple(args, "O!iLO!O!O!O!O!OO!OOOOnlO", &PyDict_Type, &functions, &hsize,
+    if (!PyArg_ParseTuple(args, "O!iLO!O!O!O!O!OO!OOOOnlOO", &PyDict_Type, &functions, &hsize,
                           &ip, &PyList_Type, &mv, &PyList_Type, &rd, &PyType_Type, &nd,
                           &PyType_Type, &gt, &PyType_Type, &ht, &ws, &PyList_Type, &obs,
-                          &rec, &exp, &me, &wm, &t1, &ub, &pk))
+                          &rec, &exp, &me, &wm, &t1, &ub, &pk, &sa))
         return NULL;
     if (hsize != 4 && hsize != (int)sizeof(void *)) {
         PyErr_Format(PyExc_ValueError, "bind: MPI handles of %d bytes are not supported", hsize);
@@ -777,6 +799,7 @@ static PyObject *fc_bind(PyObject *m, PyObject *args) {
     set_ref(&mpi_error, me);
     set_ref(&wait_module, wm);
     set_ref(&packing_module, pk);
+    set_ref(&shm_all_reduce, sa);
     PyObject *b = PyObject_GetAttrString(rec, "begin");
     if (b == NULL) return NULL;
     Py_XSETREF(begin, b);

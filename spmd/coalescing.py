@@ -39,7 +39,7 @@ from .packing import (
     set_bucket_bytes,
     unpack,
 )
-from .work import Work
+from .work import Work, then
 
 __all__ = ["coalescing_manager", "CoalescingManager", "get_bucket_bytes", "set_bucket_bytes",
            "buckets", "pack", "unpack", "pack_buckets", "Packed", "DEFAULT_BUCKET_BYTES"]
@@ -163,18 +163,6 @@ class CoalescingManager:
                 f"group={self.group._name}>")
 
 
-def _then(work, fn) -> None:
-    """Run ``fn`` when ``work`` completes, after what it already does then."""
-    prev = work._finish
-    if prev is None:
-        work._finish = fn
-    else:
-        def both():
-            prev()
-            fn()
-        work._finish = both
-
-
 def _all_gather(backend, ops, n: int):
     # Each output viewed as n rows; rank i's input lands in row i of every output.
     lists: list[list] = [[] for _ in range(n)]
@@ -189,7 +177,10 @@ def _all_gather(backend, ops, n: int):
         inputs.append(inp)
     work = backend.all_gather_coalesced(lists, inputs)
     if copies:
-        _then(work, lambda: [np.copyto(o, t) for o, t in copies])
+        def copy_back() -> None:
+            for o, t in copies:
+                np.copyto(o, t)
+        then(work, copy_back)
     return work
 
 
@@ -208,7 +199,7 @@ def _reduce_scatter(backend, pairs, op, n: int):
             np.copyto(o, result[pos:pos + o.size].reshape(o.shape))
             pos += o.size
 
-    _then(work, unpack)
+    then(work, unpack)
     return work
 
 

@@ -43,6 +43,19 @@ def seconds_of(timeout) -> float:
     return float(timeout)
 
 
+def then(work: Work, fn: Callable[[], None]) -> None:
+    """Run ``fn`` when ``work`` completes, after what it already runs then (unpacking a
+    fused buffer into its arrays, say)."""
+    prev = work._finish
+    if prev is None:
+        work._finish = fn
+    else:
+        def both():
+            prev()
+            fn()
+        work._finish = both
+
+
 class Work:
     """Handle of an operation started by an ``async_op=True`` call or ``isend``/``irecv``.
 

@@ -267,3 +267,26 @@ def test_all_reduce_coalesced_fuses_in_one_call(dist, monkeypatch):
     from spmd import flight_recorder as fr
     last = [e for e in fr.recorder.entries() if e[fr.GROUP] is dist.GroupMember.WORLD][-1]
     assert last[fr.OP] == "all_reduce_coalesced" and fr.state(last) == fr.COMPLETED
+
+
+@pytest.mark.mpi
+def test_all_reduce_coalesced_ranks_on_either_path_meet(dist):
+    """Rank 0's list holds a view (the Python path), the other ranks' lists do not (the
+    compiled path): both paths choose the same engine from the same sizes (MPI below the
+    shared-memory engine's all_reduce size, the engine from it), so the ranks meet and
+    agree, below and above that size."""
+    n, r = dist.get_world_size(), dist.get_rank()
+    shm = dist.GroupMember.WORLD._backend_for("cpu").shm
+    sizes = [4096]
+    if shm is not None and shm.all_reduce_from < (1 << 22):
+        sizes.append(max(2 * shm.all_reduce_from, 8192))
+    for total in sizes:
+        count = total // 4 // 8
+        arrays = [np.full(count, float(r + k), np.float32) for k in range(8)]
+        if r == 0:
+            wide = np.zeros((count, 2), np.float32)
+            wide[:, 0] = arrays[3]
+            arrays[3] = wide[:, 0]                   # same values, not contiguous
+        dist.all_reduce_coalesced(arrays)
+        for k, a in enumerate(arrays):
+            np.testing.assert_array_equal(a, sum(q + k for q in range(n)), err_msg=str(total))

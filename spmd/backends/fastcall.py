@@ -135,6 +135,12 @@ def _mpi_error(code: int) -> None:
     raise MPI.Exception(code)
 
 
+def _shm_all_reduce(shm: Any, raw: memoryview, dtype: np.dtype, op: ReduceOp) -> None:
+    """A fused all_reduce_coalesced of the engine's size: its all_reduce on the packed
+    bytes, as HostBackend.all_reduce_coalesced runs it."""
+    shm.all_reduce(np.frombuffer(raw, dtype), op).wait()
+
+
 def bind(group_type: type, host_type: type, world_state: Any) -> None:
     """Bind the extension to this process's MPI library and to spmd's objects (the
     group module calls it once, at import).  Leaves ``compiled`` None, with ``reason``
@@ -157,7 +163,7 @@ def bind(group_type: type, host_type: type, world_state: Any) -> None:
     tag_ub = int(MPI.COMM_WORLD.Get_attr(MPI.TAG_UB) or 32767)   # 32767: MPI's minimum
     _module.bind(functions, sizes.pop(), int(MPI.IN_PLACE), _moved(), _reduced(), np.ndarray,
                  group_type, host_type, world_state, _observers, recorder, _expired,
-                 _mpi_error, _wait, T1, tag_ub, packing)
+                 _mpi_error, _wait, T1, tag_ub, packing, _shm_all_reduce)
     compiled = _module
     reason = ""
 

@@ -10,17 +10,39 @@ from __future__ import annotations
 from typing import Any
 
 from ..optable import ENGINE_OPS
+from ..packing import get_bucket_bytes, pack, unpack
+from ..work import then
 from .base import DeviceBackend
 from .blocking import BlockingHost
 from .fastcall import comm_of
 from .mpi import MPIBackend
+from .reduction import PLANS, Plan
 from .shm import engine_for
 
 __all__ = ["HostBackend"]
 
 # The ops the shared-memory engine may take (the methods below).
 _DISPATCHED = ("all_reduce", "reduce", "reduce_scatter_tensor", "broadcast", "all_gather",
-               "all_gather_into_tensor")
+               "all_gather_into_tensor", "all_reduce_coalesced")
+
+
+def fused_on_shm(tensors: list, op: Any, shm_from: int) -> bool:
+    """True if all_reduce_coalesced of ``tensors`` runs as one all_reduce of the
+    engine: two or more arrays of one dtype MPI reduces itself, one fusion bucket of
+    ``shm_from`` bytes or more.  The compiled path (spmd/_fastcall.c) makes the same
+    choice from the same facts, so ranks taking either path meet in the same call."""
+    if len(tensors) < 2:
+        return False
+    dt = tensors[0].dtype
+    if any(t.dtype is not dt for t in tensors):
+        return False
+    try:
+        plan = PLANS[op.name].get(dt)
+    except (KeyError, AttributeError):
+        return False
+    if type(plan) is not Plan or not plan.simple:
+        return False
+    return shm_from <= sum(t.nbytes for t in tensors) <= get_bucket_bytes()
 
 
 class HostBackend(DeviceBackend):
@@ -50,6 +72,15 @@ class HostBackend(DeviceBackend):
         if a.nbytes >= self.shm.all_reduce_from:
             return self.shm.all_reduce(a, op)
         return self.mpi.all_reduce(a, op)
+
+    def all_reduce_coalesced(self, tensors, op):
+        if fused_on_shm(tensors, op, self.shm.all_reduce_from):
+            buf = pack(tensors, tensors[0].dtype)
+            work = self.shm.all_reduce(buf, op)
+            work._outputs = list(tensors)   # the Future's value, as torch gives
+            then(work, lambda: unpack(tensors, buf))
+            return work
+        return self.mpi.all_reduce_coalesced(tensors, op)
 
     def reduce(self, a, root, op):
         if a.nbytes >= self.shm.reduce_from:
