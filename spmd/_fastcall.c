@@ -608,27 +608,62 @@ static char *scratch;            /* the packing buffer, kept between calls */
 static size_t scratch_size;
 static int scratch_busy;         /* a call in another thread holds it (GIL released) */
 
+/* numpy's public array layout (PyArrayObject_fields in numpy/ndarraytypes.h, the same
+ * in numpy 1.x and 2.x) and two of its flags, read directly as pybind11 does: the fused
+ * op checks and copies hundreds of arrays, and a buffer export per array would cost
+ * more than the copy. */
+typedef struct {
+    PyObject_HEAD
+    char *data;
+    int nd;
+    Py_ssize_t *dimensions;
+    Py_ssize_t *strides;
+    PyObject *base;
+    PyObject *descr;
+    int flags;
+} NumpyArray;
+#define NUMPY_C_CONTIGUOUS 0x0001
+#define NUMPY_WRITEABLE 0x0400
+
+typedef struct { char *data; Py_ssize_t len; } Piece;
+
 static PyObject *fc_all_reduce_coalesced(PyObject *m, PyObject *const *a, Py_ssize_t n) {
     START("all_reduce_coalesced", 4, a[2], !is_false(a[3]));
     PyObject *seq = a[0];
     Py_ssize_t k = PyList_CheckExact(seq) ? PyList_GET_SIZE(seq) : -1;
-    if (k < 2 || k > MAX_FUSED) DECLINE;
-    Py_buffer *views = PyMem_Malloc(sizeof(Py_buffer) * (size_t)k);
-    if (views == NULL) { end_call(&c, NULL); return PyErr_NoMemory(); }
-    PyObject *dtype = NULL, *res = NULL;
-    Py_ssize_t held = 0, total = 0;
+    PyObject *dtype;
     intptr_t type = 0, mop = 0;
+    /* The first array through the buffer protocol (its item size, and a check of the
+     * layout read below), then the rest by their fields. */
+    if (k < 2 || k > MAX_FUSED || !hold(&c, PyList_GET_ITEM(seq, 0), 1, &dtype)
+            || !reduced_type(a[1], dtype, &type, &mop)) DECLINE;
+    Py_ssize_t itemsize = c.view[0].itemsize;
+    if (((NumpyArray *)PyList_GET_ITEM(seq, 0))->data != c.view[0].buf) DECLINE;
+    Piece *pieces = PyMem_Malloc(sizeof(Piece) * (size_t)k);
+    PyObject **refs = PyMem_Malloc(sizeof(PyObject *) * (size_t)k);
+    if (pieces == NULL || refs == NULL) {
+        PyMem_Free(pieces);
+        PyMem_Free(refs);
+        end_call(&c, NULL);
+        return PyErr_NoMemory();
+    }
+    PyObject *res = NULL;
+    Py_ssize_t held = 0, total = 0;
     int take = 1;
-    for (; held < k && take; held++) {
-        PyObject *d, *x = PyList_GET_ITEM(seq, held);
-        if (!array(x, 1, &views[held], &d)) { take = 0; break; }
-        if (dtype == NULL) {
-            dtype = d;
-            take = reduced_type(a[1], dtype, &type, &mop);
-        } else {
-            take = d == dtype;
+    for (; held < k; held++) {
+        NumpyArray *x = (NumpyArray *)PyList_GET_ITEM(seq, held);
+        if (Py_TYPE(x) != ndarray_type || x->descr != dtype
+                || (x->flags & (NUMPY_C_CONTIGUOUS | NUMPY_WRITEABLE))
+                   != (NUMPY_C_CONTIGUOUS | NUMPY_WRITEABLE)) {
+            take = 0;
+            break;
         }
-        total += views[held].len;
+        Py_ssize_t len = itemsize;
+        for (int d = 0; d < x->nd; d++) len *= x->dimensions[d];
+        refs[held] = Py_NewRef((PyObject *)x);    /* alive while the GIL may be released */
+        pieces[held].data = x->data;
+        pieces[held].len = len;
+        total += len;
     }
     long long limit = -1;
     PyObject *lim = take ? get(packing_module, s_bucket_bytes) : NULL;
@@ -637,7 +672,6 @@ static PyObject *fc_all_reduce_coalesced(PyObject *m, PyObject *const *a, Py_ssi
         Py_DECREF(lim);
         PyErr_Clear();
     }
-    Py_ssize_t itemsize = held ? views[0].itemsize : 1;
     if (!take || total > limit || total / itemsize > INT_MAX) {
         res = Py_NewRef(Py_False);
         goto done;
@@ -652,8 +686,8 @@ static PyObject *fc_all_reduce_coalesced(PyObject *m, PyObject *const *a, Py_ssi
     }
     Py_ssize_t pos = 0;
     for (Py_ssize_t i = 0; i < k; i++) {
-        memcpy(buf + pos, views[i].buf, (size_t)views[i].len);
-        pos += views[i].len;
+        memcpy(buf + pos, pieces[i].data, (size_t)pieces[i].len);
+        pos += pieces[i].len;
     }
     if (total >= shm_from(c.t.fc, O_ALL_REDUCE)) {
         /* The shared-memory engine's size: its all_reduce on the packed bytes, as the
@@ -683,8 +717,8 @@ static PyObject *fc_all_reduce_coalesced(PyObject *m, PyObject *const *a, Py_ssi
     }
     pos = 0;
     for (Py_ssize_t i = 0; i < k; i++) {
-        memcpy(views[i].buf, buf + pos, (size_t)views[i].len);
-        pos += views[i].len;
+        memcpy(pieces[i].data, buf + pos, (size_t)pieces[i].len);
+        pos += pieces[i].len;
     }
     if (own) {
         /* Keep the larger buffer for the next call when no other call holds one. */
@@ -699,8 +733,9 @@ static PyObject *fc_all_reduce_coalesced(PyObject *m, PyObject *const *a, Py_ssi
         scratch_busy = 0;
     }
 done:
-    for (Py_ssize_t i = 0; i < held; i++) PyBuffer_Release(&views[i]);
-    PyMem_Free(views);
+    for (Py_ssize_t i = 0; i < held; i++) Py_DECREF(refs[i]);
+    PyMem_Free(pieces);
+    PyMem_Free(refs);
     return end_call(&c, res);
 }
 

@@ -290,3 +290,14 @@ def test_all_reduce_coalesced_ranks_on_either_path_meet(dist):
         dist.all_reduce_coalesced(arrays)
         for k, a in enumerate(arrays):
             np.testing.assert_array_equal(a, sum(q + k for q in range(n)), err_msg=str(total))
+
+
+@pytest.mark.mpi
+def test_all_reduce_coalesced_refuses_a_read_only_array(dist):
+    """The compiled path reads numpy's flags itself: a read-only array in the list is
+    declined there and refused by the Python path's check, before anything is sent."""
+    arrays = [np.ones(4), np.ones(4), np.ones(4)]
+    arrays[1].flags.writeable = False
+    with pytest.raises(ValueError, match=r"tensors\[1\] is read-only"):
+        dist.all_reduce_coalesced(arrays)
+    np.testing.assert_array_equal(arrays[0], 1.0)

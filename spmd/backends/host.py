@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..optable import ENGINE_OPS
-from ..packing import get_bucket_bytes, pack, unpack
+from ..packing import get_bucket_bytes, pack_buckets
 from ..work import then
 from .base import DeviceBackend
 from .blocking import BlockingHost
@@ -75,10 +75,16 @@ class HostBackend(DeviceBackend):
 
     def all_reduce_coalesced(self, tensors, op):
         if fused_on_shm(tensors, op, self.shm.all_reduce_from):
-            buf = pack(tensors, tensors[0].dtype)
-            work = self.shm.all_reduce(buf, op)
+            # One bucket (fused_on_shm checked its size), packed and unpacked by one
+            # MPI datatype of the arrays' addresses where there are many.
+            (packed,) = pack_buckets(tensors, tensors[0].dtype, in_place=False)
+            try:
+                work = self.shm.all_reduce(packed.buf, op)
+            except BaseException:
+                packed.release()
+                raise
             work._outputs = list(tensors)   # the Future's value, as torch gives
-            then(work, lambda: unpack(tensors, buf))
+            then(work, packed.unpack)
             return work
         return self.mpi.all_reduce_coalesced(tensors, op)
 
