@@ -46,12 +46,13 @@ static void *in_place;       /* MPI_IN_PLACE */
 
 typedef int (*test_fn)(void *, int *, void *);
 
-static int c_iallreduce(const void *s, void *r, int n, intptr_t dt, intptr_t op,
-                        intptr_t comm, void *req) {
+/* Iallreduce, Ireduce_scatter_block: (sendbuf, recvbuf, n, type, op, comm, req) */
+static int c_reduction(int f, const void *s, void *r, int n, intptr_t dt, intptr_t op,
+                       intptr_t comm, void *req) {
     if (h4) return ((int (*)(const void *, void *, int, int32_t, int32_t, int32_t, void *))
-                    fn[FN_IALLREDUCE])(s, r, n, H4(dt), H4(op), H4(comm), req);
-    return ((int (*)(const void *, void *, int, void *, void *, void *, void *))
-            fn[FN_IALLREDUCE])(s, r, n, HP(dt), HP(op), HP(comm), req);
+                    fn[f])(s, r, n, H4(dt), H4(op), H4(comm), req);
+    return ((int (*)(const void *, void *, int, void *, void *, void *, void *))fn[f])(
+        s, r, n, HP(dt), HP(op), HP(comm), req);
 }
 
 static int c_ireduce(const void *s, void *r, int n, intptr_t dt, intptr_t op, int root,
@@ -76,14 +77,6 @@ static int c_exchange(int f, const void *s, void *r, int n, intptr_t dt, intptr_
                              void *))fn[f])(s, n, H4(dt), r, n, H4(dt), H4(comm), req);
     return ((int (*)(const void *, int, void *, void *, int, void *, void *, void *))fn[f])(
         s, n, HP(dt), r, n, HP(dt), HP(comm), req);
-}
-
-static int c_ireduce_scatter_block(const void *s, void *r, int n, intptr_t dt, intptr_t op,
-                                   intptr_t comm, void *req) {
-    if (h4) return ((int (*)(const void *, void *, int, int32_t, int32_t, int32_t, void *))
-                    fn[FN_IREDUCE_SCATTER_BLOCK])(s, r, n, H4(dt), H4(op), H4(comm), req);
-    return ((int (*)(const void *, void *, int, void *, void *, void *, void *))
-            fn[FN_IREDUCE_SCATTER_BLOCK])(s, r, n, HP(dt), HP(op), HP(comm), req);
 }
 
 static int c_ibarrier(intptr_t comm, void *req) {
@@ -470,7 +463,7 @@ static PyObject *fc_all_reduce(PyObject *m, PyObject *const *a, Py_ssize_t n) {
     if (!reduced_type(a[1], dtype, &type, &mop) || !FITS(*v)
             || v->len >= shm_from(c.t.fc, O_ALL_REDUCE)) DECLINE;
     Handle req;
-    int rc = c_iallreduce(in_place, v->buf, (int)COUNT(*v), type, mop, c.t.fc->comm, &req);
+    int rc = c_reduction(FN_IALLREDUCE, in_place, v->buf, (int)COUNT(*v), type, mop, c.t.fc->comm, &req);
     return end_call(&c, complete(rc, &req, O_ALL_REDUCE, c.rec, c.t.group, a[0]));
 }
 
@@ -536,7 +529,7 @@ static PyObject *fc_reduce_scatter(PyObject *m, PyObject *const *a, Py_ssize_t n
     if (!reduced_type(a[2], dtype, &type, &mop) || vi->len != (Py_ssize_t)c.t.fc->size * vo->len
             || !FITS(*vo) || vi->len >= shm_from(c.t.fc, O_REDUCE_SCATTER)) DECLINE;
     Handle req;
-    int rc = c_ireduce_scatter_block(vi->buf, vo->buf, (int)COUNT(*vo), type, mop,
+    int rc = c_reduction(FN_IREDUCE_SCATTER_BLOCK, vi->buf, vo->buf, (int)COUNT(*vo), type, mop,
                                      c.t.fc->comm, &req);
     return end_call(&c, complete(rc, &req, O_REDUCE_SCATTER, c.rec, c.t.group, a[0]));
 }
@@ -705,7 +698,7 @@ static PyObject *fc_all_reduce_coalesced(PyObject *m, PyObject *const *a, Py_ssi
         Py_XDECREF(mv);
     } else {
         Handle req;
-        int rc = c_iallreduce(in_place, buf, (int)(total / itemsize), type, mop, c.t.fc->comm,
+        int rc = c_reduction(FN_IALLREDUCE, in_place, buf, (int)(total / itemsize), type, mop, c.t.fc->comm,
                               &req);
         res = complete(rc, &req, O_COALESCED, c.rec, c.t.group, PyList_GET_ITEM(seq, 0));
     }
@@ -847,29 +840,27 @@ fail:
     return NULL;
 }
 
+#define FASTCALL(name, f, doc) {name, (PyCFunction)(void (*)(void))f, METH_FASTCALL, doc}
+
 static PyMethodDef methods[] = {
     {"bind", (PyCFunction)fc_bind, METH_VARARGS, "Bind the MPI library and spmd's objects."},
-    {"all_reduce", (PyCFunction)(void (*)(void))fc_all_reduce, METH_FASTCALL,
-     "all_reduce(tensor, op, group, async_op) -> bool"},
-    {"reduce", (PyCFunction)(void (*)(void))fc_reduce, METH_FASTCALL,
-     "reduce(tensor, dst, op, group, async_op, group_dst) -> bool"},
-    {"broadcast", (PyCFunction)(void (*)(void))fc_broadcast, METH_FASTCALL,
-     "broadcast(tensor, src, group, async_op, group_src) -> bool"},
-    {"all_gather_into_tensor", (PyCFunction)(void (*)(void))fc_all_gather, METH_FASTCALL,
-     "all_gather_into_tensor(output, input, group, async_op) -> bool"},
-    {"reduce_scatter_tensor", (PyCFunction)(void (*)(void))fc_reduce_scatter, METH_FASTCALL,
-     "reduce_scatter_tensor(output, input, op, group, async_op) -> bool"},
-    {"all_to_all_single", (PyCFunction)(void (*)(void))fc_all_to_all, METH_FASTCALL,
-     "all_to_all_single(output, input, output_split_sizes, input_split_sizes, group, "
-     "async_op) -> bool"},
-    {"barrier", (PyCFunction)(void (*)(void))fc_barrier, METH_FASTCALL,
-     "barrier(group, async_op, device_ids, timeout) -> bool"},
-    {"send", (PyCFunction)(void (*)(void))fc_send, METH_FASTCALL,
-     "send(tensor, dst, group, tag, group_dst) -> bool"},
-    {"recv", (PyCFunction)(void (*)(void))fc_recv, METH_FASTCALL,
-     "recv(tensor, src, group, tag, group_src) -> sender's global rank, or False"},
-    {"all_reduce_coalesced", (PyCFunction)(void (*)(void))fc_all_reduce_coalesced,
-     METH_FASTCALL, "all_reduce_coalesced(tensors, op, group, async_op) -> bool"},
+    FASTCALL("all_reduce", fc_all_reduce, "all_reduce(tensor, op, group, async_op) -> bool"),
+    FASTCALL("reduce", fc_reduce, "reduce(tensor, dst, op, group, async_op, group_dst) -> bool"),
+    FASTCALL("broadcast", fc_broadcast,
+             "broadcast(tensor, src, group, async_op, group_src) -> bool"),
+    FASTCALL("all_gather_into_tensor", fc_all_gather,
+             "all_gather_into_tensor(output, input, group, async_op) -> bool"),
+    FASTCALL("reduce_scatter_tensor", fc_reduce_scatter,
+             "reduce_scatter_tensor(output, input, op, group, async_op) -> bool"),
+    FASTCALL("all_to_all_single", fc_all_to_all,
+             "all_to_all_single(output, input, output_split_sizes, input_split_sizes, group, "
+             "async_op) -> bool"),
+    FASTCALL("barrier", fc_barrier, "barrier(group, async_op, device_ids, timeout) -> bool"),
+    FASTCALL("send", fc_send, "send(tensor, dst, group, tag, group_dst) -> bool"),
+    FASTCALL("recv", fc_recv,
+             "recv(tensor, src, group, tag, group_src) -> sender's global rank, or False"),
+    FASTCALL("all_reduce_coalesced", fc_all_reduce_coalesced,
+             "all_reduce_coalesced(tensors, op, group, async_op) -> bool"),
     {NULL, NULL, 0, NULL},
 };
 

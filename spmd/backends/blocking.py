@@ -25,7 +25,7 @@ from .._wait import wait_until
 from ..dtypes import MOVE_AS
 from ..flight_recorder import COUNTER, SEQ, TIMED_OUT, recorder
 from ..work import _observers
-from .reduction import PLANS, Plan
+from .reduction import simple_plan
 
 __all__ = ["BlockingHost"]
 
@@ -37,15 +37,6 @@ _NOT_MOVED = np.dtype([("not moved", np.uint8)])
 def _as(x: np.ndarray, view: np.dtype | None) -> np.ndarray:
     """``x`` as MPI moves it: itself, or reinterpreted as ``view`` (bool as uint8...)."""
     return x if view is None else x.view(view)
-
-
-def _simple_plan(a: np.ndarray, op: Any) -> Plan | None:
-    """The reduction plan of ``a`` and ``op`` when MPI reduces ``a`` itself, else None."""
-    try:
-        plan = PLANS[op.name].get(a.dtype)
-    except (KeyError, AttributeError):  # not a ReduceOp
-        return None
-    return plan if type(plan) is Plan and plan.simple else None
 
 
 def _contiguous_pair(out: np.ndarray, a: np.ndarray) -> bool:
@@ -83,7 +74,7 @@ class BlockingHost:
         return bool(_observers) and (len(_observers) != 1 or _observers[0] is not recorder)
 
     def all_reduce(self, a: np.ndarray, op: Any) -> bool:
-        plan = _simple_plan(a, op)
+        plan = simple_plan(a.dtype, op)
         flags = a.flags
         if plan is None or not flags.c_contiguous or not flags.writeable or self._declines():
             return False
@@ -94,7 +85,7 @@ class BlockingHost:
         return True
 
     def reduce(self, a: np.ndarray, root: int, op: Any, is_root: bool) -> bool:
-        plan = _simple_plan(a, op)
+        plan = simple_plan(a.dtype, op)
         flags = a.flags
         if plan is None or not flags.c_contiguous \
                 or (is_root and not flags.writeable) or self._declines():
@@ -132,7 +123,7 @@ class BlockingHost:
         return True
 
     def reduce_scatter_tensor(self, out: np.ndarray, a: np.ndarray, op: Any) -> bool:
-        plan = _simple_plan(a, op)
+        plan = simple_plan(a.dtype, op)
         if plan is None or out.dtype != a.dtype \
                 or a.size != self._n * out.size or not _contiguous_pair(out, a) \
                 or self._declines():

@@ -32,7 +32,7 @@ from ..flight_recorder import COUNTER, SEQ, T1, TIMED_OUT, recorder
 from ..launch import _loaded_libmpi
 from ..ops import ReduceOp
 from ..work import _observers
-from .reduction import _MPI_OPS, PLANS, Plan
+from .reduction import _MPI_OPS, PLANS, simple_plan
 
 __all__ = ["compiled", "reason", "bind", "comm_of", "function"]
 
@@ -112,14 +112,16 @@ def _reduced() -> list[tuple[ReduceOp, list[tuple[np.dtype, int, int]]]]:
     """(op, [(dtype, MPI datatype, MPI op)]) for every pair MPI reduces itself."""
     out = []
     for name in _MPI_OPS:
+        op = getattr(ReduceOp, name)
         pairs = []
-        for dt, plan in PLANS[name].items():
-            if type(plan) is Plan and plan.simple:
+        for dt in PLANS[name]:
+            plan = simple_plan(dt, op)
+            if plan is not None:
                 try:
                     pairs.append((dt, _type_handle(plan.view or dt), _handle(plan.mpi_op)))
                 except KeyError:
                     pass
-        out.append((getattr(ReduceOp, name), pairs))
+        out.append((op, pairs))
     return out
 
 

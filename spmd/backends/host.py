@@ -16,7 +16,7 @@ from .base import DeviceBackend
 from .blocking import BlockingHost
 from .fastcall import comm_of
 from .mpi import MPIBackend
-from .reduction import PLANS, Plan
+from .reduction import simple_plan
 from .shm import engine_for
 
 __all__ = ["HostBackend"]
@@ -36,11 +36,7 @@ def fused_on_shm(tensors: list, op: Any, shm_from: int) -> bool:
     dt = tensors[0].dtype
     if any(t.dtype is not dt for t in tensors):
         return False
-    try:
-        plan = PLANS[op.name].get(dt)
-    except (KeyError, AttributeError):
-        return False
-    if type(plan) is not Plan or not plan.simple:
+    if simple_plan(dt, op) is None:
         return False
     return shm_from <= sum(t.nbytes for t in tensors) <= get_bucket_bytes()
 

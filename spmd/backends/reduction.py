@@ -16,7 +16,7 @@ from ..dtypes import SUPPORTED_DTYPES, family
 from ..errors import located
 from ..ops import ReduceOp
 
-__all__ = ["Plan", "PLANS", "AVERAGE", "premul_factor", "checked_plan", "mpi_view",
+__all__ = ["Plan", "PLANS", "AVERAGE", "premul_factor", "simple_plan", "checked_plan", "mpi_view",
            "counts_displs"]
 
 _F32 = np.dtype(np.float32)
@@ -106,6 +106,16 @@ def premul_factor(op: ReduceOp):
     if hasattr(f, "shape"):
         f = f.reshape(()).item() if hasattr(f, "reshape") else f.item()
     return f
+
+
+def simple_plan(dtype, op) -> Plan | None:
+    """The plan of ``dtype`` and ``op`` where MPI reduces the array itself (no upcast,
+    average or pre-scaling step), else None (also for an ``op`` that is not a ReduceOp)."""
+    try:
+        plan = PLANS[op.name].get(dtype)
+    except (KeyError, AttributeError):
+        return None
+    return plan if type(plan) is Plan and plan.simple else None
 
 
 def checked_plan(plans: dict, dtype, op, opname: str, group):
