@@ -19,15 +19,17 @@ Nested dicts that hold arrays are flattened with ``.`` (``{"model": {"w": ...}}`
 How it works: every rank describes its leaves, the descriptions are all-gathered and
 checked on every rank alike (same names, dtypes and global shapes everywhere; the
 Shards of an array cover it exactly), so a mistake raises the same error on every
-rank before any file is touched.  Each array is then written with MPI-IO: strided
-blocks collectively (``MPI_File_write_at_all`` through subarray file views: blocks of
-any shape), blocks that are byte ranges of the file (row splits) with independent
-writes, ranks spread over the files (see ``_mpiio.write_blocks``); strided local arrays
-without a copy.  The files go to a temporary directory next to
-the target, which is renamed to the target only after every rank has finished
-writing and the data is synced: a crash leaves at most a ``<path>.tmp-*`` directory,
-never a complete-looking checkpoint.  :func:`load` reads any block layout at any
-world size (resharding), whatever layout and world size saved it.
+rank before any file is touched.  Rank 0 creates the files with their data's blocks
+allocated, so a full disk fails there, on every rank, before any data is written.
+Each array is then written with MPI-IO: strided blocks collectively
+(``MPI_File_write_at_all`` through subarray file views: blocks of any shape), blocks
+that are byte ranges of the file (row splits) with independent writes, ranks spread
+over the files (see ``_mpiio.write_blocks``); strided local arrays without a copy.
+The files go to a temporary directory next to the target, which is renamed to the
+target only after every rank has finished writing and the data is synced: a crash
+leaves at most a ``<path>.tmp-*`` directory, never a complete-looking checkpoint.
+:func:`load` reads any block layout at any world size (resharding), whatever layout
+and world size saved it.
 
 Rules worth knowing:
 
@@ -62,9 +64,11 @@ from . import _mpiio
 from ._ckpt_plan import Reject, check_bounds, coverage, flatten, replicated_block
 from ._shard import Shard, is_array
 from .arrays import SUPPORTED_DTYPES, bfloat16
+from .collectives import all_reduce
 from .errors import located
 from .group import ProcessGroup, resolve
 from .objects import all_gather_object
+from .ops import ReduceOp
 
 __all__ = ["INDEX_FILE", "VALUES_FILE", "Shard", "load", "save"]
 
@@ -234,7 +238,8 @@ def save(state: Mapping[str, Any], path: str | os.PathLike, group: Any = None, *
         group: the group whose ranks hold the state (WORLD if None).
         mode: permission bits of the files (the directory gets matching search bits).
         overwrite: replace an existing checkpoint at ``path`` (else FileExistsError).
-        sync: flush the files to stable storage before the rename makes them visible.
+        sync: flush the files to stable storage before the rename makes them visible,
+            and the rename itself after it (False: leave both to the kernel).
 
     Raises:
         TypeError: a leaf of unsupported type or dtype, or kinds that differ by rank.
@@ -264,23 +269,20 @@ def save(state: Mapping[str, Any], path: str | os.PathLike, group: Any = None, *
     tmp = plans[0]["tmp"]
     leaves = {name: leaf for name, _, _, leaf in flatten(state, "state")}
 
-    # Rank 0 makes the directory and every file with its header; then all ranks write.
+    # Rank 0 makes the directory and every file with its header and its data's blocks
+    # allocated (a full disk fails here, before any data moves); then all ranks write.
     status = None
     if pg.rank() == 0:
         try:
             os.mkdir(tmp, _dir_mode(mode))
             os.chmod(tmp, _dir_mode(mode))
             for entry in entries.values():
-                header = _mpiio.npy_header(_dtype_of(entry["dtype"]), tuple(entry["shape"]))
-                fd = os.open(os.path.join(tmp, entry["file"]),
-                             os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
-                try:
-                    os.fchmod(fd, mode)
-                    os.write(fd, header)
-                finally:
-                    os.close(fd)
+                _mpiio.create_npy(os.path.join(tmp, entry["file"]), _dtype_of(entry["dtype"]),
+                                  tuple(entry["shape"]), mode)
         except OSError as exc:
             status = ("OSError", f"cannot create {tmp!r}: {exc}")
+            # Nothing is written yet; the blocks already allocated would keep a full disk full.
+            shutil.rmtree(tmp, ignore_errors=True)
     _barrier_raise(op, status, pg)
 
     writes = []
@@ -318,22 +320,31 @@ def save(state: Mapping[str, Any], path: str | os.PathLike, group: Any = None, *
             _write_index(tmp, entries, plans[0], mode, sync)
         except OSError as exc:
             status = ("OSError", f"cannot write the index in {tmp!r}: {exc}")
-    _barrier_raise(op, status, pg)  # every rank's data is written before the rename
+    # Every rank is still there once the data and the index are written: a rank lost
+    # before this point leaves no checkpoint, whichever rank it was.
+    _barrier_raise(op, status, pg)
     _fault("renaming")
     status = None
     if pg.rank() == 0:
         try:
-            _commit(tmp, path, overwrite)
+            _commit(tmp, path, overwrite, sync)
         except OSError as exc:
             status = ("OSError", f"cannot rename {tmp!r} to {path!r}: {exc}")
     _barrier_raise(op, status, pg)
 
 
 def _barrier_raise(op: str, status: tuple | None, pg: ProcessGroup) -> None:
-    """A barrier that also carries one rank's failure to every rank."""
-    statuses: list = [None] * pg.size()
-    all_gather_object(statuses, status, group=pg)
-    _raise_first(op, statuses, pg)
+    """A barrier that also carries one rank's failure to every rank.
+
+    The common case, no failure anywhere, costs one all-reduce of a flag; only when a
+    rank failed are the failures gathered (an object all-gather of None took 0.38 ms at
+    4 ranks on 2 cores, the all-reduce 0.06 ms)."""
+    failed = np.array([status is not None], np.int32)
+    all_reduce(failed, op=ReduceOp.MAX, group=pg)
+    if failed[0]:
+        statuses: list = [None] * pg.size()
+        all_gather_object(statuses, status, group=pg)
+        _raise_first(op, statuses, pg)
 
 
 def _write_file(path: str, data: bytes, mode: int, sync: bool) -> None:
@@ -358,17 +369,18 @@ def _write_index(tmp: str, entries: dict, plan0: dict, mode: int, sync: bool) ->
                 json.dumps(index, indent=1, sort_keys=True).encode(), mode, sync)
 
 
-def _commit(tmp: str, path: str, overwrite: bool) -> None:
+def _commit(tmp: str, path: str, overwrite: bool, sync: bool) -> None:
     old = None
     if overwrite and os.path.lexists(path):
         old = f"{os.path.abspath(path)}.old-{secrets.token_hex(6)}"
         os.rename(path, old)
     os.rename(tmp, path)
-    fd = os.open(os.path.dirname(os.path.abspath(path)), os.O_RDONLY)
-    try:
-        os.fsync(fd)  # the rename itself reaches the disk
-    finally:
-        os.close(fd)
+    if sync:
+        fd = os.open(os.path.dirname(os.path.abspath(path)), os.O_RDONLY)
+        try:
+            os.fsync(fd)  # the rename itself reaches the disk
+        finally:
+            os.close(fd)
     if old is not None:
         shutil.rmtree(old) if os.path.isdir(old) else os.remove(old)
 

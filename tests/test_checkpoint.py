@@ -3,6 +3,8 @@ and checks the files against the global array with plain numpy."""
 
 from __future__ import annotations
 
+import ctypes
+import errno
 import json
 import os
 import shutil
@@ -13,6 +15,7 @@ import numpy as np
 import pytest
 from conftest import ml_dtypes
 
+from spmd import _mpiio
 from spmd import checkpoint as ckpt
 
 pytestmark = pytest.mark.mpi
@@ -238,6 +241,109 @@ def test_failure_before_rename_leaves_nothing_complete(dist, where):
         ckpt.load({"a": None}, path)
     ckpt.save({"a": np.ones(5)}, path)  # the leftover does not block the next save
     assert ckpt.load({"a": None}, path)["a"].tolist() == [1.0] * 5
+
+
+def test_index_failure_renames_nothing(dist, where, monkeypatch):
+    """Rank 0 cannot write the index: every rank raises it, nothing is renamed."""
+    def no_index(tmp, *args):
+        raise OSError(f"simulated: no room for the index in {tmp}")
+
+    monkeypatch.setattr(ckpt, "_write_index", no_index)
+    path = os.path.join(where, "c")
+    with pytest.raises(OSError, match=r"checkpoint.save: cannot write the index in .*simulated"
+                       rf".*\[rank {dist.get_rank()}, group WORLD\]"):
+        ckpt.save({"a": np.ones(4)}, path)
+    dist.barrier()
+    assert not os.path.exists(path)
+    assert [name.startswith("c.tmp-") for name in os.listdir(where)] == [True]
+
+
+# -- the files' blocks are allocated before the ranks write ------------------------------
+
+# File systems whose fallocate(2) allocates blocks (the test machines' /tmp is one).
+ALLOCATING = {"ext4", "xfs", "btrfs", "tmpfs"}
+
+
+def fs_type(path):
+    """The type of the file system ``path`` is on, from /proc/mounts ("" if unknown)."""
+    best, kind = "", ""
+    try:
+        with open("/proc/mounts") as f:
+            mounts = [line.split()[1:3] for line in f]
+    except OSError:
+        return ""
+    for mnt, fstype in mounts:
+        if (path == mnt or path.startswith(mnt.rstrip("/") + "/")) and len(mnt) >= len(best):
+            best, kind = mnt, fstype
+    return kind
+
+
+def test_data_blocks_allocated_when_the_file_is_made(dist, where):
+    """create_npy writes the header and allocates the data's blocks (buffered writes into
+    allocated blocks are faster, and a full disk fails before any rank writes): the file
+    is as long as the array's .npy, its blocks are there, and it reads as zeros."""
+    if fs_type(os.path.realpath(where)) not in ALLOCATING:
+        pytest.skip(f"{where} is on {fs_type(where) or 'an unknown file system'}, not one of "
+                    f"{sorted(ALLOCATING)}")
+    path = os.path.join(where, "a.npy")
+    if dist.get_rank() == 0:
+        assert _mpiio.create_npy(path, np.dtype(np.float64), (300, 70), 0o600) == 128
+    dist.barrier()
+    st = os.stat(path)
+    assert st.st_size == 128 + 300 * 70 * 8
+    assert st.st_blocks * 512 >= 300 * 70 * 8
+    assert stat.S_IMODE(st.st_mode) == 0o600
+    np.testing.assert_array_equal(np.load(path), np.zeros((300, 70)))
+
+
+def refusing_fallocate(err, allow=0):
+    """A stand-in for libc's fallocate that allocates ``allow`` times, then fails with
+    ``err``, as the real one does on a file system that cannot (EOPNOTSUPP) or a full
+    disk (ENOSPC)."""
+    real = _mpiio._fallocate
+
+    def fallocate(fd, mode, offset, nbytes):
+        nonlocal allow
+        if allow > 0 and real is not None:
+            allow -= 1
+            return real(fd, mode, offset, nbytes)
+        ctypes.set_errno(err)
+        return -1
+    return fallocate
+
+
+def test_file_system_without_preallocation(dist, where, monkeypatch):
+    """Where fallocate is refused, the writes allocate as they go: same files."""
+    monkeypatch.setattr(_mpiio, "_fallocate", refusing_fallocate(errno.EOPNOTSUPP))
+    rank, n = dist.get_rank(), dist.get_world_size()
+    g = global_array((7, 6), np.float32)
+    lo, hi = rows(7, rank, n)
+    path = os.path.join(where, "c")
+    ckpt.save({"w": ckpt.Shard(g[lo:hi], g.shape, (lo, 0)), "r": g[0]}, path)
+    np.testing.assert_array_equal(np.load(os.path.join(path, "w.npy")), g)
+    np.testing.assert_array_equal(np.load(os.path.join(path, "r.npy")), g[0])
+
+
+def test_no_space_refused_before_any_write(dist, where, monkeypatch):
+    """No room for an array's data: every rank raises the same OSError naming the file,
+    before any rank wrote, and the temporary directory (whose allocated blocks would keep
+    the disk full) is gone."""
+    monkeypatch.setattr(_mpiio, "_fallocate", refusing_fallocate(errno.ENOSPC, allow=1))
+    written = []
+    monkeypatch.setattr(_mpiio, "write_blocks", lambda *a, **k: written.append(a))
+    rank, n = dist.get_rank(), dist.get_world_size()
+    lo, hi = rows(8, rank, n)
+    state = {"a": ckpt.Shard.split(np.ones((hi - lo, 3))), "b": np.arange(5.0)}
+    with pytest.raises(OSError, match=r"checkpoint.save: cannot create .*No space left on "
+                       rf"device for the 40 bytes of its data: '.*b\.npy'.* \[rank {rank}, "
+                       r"group WORLD\]"):
+        ckpt.save(state, os.path.join(where, "c"))
+    assert written == []
+    dist.barrier()
+    assert os.listdir(where) == []
+    monkeypatch.undo()
+    ckpt.save(state, os.path.join(where, "c"))
+    np.testing.assert_array_equal(np.load(os.path.join(where, "c", "b.npy")), np.arange(5.0))
 
 
 # -- bad input: the same error on every rank, and nothing written -------------------------

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import os
 import re
+import shlex
+import shutil
 import sys
 
 import numpy as np
@@ -64,3 +66,33 @@ def test_killed_rank_leaves_no_checkpoint(tmp_path, n, stage):
     saved = job(n, "save", path, "rows")
     assert saved.returncode == 0 and ok_lines(saved, n), saved.stdout
     assert ok_lines(job(n, "load", path, "cols"), n)
+
+
+def can_mount_privately():
+    if os.geteuid() != 0 or shutil.which("unshare") is None or shutil.which("mount") is None:
+        return False
+    return run(["unshare", "-m", "true"], timeout=30).returncode == 0
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("n", [1, 3])
+def test_full_disk_refused_and_left_empty(tmp_path, n):
+    """On a real full file system (a 3 MiB tmpfs in a mount namespace of the job's own),
+    a save of two 2 MiB arrays fails on every rank when the second array's blocks do not
+    fit, before anything is written, and removes what it had made: a save of one array
+    fits afterwards, and only that checkpoint is left."""
+    if not can_mount_privately():
+        pytest.skip("needs root, unshare and mount for a size-limited tmpfs")
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    path = disk / "ckpt"
+    cmd = " ".join(shlex.quote(a) for a in mpiexec(n, sys.executable, PROGRAM, "fill",
+                                                      str(path), "2"))
+    script = (f"mount -t tmpfs -o size=3m tmpfs {shlex.quote(str(disk))} && {cmd}; rc=$?; "
+              f"ls -A {shlex.quote(str(disk))}; exit $rc")
+    proc = run(["unshare", "-m", "sh", "-c", script], timeout=90)
+    assert proc.returncode == 0 and ok_lines(proc, n), proc.stdout
+    refused = re.findall(r"rank (\d+)/\d+ refused: checkpoint.save: cannot create .*No space "
+                         r"left on device for the 2097152 bytes of its data: '.*z\.npy'", proc.stdout)
+    assert sorted(refused) == [str(r) for r in range(n)], proc.stdout
+    assert proc.stdout.rstrip().splitlines()[-1] == "ckpt-after", proc.stdout

@@ -1,6 +1,6 @@
 """Save or load a checkpoint of known arrays at this job's size and in a given layout.
 
-Usage: mpiexec -n N python tests/programs/ckpt_job.py save|load|crash PATH [LAYOUT|STAGE]
+Usage: mpiexec -n N python tests/programs/ckpt_job.py save|load|crash|fill PATH [LAYOUT|STAGE|MIB]
 
 The global arrays are functions of their indices, so every job knows the values
 whatever its size: ``w`` (13 x 11 float32), ``e`` (9 x 4 x 5 int64), ``b`` (replicated),
@@ -9,6 +9,9 @@ dim 1), ``blocks`` (w in 2-D blocks from ``Shard.from_mesh`` where the size allo
 ``crash STAGE`` kills one rank with SIGKILL at that stage of save: rank 1 (0 alone)
 after its arrays are written ("written"), rank 0, which renames, just before the
 rename ("renaming").
+``fill MIB`` saves two float32 arrays of MIB MiB each (rows split), expects a full disk
+to refuse the save on every rank, then saves one of them to ``PATH-after``, which fits
+only if the refused save left nothing behind.
 Every rank prints ``rank R/N ckpt_job OK`` after checking what it read.
 """
 
@@ -77,6 +80,23 @@ def main():
         ckpt._fault_hook = die
         ckpt.save(layout("rows", True), path)
         raise SystemExit("the save should not have finished")
+    elif mode == "fill":
+        rows = int(arg) * (1 << 20) // (4 * 256)
+        lo, hi = split(rows, rank, size)
+        block = ckpt.Shard(np.full((hi - lo, 256), rank, np.float32), (rows, 256), (lo, 0))
+        try:
+            ckpt.save({"a": block, "z": block}, path)
+        except OSError as exc:
+            refusal = f"rank {rank}/{size} refused: {exc}"
+        else:
+            raise SystemExit("the save should not have fit")
+        # Rank 0 prints every rank's message: lines from several ranks on one stream can
+        # interleave inside a line.
+        refusals: list = [None] * size
+        spmd.all_gather_object(refusals, refusal)
+        if rank == 0:
+            print("\n".join(refusals), flush=True)
+        ckpt.save({"a": block}, path + "-after")
     else:
         target = layout(arg, False)
         ckpt.load(target, path)
