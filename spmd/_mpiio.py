@@ -18,9 +18,10 @@ datatype that follows its strides (nested ``hvector``s at its absolute address),
 copy is made.
 
 :func:`create_npy` makes the file beforehand with its header and the data's blocks
-allocated, as ``numpy.save`` does for its own files: buffered writes into blocks
+allocated, much as ``numpy.save`` does for large arrays: buffered writes into blocks
 allocated up front fill the page cache faster than writes that allocate as they go,
-and a full disk fails there, before any rank writes.
+and, where the file system preallocates, a full disk fails there, before any rank
+writes.
 """
 
 from __future__ import annotations
@@ -71,9 +72,10 @@ def _libc_fallocate() -> Callable[[int, int, int, int], int] | None:
 
 _fallocate = _libc_fallocate()
 
-# What a full disk or quota looks like; any other refusal (a file system that cannot
-# preallocate: EOPNOTSUPP, ENOSYS, EINVAL...) leaves the writes to allocate as they go.
-_NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
+# What a full disk, a quota or a file size limit looks like: the writes would fail too.
+# Any other refusal (a file system that cannot preallocate: EOPNOTSUPP, ENOSYS,
+# EINVAL...) leaves the writes to allocate as they go.
+_NO_SPACE = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
 
 
 def preallocate(fd: int, offset: int, nbytes: int, path: str = "") -> bool:
@@ -84,12 +86,14 @@ def preallocate(fd: int, offset: int, nbytes: int, path: str = "") -> bool:
     room for them."""
     if _fallocate is None or nbytes <= 0:
         return False
-    if _fallocate(fd, 0, offset, nbytes) == 0:
-        return True
-    err = ctypes.get_errno()
-    if err in _NO_SPACE:
-        raise OSError(err, f"{os.strerror(err)} for the {nbytes} bytes of its data", path)
-    return False
+    while _fallocate(fd, 0, offset, nbytes) != 0:
+        err = ctypes.get_errno()
+        if err in _NO_SPACE:
+            raise OSError(err, f"{os.strerror(err)}: the {nbytes} bytes of data of {path!r} "
+                          "do not fit")
+        if err != errno.EINTR:
+            return False
+    return True
 
 
 def create_npy(path: str, dtype: np.dtype, shape: tuple[int, ...], mode: int) -> int:

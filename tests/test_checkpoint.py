@@ -258,33 +258,59 @@ def test_index_failure_renames_nothing(dist, where, monkeypatch):
     assert [name.startswith("c.tmp-") for name in os.listdir(where)] == [True]
 
 
+def test_write_failure_on_the_last_rank_reaches_every_rank(dist, where, monkeypatch):
+    """A write that fails on the last rank only: every rank raises it, naming that rank;
+    nothing is renamed."""
+    rank, n = dist.get_rank(), dist.get_world_size()
+    real = _mpiio.write_blocks
+
+    def write_blocks(comm, writes, sync=False):
+        real(comm, writes, sync)
+        if rank == n - 1:
+            raise OSError("simulated: the disk went away")
+
+    monkeypatch.setattr(_mpiio, "write_blocks", write_blocks)
+    path = os.path.join(where, "c")
+    where_found = "" if n == 1 else rf" \(found on group rank {n - 1}\)"
+    with pytest.raises(OSError, match=r"checkpoint.save: cannot write into .*simulated: the "
+                       rf"disk went away{where_found} \[rank {rank}, group WORLD\]"):
+        ckpt.save({"a": ckpt.Shard.split(np.ones(3))}, path)
+    dist.barrier()
+    assert not os.path.exists(path)
+
+
+def test_group_without_a_host_backend(dist, where):
+    """A group whose only backend is for GPU arrays (as after init_process_group("nccl"))
+    still saves and loads host arrays: the checkpoint's own messages are object
+    collectives on the group's communicator."""
+    rank, n = dist.get_rank(), dist.get_world_size()
+    g = global_array((5, 3), np.int64)
+    pg = dist.new_group(backend="cuda:mpi")
+    lo, hi = rows(5, rank, n)
+    path = os.path.join(where, "c")
+    ckpt.save({"w": ckpt.Shard(g[lo:hi], g.shape, (lo, 0)), "step": 7}, path, group=pg)
+    np.testing.assert_array_equal(np.load(os.path.join(path, "w.npy")), g)
+    target = ckpt.load({"w": None, "step": None}, path, group=pg)
+    np.testing.assert_array_equal(target["w"], g)
+    assert target["step"] == 7
+
+
 # -- the files' blocks are allocated before the ranks write ------------------------------
-
-# File systems whose fallocate(2) allocates blocks (the test machines' /tmp is one).
-ALLOCATING = {"ext4", "xfs", "btrfs", "tmpfs"}
-
-
-def fs_type(path):
-    """The type of the file system ``path`` is on, from /proc/mounts ("" if unknown)."""
-    best, kind = "", ""
-    try:
-        with open("/proc/mounts") as f:
-            mounts = [line.split()[1:3] for line in f]
-    except OSError:
-        return ""
-    for mnt, fstype in mounts:
-        if (path == mnt or path.startswith(mnt.rstrip("/") + "/")) and len(mnt) >= len(best):
-            best, kind = mnt, fstype
-    return kind
-
 
 def test_data_blocks_allocated_when_the_file_is_made(dist, where):
     """create_npy writes the header and allocates the data's blocks (buffered writes into
     allocated blocks are faster, and a full disk fails before any rank writes): the file
     is as long as the array's .npy, its blocks are there, and it reads as zeros."""
-    if fs_type(os.path.realpath(where)) not in ALLOCATING:
-        pytest.skip(f"{where} is on {fs_type(where) or 'an unknown file system'}, not one of "
-                    f"{sorted(ALLOCATING)}")
+    if dist.get_rank() == 0:  # can this file system preallocate at all?
+        fd = os.open(os.path.join(where, "probe"), os.O_WRONLY | os.O_CREAT, 0o600)
+        ok = _mpiio._fallocate is not None and _mpiio._fallocate(fd, 0, 0, 4096) == 0
+        why = os.strerror(ctypes.get_errno()) if _mpiio._fallocate is not None else "no libc"
+        os.close(fd)
+        os.remove(os.path.join(where, "probe"))
+    box = [(ok, why) if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(box, src=0)
+    if not box[0][0]:
+        pytest.skip(f"fallocate(2) refused on the file system of {where}: {box[0][1]}")
     path = os.path.join(where, "a.npy")
     if dist.get_rank() == 0:
         assert _mpiio.create_npy(path, np.dtype(np.float64), (300, 70), 0o600) == 128
@@ -335,8 +361,8 @@ def test_no_space_refused_before_any_write(dist, where, monkeypatch):
     lo, hi = rows(8, rank, n)
     state = {"a": ckpt.Shard.split(np.ones((hi - lo, 3))), "b": np.arange(5.0)}
     with pytest.raises(OSError, match=r"checkpoint.save: cannot create .*No space left on "
-                       rf"device for the 40 bytes of its data: '.*b\.npy'.* \[rank {rank}, "
-                       r"group WORLD\]"):
+                       r"device: the 40 bytes of data of '.*b\.npy' do not fit.* \[rank "
+                       rf"{rank}, group WORLD\]"):
         ckpt.save(state, os.path.join(where, "c"))
     assert written == []
     dist.barrier()

@@ -68,10 +68,12 @@ def test_killed_rank_leaves_no_checkpoint(tmp_path, n, stage):
     assert ok_lines(job(n, "load", path, "cols"), n)
 
 
-def can_mount_privately():
+def can_mount_privately(where):
+    """Whether a tmpfs can be mounted at ``where`` in a mount namespace of its own."""
     if os.geteuid() != 0 or shutil.which("unshare") is None or shutil.which("mount") is None:
         return False
-    return run(["unshare", "-m", "true"], timeout=30).returncode == 0
+    probe = f"mount -t tmpfs -o size=1m tmpfs {shlex.quote(str(where))}"
+    return run(["unshare", "-m", "sh", "-c", probe], timeout=30).returncode == 0
 
 
 @pytest.mark.timeout(120)
@@ -81,18 +83,22 @@ def test_full_disk_refused_and_left_empty(tmp_path, n):
     a save of two 2 MiB arrays fails on every rank when the second array's blocks do not
     fit, before anything is written, and removes what it had made: a save of one array
     fits afterwards, and only that checkpoint is left."""
-    if not can_mount_privately():
-        pytest.skip("needs root, unshare and mount for a size-limited tmpfs")
     disk = tmp_path / "disk"
     disk.mkdir()
+    if not can_mount_privately(disk):
+        pytest.skip("needs root, unshare and mount for a size-limited tmpfs")
     path = disk / "ckpt"
-    cmd = " ".join(shlex.quote(a) for a in mpiexec(n, sys.executable, PROGRAM, "fill",
-                                                      str(path), "2"))
+    # The limit inside: `unshare` becomes the shell, so the outer timeout would not
+    # reach mpiexec and its ranks.
+    cmd = " ".join(shlex.quote(a) for a in ["timeout", "-k", "5", "60",
+                                            *mpiexec(n, sys.executable, PROGRAM, "fill",
+                                                     str(path), "2")])
     script = (f"mount -t tmpfs -o size=3m tmpfs {shlex.quote(str(disk))} && {cmd}; rc=$?; "
               f"ls -A {shlex.quote(str(disk))}; exit $rc")
     proc = run(["unshare", "-m", "sh", "-c", script], timeout=90)
     assert proc.returncode == 0 and ok_lines(proc, n), proc.stdout
     refused = re.findall(r"rank (\d+)/\d+ refused: checkpoint.save: cannot create .*No space "
-                         r"left on device for the 2097152 bytes of its data: '.*z\.npy'", proc.stdout)
+                         r"left on device: the 2097152 bytes of data of '.*z\.npy' do not fit",
+                         proc.stdout)
     assert sorted(refused) == [str(r) for r in range(n)], proc.stdout
     assert proc.stdout.rstrip().splitlines()[-1] == "ckpt-after", proc.stdout
