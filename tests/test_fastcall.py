@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import shutil
 import sysconfig
+import tempfile
 import threading
 import time
 from datetime import timedelta
@@ -156,35 +157,57 @@ def test_blocking_op_past_the_timeout_is_diagnosed(dist):
 
 @pytest.mark.mpi
 def test_other_threads_run_while_a_call_waits(dist):
-    """A blocking receive that waits 0.5 s hands the GIL over: a Python thread of the
-    same rank keeps running meanwhile."""
+    """A blocking receive that waits hands the GIL over: a Python thread of the same
+    rank keeps running meanwhile.
+
+    The sender waits until that thread has ticked TICKS times during the receive (a
+    flag file; every rank of the suite is on one host) or for LIMIT seconds, so the
+    check depends little on how much CPU other processes leave this one: a receive
+    that kept the GIL lets the thread tick at most once and fails after LIMIT seconds;
+    one that handed it over only about once a second (a bug this test found at 3 ranks
+    on 2 cores) takes longer than SLOW for the ticks, which take 0.1 s on an idle
+    machine and took 2.5 s with other processes on both cores."""
+    TICKS, LIMIT, SLOW = 10, 30.0, 6.0
     n, r = dist.get_world_size(), dist.get_rank()
     if n < 2:
         pytest.skip("needs 2 ranks")
+    box = [tempfile.mkdtemp(prefix="spmd-gil-") if r == 0 else None]
+    dist.broadcast_object_list(box, src=0)
+    flag = os.path.join(box[0], "ticked")
     if r == 1:
-        time.sleep(0.5)
+        deadline = time.monotonic() + LIMIT
+        while not os.path.exists(flag) and time.monotonic() < deadline:
+            time.sleep(0.005)
         dist.send(np.ones(4), dst=0, tag=21)
     elif r == 0:
         ticks = []
         stop = threading.Event()
+        t0 = time.monotonic() + 3600.0  # set just before the receive
 
         def tick():
             while not stop.is_set():
-                ticks.append(time.monotonic())
+                now = time.monotonic()
+                if now > t0:
+                    ticks.append(now)
+                    if len(ticks) == TICKS:
+                        open(flag, "w").close()
                 time.sleep(0.01)
 
         t = threading.Thread(target=tick)
         buf = np.zeros(4)
-        t0 = time.monotonic()
         t.start()
+        t0 = time.monotonic()
         assert dist.recv(buf, src=1, tag=21) == 1
         t1 = time.monotonic()
         stop.set()
         t.join()
         np.testing.assert_array_equal(buf, 1.0)
         during = [x for x in ticks if t0 < x < t1]
-        assert t1 - t0 >= 0.3, t1 - t0
-        assert len(during) >= 10, (len(during), t1 - t0)
+        assert len(during) >= TICKS, (len(during), t1 - t0)
+        assert t1 - t0 < SLOW, f"{TICKS} ticks of 10 ms took {t1 - t0:.1f} s"
+    dist.barrier()
+    if r == 0:
+        shutil.rmtree(box[0])
 
 
 @pytest.mark.mpi
