@@ -28,6 +28,8 @@ import sys
 import threading
 import time
 import traceback
+import types
+from typing import Any
 
 from mpi4py import MPI
 
@@ -115,6 +117,42 @@ def _load_main(path: str) -> None:
     sys.modules["__main__"] = module
 
 
+# cloudpickle (3.1.3 on) names every code object it sends by value this way, instead of
+# the file the code came from, so a traceback through it names no file.
+_DYNAMIC_CODE = "<dynamic-code>"
+
+
+def _with_filename(code: types.CodeType, path: str) -> types.CodeType:
+    """``code`` and the code objects nested in it, ``<dynamic-code>`` renamed ``path``."""
+    consts = tuple(_with_filename(c, path) if isinstance(c, types.CodeType) else c
+                   for c in code.co_consts)
+    changed = any(a is not b for a, b in zip(consts, code.co_consts))
+    if code.co_filename == _DYNAMIC_CODE:
+        return code.replace(co_filename=path, co_consts=consts)
+    return code.replace(co_consts=consts) if changed else code
+
+
+def _name_main_code(roots: list, path: str) -> None:
+    """Give the functions of the parent's main script ``path`` that came by value (fn,
+    what it calls, the methods of its classes, callables among the args) their file
+    back, so that tracebacks name the script's file and lines as in the parent."""
+    seen: set[int] = set()
+    todo: list[Any] = list(roots)
+    while todo:
+        obj = todo.pop()
+        if id(obj) in seen or getattr(obj, "__module__", None) != "__main__":
+            continue
+        seen.add(id(obj))
+        if isinstance(obj, types.FunctionType):
+            obj.__code__ = _with_filename(obj.__code__, path)
+            todo.extend(obj.__globals__.values())
+            todo.extend(c.cell_contents for c in obj.__closure__ or ()
+                        if c.cell_contents is not c)
+        elif isinstance(obj, type):
+            for v in vars(obj).values():
+                todo.append(v.__func__ if isinstance(v, (classmethod, staticmethod)) else v)
+
+
 def _run(parent: MPI.Intercomm, job: dict, listener: _Listener):
     """Receive fn and args, run ``fn(rank, *args)`` with spmd initialised; the reply."""
     rank = MPI.COMM_WORLD.Get_rank()
@@ -122,6 +160,8 @@ def _run(parent: MPI.Intercomm, job: dict, listener: _Listener):
     if job.get("main"):
         _load_main(job["main"])
     fn, args = pickle.loads(payload)
+    if job.get("main_file"):
+        _name_main_code([fn, *args], job["main_file"])
     init_process_group()
     try:
         value = fn(rank, *args)

@@ -538,8 +538,10 @@ def spawn(fn: Callable[..., Any], args: Sequence = (), nprocs: int = 1, join: bo
         _launcher.jobs += 1
         job_file = os.path.join(_launcher.private_dir(), f"job-{_launcher.jobs}.json")
         boot_file = _launcher.boot_file()
+        script = getattr(sys.modules.get("__main__"), "__file__", None)
         job = {"env": child_env, "path": [p for p in sys.path], "cwd": os.getcwd(),
-               "main": main_file, "parent_pid": os.getpid()}
+               "main": main_file, "main_file": script and os.path.abspath(script),
+               "parent_pid": os.getpid()}
         fd = os.open(job_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         with os.fdopen(fd, "w") as f:
             json.dump(job, f)

@@ -4,6 +4,7 @@ against the process table."""
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -51,15 +52,24 @@ def test_readme_example():
 
 
 @pytest.mark.timeout(120)
-def test_exception_names_rank_with_traceback_and_ends_the_others():
-    proc, checks = run_mode("raise")
+@pytest.mark.parametrize("pickler", ["cloudpickle", "pickle"])
+def test_exception_names_rank_with_traceback_and_ends_the_others(pickler):
+    if pickler == "cloudpickle":
+        pytest.importorskip("cloudpickle")
+    extra = {"SPAWN_TEST_NO_CLOUDPICKLE": "1"} if pickler == "pickle" else {}
+    proc, checks = run_mode("raise", **extra)
     assert proc.returncode == 0, proc.stdout
     row = checks["raise"][0]
     assert (row["type"], row["rank"], row["error_type"]) == (
         "ProcessRaisedException", 1, "ValueError"), row
     assert "rank 1 of 3" in row["message"] and "bad value on rank 1" in row["message"]
     assert "-- traceback of rank 1 --" in row["message"]
-    assert 'spawn_jobs.py", line' in row["message"] and "in raise_on_one" in row["message"]
+    # Both frames name the script's file and lines, whether the functions went by value
+    # (cloudpickle) or by reference (plain pickle).
+    frames = re.findall(r'File "([^"]*)", line \d+, in (\w+)', row["message"])
+    assert [(os.path.basename(f), name) for f, name in frames[-2:]] == [
+        ("spawn_jobs.py", "raise_on_one"), ("spawn_jobs.py", "refuse")], row["message"]
+    assert "<dynamic-code>" not in row["message"]
     assert row["workers"] == [], row  # ranks 0 and 2 (stuck in all_reduce) were ended
     assert row["seconds"] < 30, row
     assert checks["after"][0]["results"] == [1.0, 1.0], proc.stdout

@@ -60,10 +60,14 @@ def collectives(rank, seed):
             "bcast": b}
 
 
+def refuse(rank):
+    raise ValueError(f"bad value on rank {rank}")
+
+
 def raise_on_one(rank):
     x = np.ones(3)
     if rank == 1:
-        raise ValueError(f"bad value on rank {rank}")
+        refuse(rank)  # through a second function of this script: both frames are named
     spmd.all_reduce(x)  # the others wait here for rank 1, which never comes
     return rank
 
