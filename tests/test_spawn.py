@@ -31,13 +31,17 @@ def run_mode(mode: str, timeout: float = 150, **env: str):
     return proc, checks
 
 
+def run_with(pickler: str, mode: str):
+    """run_mode with cloudpickle (skipped without it) or with plain pickle."""
+    if pickler == "cloudpickle":
+        pytest.importorskip("cloudpickle")
+    return run_mode(mode, **({"SPAWN_TEST_NO_CLOUDPICKLE": "1"} if pickler == "pickle" else {}))
+
+
 @pytest.mark.timeout(200)
 @pytest.mark.parametrize("pickler", ["cloudpickle", "pickle"])
 def test_sizes_1_to_4_match_numpy(pickler):
-    if pickler == "cloudpickle":
-        pytest.importorskip("cloudpickle")
-    extra = {"SPAWN_TEST_NO_CLOUDPICKLE": "1"} if pickler == "pickle" else {}
-    proc, checks = run_mode("sizes", **extra)
+    proc, checks = run_with(pickler, "sizes")
     assert proc.returncode == 0, proc.stdout
     assert [(c["n"], c["ok"]) for c in checks["sizes"]] == [(1, True), (2, True), (3, True),
                                                              (4, True)], proc.stdout
@@ -54,10 +58,7 @@ def test_readme_example():
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("pickler", ["cloudpickle", "pickle"])
 def test_exception_names_rank_with_traceback_and_ends_the_others(pickler):
-    if pickler == "cloudpickle":
-        pytest.importorskip("cloudpickle")
-    extra = {"SPAWN_TEST_NO_CLOUDPICKLE": "1"} if pickler == "pickle" else {}
-    proc, checks = run_mode("raise", **extra)
+    proc, checks = run_with(pickler, "raise")
     assert proc.returncode == 0, proc.stdout
     row = checks["raise"][0]
     assert (row["type"], row["rank"], row["error_type"]) == (
