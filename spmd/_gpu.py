@@ -13,6 +13,8 @@ import re
 import warnings
 from typing import NamedTuple
 
+import numpy as np
+
 from .dtypes import bfloat16
 from .errors import located
 
@@ -25,12 +27,14 @@ __all__ = [
     "cupy_problem",
     "decide_gpu_awareness",
     "device_index",
+    "empty_pinned",
     "mpi_gpu_support",
     "mpi_library_paths",
     "nccl_available",
     "nccl_or_none",
     "nccl_problem",
     "nccl_version",
+    "use_runtime",
     "need_cupy",
     "query_cuda_support",
     "select_device",
@@ -62,6 +66,24 @@ def cupy_or_none():
             else:
                 _cupy = cupy
     return _cupy
+
+
+def use_runtime(cupy_module, nccl_module) -> None:
+    """Take ``cupy_module`` for CuPy and ``nccl_module`` for ``cupy.cuda.nccl`` from now
+    on (``spmd.testing.device_double`` installs itself so); ``(None, None)`` looks for
+    the real ones again."""
+    global _cupy, _cupy_problem, _cupy_loaded, _nccl, _nccl_problem, _nccl_loaded
+    _cupy, _nccl = cupy_module, nccl_module
+    _cupy_problem = _nccl_problem = None
+    _cupy_loaded = _nccl_loaded = cupy_module is not None
+
+
+def empty_pinned(cp, shape, dtype):
+    """A numpy array in page-locked host memory (CuPy's pinned allocator)."""
+    dtype = np.dtype(dtype)
+    count = int(np.prod(shape, dtype=np.int64))
+    mem = cp.cuda.alloc_pinned_memory(count * dtype.itemsize)
+    return np.ndarray(shape, dtype, buffer=mem)
 
 
 def cupy_problem() -> str | None:

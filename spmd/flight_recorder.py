@@ -36,8 +36,12 @@ _monotonic = time.monotonic
 
 # Entry layout: one list per operation, indexed by these constants (cheaper to build
 # than an object).  SIZE is the element count of the op's first array; T1 is None while
-# the operation is in flight.
-OP, GROUP, SEQ, COUNTER, SIZE, DTYPE, T0, T1, FAILED, TIMED_OUT = range(10)
+# the operation is in flight.  ENGINE names what runs it ("MPI", "shared memory",
+# "NCCL").  DEVICE, for an operation that ends on a GPU stream, is (engine, end event):
+# the operation is over when the event has passed, whether or not anyone polled its
+# Work, so whatever judges "in flight" asks the event first (:meth:`FlightRecorder.settle`).
+OP, GROUP, SEQ, COUNTER, SIZE, DTYPE, T0, T1, FAILED, TIMED_OUT, ENGINE, DEVICE = range(12)
+MPI_ENGINE = "MPI"
 STARTED, COMPLETED = "started", "completed"
 
 # Ops that are not collectives: they get their own sequence numbers per group.  Links
@@ -68,7 +72,7 @@ def ring_size(requested: int) -> int:
     return max(16, int(requested))
 
 
-_PLACEHOLDER = [None, None, 0, None, None, None, 0.0, 0.0, False, False]
+_PLACEHOLDER = [None, None, 0, None, None, None, 0.0, 0.0, False, False, MPI_ENGINE, None]
 
 
 _COLL, _P2P = "\0collective", "\0p2p"   # keys of a group's two counters
@@ -122,21 +126,25 @@ class FlightRecorder:
 
     # -- the hot path: called for every Work --------------------------------------
 
-    def begin(self, op: str, g, a) -> list:
-        """Record ``op`` starting on group ``g`` (``a``: its first array, or None);
-        return the entry, which :meth:`end` completes."""
+    def begin(self, op: str, g, a, engine: str = MPI_ENGINE) -> list:
+        """Record ``op`` starting on group ``g`` (``a``: its first array, or None) on
+        ``engine``; return the entry, which :meth:`end` completes."""
         try:
             c = g._fr[op]
         except (TypeError, KeyError):  # the group's or the op's first time
             c = _counter(g, op)
         c.seq = seq = c.seq + 1
         ring = self._ring
-        if ring[0][T1] is None:  # about to push out an operation still in flight
-            self._stale.append(ring[0])
+        oldest = ring[0]
+        if oldest[T1] is None:  # about to push out an operation still in flight
+            if oldest[DEVICE] is not None:
+                self.settle((oldest,))
+            if oldest[T1] is None:
+                self._stale.append(oldest)
         if a is None:
-            e = [op, g, seq, c, None, None, _monotonic(), None, False, False]
+            e = [op, g, seq, c, None, None, _monotonic(), None, False, False, engine, None]
         else:
-            e = [op, g, seq, c, a.size, a.dtype, _monotonic(), None, False, False]
+            e = [op, g, seq, c, a.size, a.dtype, _monotonic(), None, False, False, engine, None]
         ring.append(e)
         return e
 
@@ -151,23 +159,40 @@ class FlightRecorder:
             a.size  # noqa: B018 - an array, not a list of lists
         except (TypeError, IndexError, AttributeError):  # no outputs, or a list of lists
             a = None
-        work._fr = self.begin(work._op, work._group, a)
+        e = work._fr = self.begin(work._op, work._group, a, work.engine)
+        device_end = work._device_end
+        if device_end is not None:
+            e[DEVICE] = device_end
 
     def completed(self, work) -> None:
         try:
             e = work._fr
         except AttributeError:  # started before the recorder was registered
             return
-        e[T1] = _monotonic()
+        if e[T1] is None:  # a device op may have been seen finished before its Work was
+            e[T1] = _monotonic()
         if work._exc is not None:
             e[FAILED] = True
+
+    @staticmethod
+    def settle(entries) -> None:
+        """Mark finished the device operations among ``entries`` whose end event has
+        passed (the end time is when this is first seen).  Never blocks."""
+        for e in entries:
+            device = e[DEVICE]
+            if device is not None and e[T1] is None and device[0].event_passed(device[1]):
+                e[T1] = _monotonic()
 
     # -- queries (watchdog, control channel, dumps): never on the hot path --------
 
     def entries(self) -> list:
-        """Every recorded entry, oldest first (in-flight ones pushed out of the ring too)."""
+        """Every recorded entry, oldest first (in-flight ones pushed out of the ring too),
+        device operations settled first."""
         ring = [e for e in list(self._ring) if e[OP] is not None]
-        self._stale = stale = [e for e in list(self._stale) if e[T1] is None]
+        stale = list(self._stale)
+        self.settle(stale)
+        self.settle(ring)
+        self._stale = stale = [e for e in stale if e[T1] is None]
         return sorted(stale, key=lambda e: e[T0]) + ring if stale else ring
 
     def in_flight(self) -> list:
@@ -218,7 +243,7 @@ class FlightRecorder:
                 "dtype": _dtype_name(e[DTYPE]),
                 "start": round(e[T0] - now_mono + now_wall, 6),
                 "end": round(e[T1] - now_mono + now_wall, 6) if e[T1] is not None else None,
-                "state": state(e), "timed_out": e[TIMED_OUT],
+                "state": state(e), "timed_out": e[TIMED_OUT], "engine": e[ENGINE],
             })
         return {
             "format": FORMAT, "version": VERSION, "reason": reason,
@@ -248,7 +273,7 @@ def _dtype_name(dtype) -> str | None:
 def brief(e, now: float) -> dict:
     """One entry in the short form the diagnosis and the control channel use."""
     return {"op": e[OP], "seq": e[SEQ], "kind": e[COUNTER].kind, "group": e[GROUP]._name,
-            "state": state(e), "age": round(now - e[T0], 3),
+            "engine": e[ENGINE], "state": state(e), "age": round(now - e[T0], 3),
             "took": round(e[T1] - e[T0], 6) if e[T1] is not None else None}
 
 

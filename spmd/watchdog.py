@@ -273,17 +273,34 @@ def _peer_text(g, rank: int, rep: dict | None, target: int | None, op: str,
     return f"{who}: " + "; ".join(parts)
 
 
-def diagnose(op: str, g, seq: int | None, kind: str, waited: float, source: str) -> str:
-    """The text of a timeout: what this rank waited for, and where every other member is."""
+# Where an operation that every rank reached is stuck, by the engine that runs it.
+_STUCK_IN = {
+    "MPI": "it is stuck inside MPI (a rank may be blocked in it by an op on another group)",
+    "shared memory": "it is stuck inside the shared-memory engine (a rank may be blocked in "
+                     "it by an op on another group)",
+    "NCCL": "it is stuck inside NCCL on the GPU (a rank's stream may be blocked by earlier "
+            "GPU work, or NCCL by an op on another communicator)",
+}
+_ALONE = {
+    "NCCL": "this rank is the only member, and its GPU has not finished the operation: NCCL "
+            "or GPU work queued before it on the stream is stuck",
+}
+
+
+def diagnose(op: str, g, seq: int | None, kind: str, waited: float, source: str,
+             engine: str = _fr.MPI_ENGINE) -> str:
+    """The text of a timeout: what this rank waited for on which engine, and where every
+    other member is."""
     me = g._ranks[g._rank]
     what = "" if seq is None else \
         f"collective #{seq} " if kind == "collective" else f"point-to-point op #{seq} "
-    lines = [(f"{op}: did not complete within {waited:.1f} s ({what}on group {g._name}, group "
-              f"timeout {g._timeout:g} s) [rank {g._rank}, group {g._name}]")]
+    lines = [(f"{op}: did not complete within {waited:.1f} s ({what}on group {g._name}, "
+              f"{engine}, group timeout {g._timeout:g} s) [rank {g._rank}, group {g._name}]")]
     ch = _rt.channel
     peers = [r for r in g._ranks if r != me]
     if not peers:
-        lines.append("  this rank is the only member; the operation can never complete")
+        lines.append("  " + _ALONE.get(engine, "this rank is the only member; the operation "
+                                               "can never complete"))
         return "\n".join(lines)
     if ch is None or not ch.threaded:
         lines.append("  where the other ranks are is unknown: the control channel needs "
@@ -307,8 +324,8 @@ def diagnose(op: str, g, seq: int | None, kind: str, waited: float, source: str)
             lines.append(f"  every rank reached collective #{seq}, but not every rank called "
                          f"{op}: the ranks called different collectives")
         else:
-            lines.append(f"  every rank reached {op} #{seq}; it is stuck inside MPI (a rank "
-                         "may be blocked in it by an op on another group)")
+            lines.append(f"  every rank reached {op} #{seq}; " +
+                         _STUCK_IN.get(engine, f"it is stuck inside {engine}"))
         lines.append(f"  reached it: {_who(g, me)} (this rank)" +
                      "".join(f", {_who(g, r)}" for r in reached))
         for r in other:
@@ -320,9 +337,10 @@ def diagnose(op: str, g, seq: int | None, kind: str, waited: float, source: str)
     return "\n".join(lines)
 
 
-def handle_timeout(op: str, g, seq: int | None, kind: str, waited: float, source: str) -> str:
+def handle_timeout(op: str, g, seq: int | None, kind: str, waited: float, source: str,
+                   engine: str = _fr.MPI_ENGINE) -> str:
     """Diagnose, break the group (collectives), dump the flight recorder; the message."""
-    text = diagnose(op, g, seq, kind, waited, source)
+    text = diagnose(op, g, seq, kind, waited, source, engine)
     if kind == "collective" and g._error is None:
         g._error = f"{op} #{seq} timed out on rank {_rt.rank} after {waited:.1f} s"
         text += f"\n  group {g._name} is now broken: later calls on it raise GroupBrokenError"
@@ -342,7 +360,9 @@ def handle_timeout(op: str, g, seq: int | None, kind: str, waited: float, source
 def _diagnose_timeout(op: str, g, seq: int | None, kind: str, waited: float, source: str,
                       work) -> str:
     """The one wait helper's hook: the diagnosis of any wait that timed out."""
+    engine = _fr.MPI_ENGINE
     if work is not None:
+        engine = work.engine
         e = getattr(work, "_fr", None)
         if e is not None:
             e[_fr.TIMED_OUT] = True
@@ -351,7 +371,7 @@ def _diagnose_timeout(op: str, g, seq: int | None, kind: str, waited: float, sou
             kind = "p2p" if is_p2p(op) else "collective"
     elif seq is None and kind == "collective":  # a wait before the op's Work exists
         seq = _fr.next_seq(g)
-    text = handle_timeout(op, g, seq, kind, waited, source)
+    text = handle_timeout(op, g, seq, kind, waited, source, engine)
     if source != "wait":
         text += f"\n  (timed out {source})"
     return text
@@ -391,6 +411,9 @@ class _Watchdog:
                     report(f"spmd watchdog: check failed: {type(exc).__name__}: {exc}")
 
     def check(self) -> None:
+        """Report the operations past their group's timeout.  ``in_flight`` has asked
+        the GPU about device operations first: one that finished there is not in flight
+        even if nobody has looked at its Work."""
         now = _monotonic()
         for e in _fr.recorder.in_flight():
             g = e[_fr.GROUP]
@@ -401,10 +424,14 @@ class _Watchdog:
             # A waiting thread reports its own timeout; the grace lets it go first.
             if age > limit + min(max(1.0, 0.05 * limit), 30.0) and e[_fr.T1] is None:
                 e[_fr.TIMED_OUT] = True
-                text = handle_timeout(e[_fr.OP], g, e[_fr.SEQ], e[_fr.COUNTER].kind, age,
-                                      "watchdog")
-                report(f"spmd watchdog: {e[_fr.OP]} #{e[_fr.SEQ]} on group {g._name} is still "
-                       f"in flight {age:.1f} s after it started and nobody waits for it:\n{text}")
+                op, seq, engine, device = e[_fr.OP], e[_fr.SEQ], e[_fr.ENGINE], e[_fr.DEVICE]
+                text = handle_timeout(op, g, seq, e[_fr.COUNTER].kind, age, "watchdog", engine)
+                where = "in flight" if device is None else f"running on the GPU ({engine})"
+                if device is not None:
+                    device[0].abort_timed_out(op, seq)
+                    text += f"\n  the group's {engine} communicator was aborted"
+                report(f"spmd watchdog: {op} #{seq} on group {g._name} is still {where} "
+                       f"{age:.1f} s after it started and nobody waits for it:\n{text}")
 
     def close(self) -> None:
         self._stop.set()

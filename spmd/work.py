@@ -67,6 +67,9 @@ class Work:
     __slots__ = ("_reqs", "_finish", "_outputs", "_keep", "_done", "_exc", "_future",
                  "_op", "_group", "_status", "_meta", "_fr", "__weakref__")
 
+    engine = "MPI"        # what runs the operation, for diagnoses
+    _device_end: tuple[Any, Any] | None = None  # (engine, end event) of an operation that ends on a GPU stream
+
     def __init__(self, reqs: list, op: str, group: GroupContext, outputs: list | None = None,
                  *, finish: Callable[[], None] | None = None, keep: Any = None,
                  status: MPI.Status | None = None):

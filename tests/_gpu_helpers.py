@@ -30,13 +30,21 @@ def nccl_skip_reason() -> str | None:
     return None if _gpu.nccl_available() else f"no NCCL: {_gpu.nccl_problem()}"
 
 
+def on_device_double() -> bool:
+    """True when spmd.testing.device_double stands in for CuPy (SPMD_TEST_DEVICE=double)."""
+    from spmd.testing import device_double
+
+    return _gpu.cupy_or_none() is device_double.cupy
+
+
 def nccl_ranks_skip_reason(world_size: int) -> str | None:
     """Why NCCL cannot join ``world_size`` ranks here: they share the one GPU, and NCCL
-    refuses that unless each rank sets its own NCCL_HOSTID (tests/gpu/run.sh does)."""
+    refuses that unless each rank sets its own NCCL_HOSTID (tests/gpu/run.sh does).  The
+    device double gives every rank a GPU of its own."""
     why = nccl_skip_reason()
     if why is not None:
         return why
-    if world_size == 1 or os.environ.get("NCCL_HOSTID"):
+    if world_size == 1 or os.environ.get("NCCL_HOSTID") or on_device_double():
         return None
     return ("NCCL refuses two ranks of one communicator on one GPU; run with a different "
             "NCCL_HOSTID per rank (and NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1 "

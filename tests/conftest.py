@@ -3,6 +3,7 @@ every rank runs the same tests and asserts the same things."""
 
 from __future__ import annotations
 
+import os
 from datetime import timedelta
 
 import numpy as np
@@ -13,6 +14,13 @@ try:
 except ImportError:  # pragma: no cover
     ml_dtypes = None
 
+
+# SPMD_TEST_DEVICE=double: the GPU tests run on spmd.testing.device_double (CuPy, CUDA
+# streams and events, NCCL, on CPU), so their logic is checked where there is no GPU.
+if os.environ.get("SPMD_TEST_DEVICE") == "double":
+    from spmd.testing import device_double
+
+    device_double.install()
 
 # Per-test deadline for blocking ops: a rank whose peer failed an assertion raises
 # DistTimeoutError here instead of waiting for the group's 30-minute default.

@@ -29,6 +29,7 @@ LAYERS = {
         "spmd._mesh_args", "spmd._mesh_layout",
         "spmd._megatron_layout"],
     6: ["spmd.bench", "spmd._bench_report", "spmd.cli", "spmd.__main__", "spmd.comms_log",
+        "spmd.testing",
         "spmd.trace", "spmd.fr_trace", "spmd"],
 }
 

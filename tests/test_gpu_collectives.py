@@ -47,8 +47,13 @@ def _same_bits(got, expect):
 
 
 def _finish(work, async_op):
+    """torch's Work semantics: ``wait()`` orders the caller's current stream after the
+    operation without blocking the host (a device Work may still be running when it
+    returns); once that stream has synchronised, the Work is complete."""
     if async_op:
-        assert work.wait() is True and work.is_completed()
+        assert work.wait() is True
+        cupy().cuda.get_current_stream().synchronize()
+        assert work.is_completed() and work.is_success()
     else:
         assert work is None
 

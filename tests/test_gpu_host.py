@@ -434,7 +434,7 @@ def _fake_work(b, op="all_reduce", done=False, peer=None, blocking=False):
     event = FakeEvent(done)
     keep = np.zeros(3)
     work = nccl_backend.NcclWork(b, event, op, [keep], keep, blocking, peer)
-    b._inflight.append((event, keep, weakref.ref(work)))
+    b._inflight.append((event, keep, weakref.ref(work), None))
     return work, event
 
 

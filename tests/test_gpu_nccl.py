@@ -12,6 +12,7 @@ from _gpu_helpers import (
     cupy_dtypes,
     nccl_ranks_skip_reason,
     nccl_skip_reason,
+    on_device_double,
     to_device,
     to_host,
 )
@@ -30,15 +31,35 @@ def _dtypes():
     return [dt for dt in cupy_dtypes(all_dtypes()) if dt.name in NCCL_DTYPES]
 
 
+class _SoloGroup:
+    """This rank's own NCCL group of size 1, made again when a test re-initialised spmd
+    (which destroys every group) since it was made."""
+
+    def __init__(self):
+        self.pg = None
+
+    def get(self):
+        dist = _initialised()
+        if self.pg is None or self.pg._comm is None:  # never made, or destroyed since
+            self.pg, _ = dist.new_subgroups(group_size=1, backend="cpu:mpi,cuda:nccl",
+                                            group_desc="solo")
+        return self.pg
+
+
 @pytest.fixture(scope="module")
-def solo():
-    """cupy, spmd and this rank's own NCCL group of size 1."""
+def _solo_group():
+    holder = _SoloGroup()
+    yield holder
+    if holder.pg is not None and holder.pg._comm is not None:
+        _initialised().destroy_process_group(holder.pg)
+
+
+@pytest.fixture
+def solo(_solo_group):
+    """cupy, spmd and this rank's own NCCL group of size 1 (alive in every test)."""
     from spmd import _gpu
 
-    dist = _initialised()
-    pg, _ = dist.new_subgroups(group_size=1, backend="cpu:mpi,cuda:nccl", group_desc="solo")
-    yield _gpu.cupy_or_none(), dist, pg
-    dist.destroy_process_group(pg)  # a no-op when a test re-initialised spmd meanwhile
+    return _gpu.cupy_or_none(), _initialised(), _solo_group.get()
 
 
 def test_lazy_creation_and_unique_id(solo):
@@ -331,7 +352,7 @@ def test_two_ranks_on_one_gpu_get_a_clear_error():
     n = dist.get_world_size()
     if n == 1 or os.environ.get("NCCL_HOSTID"):
         pytest.skip("needs two ranks without NCCL_HOSTID")
-    if cp.cuda.runtime.getDeviceCount() >= n:
+    if cp.cuda.runtime.getDeviceCount() >= n or on_device_double():
         pytest.skip("each rank could have its own GPU here")
     pg = dist.new_group(backend="cpu:mpi,cuda:nccl", group_desc="shared-gpu")
     try:

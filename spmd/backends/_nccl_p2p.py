@@ -54,6 +54,6 @@ class NcclPointToPoint:
         for sending, a, peer, _ in ops:
             work = NcclWork(self, end, "send" if sending else "recv", [a], (a, kept),
                             peer=None if sending else peer)
-            self._inflight.append((end, (a, kept), weakref.ref(work)))
+            self._inflight.append((end, (a, kept), weakref.ref(work), getattr(work, "_fr", None)))
             works.append(work)
         return works

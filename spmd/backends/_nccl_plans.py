@@ -12,7 +12,8 @@ from ..arrays import SUPPORTED_DTYPES, family
 
 __all__ = ["AVG_BF16_VERSION", "INT_MAX", "NCCL_TYPES", "NOCOLOR", "PLANS", "REDUCE_NAMES",
            "SPLIT_VERSION", "USE_MPI", "NcclPlan", "byte_units", "cupy_count_is_int",
-           "host_identity", "plan_for", "runtime_plan", "uid_for_cupy", "uid_to_bytes"]
+           "can_split", "host_identity", "plan_for", "runtime_plan", "runtime_version",
+           "uid_for_cupy", "uid_to_bytes"]
 
 # dtype name -> NCCL datatype.  bool travels as uint8 (0/1), complex as pairs of reals.
 NCCL_TYPES = {
@@ -162,3 +163,22 @@ def host_identity() -> str:
 
 
 NOCOLOR = -1  # NCCL_SPLIT_NOCOLOR
+
+
+def can_split(nccl) -> bool:
+    """Whether ``ncclCommSplit`` can run: CuPy has it, and both the NCCL CuPy was built
+    against (CuPy raises below 2.18) and the one loaded are 2.18 or later."""
+    if not hasattr(nccl.NcclCommunicator, "commSplit"):
+        return False
+    try:
+        return min(int(nccl.get_version()), int(nccl.get_build_version())) >= SPLIT_VERSION
+    except Exception:  # noqa: BLE001 - no get_build_version: too old to tell
+        return False
+
+
+def runtime_version(nccl) -> int:
+    """The version code of the NCCL library loaded (0 when it cannot say)."""
+    try:
+        return int(nccl.get_version())
+    except Exception:  # noqa: BLE001
+        return 0

@@ -29,6 +29,8 @@ class ShmWork(Work):
 
     __slots__ = ("_task",)
 
+    engine = "shared memory"
+
     def __init__(self, task: Task, op: str, group, outputs, keep=None):
         self._task = task
         super().__init__([], op, group, outputs, keep=keep)

@@ -15,6 +15,8 @@ from typing import Any
 
 import numpy as np
 
+from .._gpu import empty_pinned
+
 __all__ = ["Staging", "use_device_pointer"]
 
 _D2H, _H2D = 2, 1  # cudaMemcpyDeviceToHost, cudaMemcpyHostToDevice
@@ -41,10 +43,10 @@ class Staging:
     """
 
     def __init__(self, cp: Any):
-        import cupyx
-
         self.cp = cp
-        self._empty_pinned = cupyx.empty_pinned
+
+    def _empty_pinned(self, shape, dtype) -> np.ndarray:
+        return empty_pinned(self.cp, shape, dtype)
 
     def sync(self) -> None:
         """Everything queued on the caller's stream (the producer) has finished."""

@@ -61,9 +61,6 @@ class CudaMPIBackend(DeviceBackend):
     def __init__(self, group):
         super().__init__(group)
         self.cp = _gpu.need_cupy("spmd", "the MPI backend for GPU arrays", group)
-        import cupyx
-
-        self._empty_pinned = cupyx.empty_pinned
         # The group's own host backend when it is MPI (one engine per group), else ours.
         # The engine itself, not debug mode's wrapper: the GPU call was checked already.
         host = group._backend_for("cpu") if self._cpu_is_mpi(group) else None
@@ -93,7 +90,7 @@ class CudaMPIBackend(DeviceBackend):
         self.cp.cuda.get_current_stream().synchronize()
 
     def _pinned(self, a) -> np.ndarray:
-        return self._empty_pinned(a.shape, a.dtype)
+        return _gpu.empty_pinned(self.cp, a.shape, a.dtype)
 
     def _down(self, arrays) -> list:
         """Pinned host copies of device arrays (None stays None), after one stream sync."""

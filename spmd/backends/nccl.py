@@ -25,6 +25,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import os
+import threading
 import time
 import weakref
 
@@ -34,18 +35,20 @@ from .. import _gpu
 from .._bootstrap import broadcast_value, check_distinct_gpus
 from .._wait import wait_until
 from ..errors import DistBackendError, GroupBrokenError, located
+from ..flight_recorder import T1
 from ._nccl_p2p import NcclPointToPoint
 from ._nccl_plans import (
     INT_MAX,
     NCCL_TYPES,
     PLANS,
-    SPLIT_VERSION,
     USE_MPI,
     byte_units,
+    can_split,
     cupy_count_is_int,
     host_identity,
     plan_for,
     runtime_plan,
+    runtime_version,
     uid_for_cupy,
     uid_to_bytes,
 )
@@ -56,7 +59,7 @@ from .reduction import checked_plan, premul_factor
 
 __all__ = ["NCCL_TYPES", "NCCLBackend", "NcclWork", "plan_for", "uid_for_cupy", "uid_to_bytes"]
 
-# -- Work ---------------------------------------------------------------------------
+_SAME_DEVICE = contextlib.nullcontext()  # no device switch: already on the group's device
 
 class NCCLBackend(NcclPointToPoint, DeviceBackend):
     """NCCL collectives and point-to-point operations on cupy arrays."""
@@ -70,10 +73,13 @@ class NCCLBackend(NcclPointToPoint, DeviceBackend):
         if self._nccl is None:
             raise RuntimeError(f"the NCCL backend cannot run here: {_gpu.nccl_problem()} "
                                f"[rank {group._rank}, group {group._name}]")
+        self._runtime = self._cp.cuda.runtime
         self._comm = None
         self._stream = None
+        self._ready = None   # the event the stream waits on: reused (a wait takes its last record)
         self._device = None
         self._broken: str | None = None
+        # (end event, arrays kept, Work weakref, recorder entry) per op, oldest first
         self._inflight: collections.deque = collections.deque()
         self._resolved: dict = {}
         self.created_by = None  # "unique id" or "commSplit", for tests and spmd info
@@ -94,6 +100,7 @@ class NCCLBackend(NcclPointToPoint, DeviceBackend):
             else:
                 comm, self.created_by = self._from_unique_id(op), "unique id"
             self._stream = cp.cuda.Stream(non_blocking=True)
+            self._ready = cp.cuda.Event(block=False, disable_timing=True)
         self._device = device
         self._comm = comm
         return comm
@@ -121,21 +128,7 @@ class NCCLBackend(NcclPointToPoint, DeviceBackend):
         split_communicator(self, child, color, key)
 
     def can_split(self) -> bool:
-        """Whether ``ncclCommSplit`` can run: CuPy has it, and both the NCCL CuPy was
-        built against (CuPy raises below 2.18) and the one loaded are 2.18 or later."""
-        if not hasattr(self._nccl.NcclCommunicator, "commSplit"):
-            return False
-        try:
-            return min(int(self._nccl.get_version()),
-                       int(self._nccl.get_build_version())) >= SPLIT_VERSION
-        except Exception:  # noqa: BLE001 - no get_build_version: too old to tell
-            return False
-
-    def _runtime_version(self) -> int:
-        try:
-            return int(self._nccl.get_version())
-        except Exception:  # noqa: BLE001
-            return 0
+        return can_split(self._nccl)
 
     def shutdown(self) -> None:
         comm, self._comm = self._comm, None
@@ -162,6 +155,26 @@ class NCCLBackend(NcclPointToPoint, DeviceBackend):
         if comm is not None:
             with contextlib.suppress(Exception):
                 comm.abort()
+
+    def abort_timed_out(self, op: str, seq: int | None) -> None:
+        """The watchdog found ``op`` past its timeout on the GPU: abort, so kernels end."""
+        if self._broken is None:
+            self._abort(f"{op} #{seq} timed out (found by the watchdog)")
+
+    def event_passed(self, event) -> bool:
+        """Whether the GPU has passed ``event``; never blocks, never raises.
+
+        The watchdog and control threads call it too.  A CUDA call on a thread with no
+        current device makes device 0 current and creates a context there (memory on
+        another rank's GPU): spmd's own threads make this rank's device current first.
+        """
+        try:
+            if threading.current_thread().name.startswith("spmd-") and \
+                    self._runtime.getDevice() != self._device:
+                self._runtime.setDevice(self._device)
+            return bool(event.done)
+        except Exception:  # noqa: BLE001 - a broken device: the timeout will say so
+            return False
 
     def check(self, op: str) -> None:
         """Raise if the communicator was aborted or NCCL reports an asynchronous error."""
@@ -203,13 +216,17 @@ class NCCLBackend(NcclPointToPoint, DeviceBackend):
         self.check(work._op)
 
     def _reap(self) -> None:
-        """Release the arrays of operations whose end event has passed."""
+        """Complete the operations whose end event has passed and release their arrays;
+        a Work nobody holds any more still has its flight-recorder entry finished."""
         inflight = self._inflight
         while inflight and inflight[0][0].done:
-            _, _, ref = inflight.popleft()
+            _, _, ref, entry = inflight.popleft()
             work = ref()
-            if work is not None and not work._done:
-                work._complete()
+            if work is not None:
+                if not work._done:
+                    work._complete()
+            elif entry is not None and entry[T1] is None:
+                entry[T1] = time.monotonic()
 
     # -- launching ------------------------------------------------------------------
 
@@ -223,7 +240,7 @@ class NCCLBackend(NcclPointToPoint, DeviceBackend):
             if ntype is None:
                 raise located(TypeError, opname, f"this NCCL build has no {plan.nccl_type} "
                               f"for {dtype} arrays; {USE_MPI}", self.group)
-            native_avg, refused = runtime_plan(plan, self._runtime_version())
+            native_avg, refused = runtime_plan(plan, runtime_version(self._nccl))
             if refused is not None:
                 raise located(TypeError, opname, f"{dtype} arrays: {refused}", self.group)
             nop, divide = getattr(nccl, plan.nccl_op), plan.avg
@@ -235,12 +252,17 @@ class NCCLBackend(NcclPointToPoint, DeviceBackend):
     def _launch(self, op: str, body):
         """Run ``body(comm, stream_ptr)`` on the communicator's stream after the caller's
         current stream; return (end event, what body keeps alive)."""
-        comm = self.connect(op)
-        self._check_broken(op)
-        self._reap()
+        comm = self._comm
+        if comm is None:
+            comm = self.connect(op)
+        if self._broken is not None:
+            self._check_broken(op)
+        if self._inflight:
+            self._reap()
         cp = self._cp
-        with cp.cuda.Device(self._device):
-            ready = cp.cuda.Event(block=False, disable_timing=True)
+        with (_SAME_DEVICE if self._runtime.getDevice() == self._device
+              else cp.cuda.Device(self._device)):
+            ready = self._ready
             ready.record(cp.cuda.get_current_stream())
             stream = self._stream
             stream.wait_event(ready)
@@ -258,7 +280,7 @@ class NCCLBackend(NcclPointToPoint, DeviceBackend):
     def _work(self, op, body, outputs, keep, blocking=False, peer=None) -> NcclWork:
         end, kept = self._launch(op, body)
         work = NcclWork(self, end, op, outputs, (keep, kept), blocking, peer)
-        self._inflight.append((end, (keep, kept), weakref.ref(work)))
+        self._inflight.append((end, (keep, kept), weakref.ref(work), getattr(work, "_fr", None)))
         return work
 
     @contextlib.contextmanager

@@ -1,0 +1,187 @@
+"""The watchdog, the flight recorder and the diagnoses with NCCL groups, on the device
+double (spmd.testing.device_double) at every world size, so they run where there is no
+GPU: an NCCL job that idles past its timeout keeps its groups; a real NCCL hang is
+reported naming NCCL, the op, the group and the ranks, and its communicator aborted."""
+
+import time
+from datetime import timedelta
+
+import numpy as np
+import pytest
+
+from spmd import _gpu
+from spmd import flight_recorder as fr
+from spmd.testing import device_double as dd
+
+pytestmark = pytest.mark.mpi
+
+SPEC = "cpu:mpi,cuda:nccl"
+
+
+@pytest.fixture
+def double(dist):
+    """The device double as CuPy and NCCL for this test (groups made in it keep it)."""
+    installed_before = _gpu.cupy_or_none() is dd.cupy  # SPMD_TEST_DEVICE=double
+    dd.install()
+    yield dd.cupy
+    dd.release()
+    if not installed_before:
+        dd.uninstall()  # the real CuPy (or none) again
+
+
+@pytest.fixture
+def nccl_group(dist, double):
+    """A new group of every rank whose GPU arrays go to NCCL, with a 1 s timeout."""
+    made = []
+
+    def make(desc):
+        g = dist.new_group(list(range(dist.get_world_size())), backend=SPEC,
+                           timeout=timedelta(seconds=1), group_desc=desc)
+        made.append(g)
+        return g
+
+    yield make
+    for g in made:
+        dist.destroy_process_group(g)
+
+
+def _reports_since(seen, text):
+    from spmd import watchdog
+
+    return [r for r in list(watchdog.reports)[seen:] if text in r]
+
+
+def _wait_for_report(seen, text, seconds=10.0):
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        found = _reports_since(seen, text)
+        if found:
+            return found
+        time.sleep(0.05)
+    return []
+
+
+def test_idle_nccl_group_outlives_its_timeout(dist, double, nccl_group):
+    """Finished NCCL ops nobody polled (a blocking all_reduce, an async one whose Work was
+    dropped) are not "in flight": a group idle for longer than its timeout is kept."""
+    from spmd import watchdog
+
+    cp, n = double, dist.get_world_size()
+    g = nccl_group("idle-nccl")
+    x = cp.ones(4, cp.float32)
+    dist.all_reduce(x, group=g)
+    dist.all_reduce(cp.ones(2, cp.float32), group=g, async_op=True)  # Work dropped
+    dd.runtime.deviceSynchronize()  # both finished on the device; nobody polled their Works
+    seen = len(watchdog.reports)
+    time.sleep(3.5)  # past the timeout (1 s), the watchdog's grace (1 s) and its interval
+    assert not _reports_since(seen, "idle-nccl"), list(watchdog.reports)[seen:]
+    assert g._error is None
+    dist.all_reduce(x, group=g)  # the group still works
+    np.testing.assert_array_equal(x.get(), np.full(4, n * n, np.float32))
+    mine = [e for e in fr.recorder.snapshot()["entries"] if e["group"] == "idle-nccl"]
+    assert [e["op"] for e in mine] == ["all_reduce"] * 3
+    assert all(e["engine"] == "NCCL" for e in mine)
+    assert all(e["state"] == "completed" for e in mine[:2]), mine
+    assert not any(e["timed_out"] for e in mine)
+
+
+def test_finished_ops_leave_the_in_flight_list_without_a_poll(dist, double, nccl_group):
+    """The recorder asks the device: an op is in flight until its end event has passed,
+    and its end time is when that was first seen, even if its Work is never looked at."""
+    cp = double
+    g = nccl_group("settle-nccl")
+    dist.all_reduce(cp.ones(1, cp.float32), group=g)  # connects the communicator
+    dd.runtime.deviceSynchronize()
+    dd.hold()
+    try:
+        dist.all_reduce(cp.ones(1, cp.float32), group=g, async_op=True)
+        summary = fr.recorder.group_summary(g)
+    finally:
+        dd.release()
+    assert [c["op"] for c in summary["current"]] == ["all_reduce"], summary
+    assert summary["current"][0]["engine"] == "NCCL"
+    dd.runtime.deviceSynchronize()
+    summary = fr.recorder.group_summary(g)
+    assert summary["current"] == [] and summary["last"]["seq"] == 2
+    assert not [e for e in fr.recorder.in_flight() if e[fr.GROUP] is g]
+
+
+def test_nccl_hang_is_reported_and_aborted(dist, double, nccl_group):
+    """Every rank calls; the device never finishes (held): the watchdog reports the op as
+    stuck in NCCL on the GPU, breaks the group and aborts its communicator."""
+    from spmd import watchdog
+
+    cp, n = double, dist.get_world_size()
+    g = nccl_group("hang-nccl")
+    dist.all_reduce(cp.ones(1, cp.float32), group=g)
+    dd.runtime.deviceSynchronize()
+    backend = g._backend_for("cuda")
+    seen = len(watchdog.reports)
+    dd.hold()
+    try:
+        work = dist.all_reduce(cp.ones(3, cp.float32), group=g, async_op=True)
+        found = _wait_for_report(seen, "hang-nccl")
+    finally:
+        dd.release()
+    assert found, "the watchdog did not report the NCCL op the device never finished"
+    text = found[0]
+    assert "spmd watchdog: all_reduce #2 on group hang-nccl is still running on the GPU " \
+           "(NCCL)" in text, text
+    assert "(collective #2 on group hang-nccl, NCCL, group timeout 1 s)" in text, text
+    if n == 1:
+        assert "this rank is the only member, and its GPU has not finished the " \
+               "operation" in text, text
+    else:
+        assert "every rank reached all_reduce #2; it is stuck inside NCCL on the GPU" in text
+        assert "reached it: rank" in text
+    assert "stuck inside MPI" not in text
+    assert "the group's NCCL communicator was aborted" in text
+    assert g._error is not None and backend._broken is not None and backend._comm._aborted
+    with pytest.raises(dist.GroupBrokenError):
+        work.synchronize()
+    with pytest.raises(dist.GroupBrokenError):
+        dist.all_reduce(cp.ones(1, cp.float32), group=g)
+
+
+def test_nccl_op_a_peer_never_joins(dist, double, nccl_group):
+    """Rank 0 alone calls: the others are named as not having reached the op."""
+    from spmd import watchdog
+
+    n, me = dist.get_world_size(), dist.get_rank()
+    if n == 1:
+        pytest.skip("needs a peer that does not call")
+    cp = double
+    g = nccl_group("alone-nccl")
+    dist.all_reduce(cp.ones(1, cp.float32), group=g)
+    dd.runtime.deviceSynchronize()
+    seen = len(watchdog.reports)
+    found = []
+    if me == 0:
+        dist.all_reduce(cp.ones(2, cp.float32), group=g, async_op=True)
+        found = _wait_for_report(seen, "alone-nccl")
+    dist.barrier()
+    if me == 0:
+        assert found, "the watchdog did not report the NCCL op no peer joined"
+        text = found[0]
+        assert "all_reduce #2 on group alone-nccl is still running on the GPU (NCCL)" in text
+        assert "ranks that have not reached all_reduce #2:" in text, text
+        assert "rank 1" in text
+        assert g._backend_for("cuda")._comm._aborted
+
+
+def test_host_wait_timeout_names_nccl(dist, double, nccl_group):
+    cp = double
+    g = nccl_group("wait-nccl")
+    dist.all_reduce(cp.ones(1, cp.float32), group=g)
+    dd.runtime.deviceSynchronize()
+    dd.hold()
+    try:
+        work = dist.all_reduce(cp.ones(1, cp.float32), group=g, async_op=True)
+        with pytest.raises(dist.DistTimeoutError) as info:
+            work.synchronize(timeout=0.3)
+    finally:
+        dd.release()
+    text = str(info.value)
+    assert "(collective #2 on group wait-nccl, NCCL, group timeout 1 s)" in text, text
+    assert "the NCCL communicator was aborted" in text
+    assert g._backend_for("cuda")._comm._aborted
