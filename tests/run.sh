@@ -6,7 +6,8 @@
 #   tests/run.sh               all of it
 #   SIZES="2 4" tests/run.sh   other world sizes for the MPI part (SHM_SIZES and
 #                              SHM_OFF_SIZES: those run with the engine forced on, off;
-#                              PYTHON_PATH_SIZES: with the compiled call path off)
+#                              PYTHON_PATH_SIZES: with the compiled call path off;
+#                              DOUBLE_SIZES: the GPU tests on the device double)
 #
 # Uses python and mpiexec from PATH (or $PYTHON / $SPMD_MPIEXEC).
 set -uo pipefail
@@ -33,12 +34,13 @@ esac
 
 failed=()
 summary=()
-mpi_run() {  # mpi_run NAME N [VAR=VALUE...]: the MPI-marked tests at world size N
+PATHS=(tests/)
+mpi_run() {  # mpi_run NAME N [VAR=VALUE...]: the MPI-marked tests of PATHS at world size N
     local name=$1 n=$2
     shift 2
     echo "=== MPI tests at world size $n${*:+ ($*)} ==="
     env "$@" timeout -k 10 "$LIMIT" "$MPIEXEC" "${MPIFLAGS[@]}" -n "$n" "$PYTHON" \
-        tests/mpi_pytest.py "$LOGS/${name// /_}" -q -p no:cacheprovider -m mpi tests/
+        tests/mpi_pytest.py "$LOGS/${name// /_}" -q -p no:cacheprovider -m mpi "${PATHS[@]}"
     local rc=$?
     if [ $rc -ne 0 ]; then
         failed+=("$name (exit $rc)")
@@ -52,6 +54,14 @@ mpi_run() {  # mpi_run NAME N [VAR=VALUE...]: the MPI-marked tests at world size
 for n in $SIZES; do
     mpi_run "mpi n=$n" "$n"
 done
+# The GPU tests (collectives on cupy arrays through staging and NCCL, the NCCL engine,
+# its watchdog and diagnoses) on spmd.testing.device_double: CuPy, CUDA streams and
+# events and NCCL stood in for on CPU, so their logic is checked where there is no GPU.
+PATHS=(tests/test_gpu_*.py)
+for n in ${DOUBLE_SIZES:-"1 2 3 4"}; do
+    mpi_run "gpu double n=$n" "$n" SPMD_TEST_DEVICE=double
+done
+PATHS=(tests/)
 # The same suite with the shared-memory engine taking every op it can, at every size
 # (small messages included), then with it off.
 for n in $SHM_SIZES; do

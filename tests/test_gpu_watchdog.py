@@ -1,6 +1,7 @@
 """The watchdog, the flight recorder and the diagnoses with NCCL groups, on the device
-double (spmd.testing.device_double) at every world size, so they run where there is no
-GPU: an NCCL job that idles past its timeout keeps its groups; a real NCCL hang is
+double (spmd.testing.device_double, installed by SPMD_TEST_DEVICE=double) at every world
+size, so they run where there is no GPU, and deterministically (the double can hold its
+device): an NCCL job that idles past its timeout keeps its groups; a real NCCL hang is
 reported naming NCCL, the op, the group and the ranks, and its communicator aborted."""
 
 import time
@@ -8,25 +9,24 @@ from datetime import timedelta
 
 import numpy as np
 import pytest
+from _gpu_helpers import on_device_double
 
-from spmd import _gpu
 from spmd import flight_recorder as fr
 from spmd.testing import device_double as dd
 
 pytestmark = pytest.mark.mpi
+if not on_device_double():
+    pytest.skip("runs on the device double: SPMD_TEST_DEVICE=double (tests/run.sh does)",
+                allow_module_level=True)
 
 SPEC = "cpu:mpi,cuda:nccl"
 
 
 @pytest.fixture
 def double(dist):
-    """The device double as CuPy and NCCL for this test (groups made in it keep it)."""
-    installed_before = _gpu.cupy_or_none() is dd.cupy  # SPMD_TEST_DEVICE=double
-    dd.install()
+    """The device double's cupy, with the device running."""
     yield dd.cupy
     dd.release()
-    if not installed_before:
-        dd.uninstall()  # the real CuPy (or none) again
 
 
 @pytest.fixture

@@ -393,3 +393,45 @@ def test_settings_from_options_and_environment(dist, monkeypatch):
         settings.parse_options(None)
     with pytest.raises(ValueError, match="unknown level"):
         dist.set_debug_level("LOUD")
+
+
+class _Group:
+    """What a diagnosis reads of a group: two members, this process rank 0."""
+
+    _name, _ranks, _rank, _timeout = "tp:0", [0, 1], 0, 5.0
+
+    def _group_rank(self, rank):
+        return rank
+
+
+class _Channel:
+    """A control channel whose peers all answer that they reached the op."""
+
+    threaded = True
+
+    def query(self, peers, request, timeout):
+        at = {"op": "all_reduce", "seq": request["seq"], "kind": "collective", "group": "tp:0",
+              "engine": "?", "state": "started", "age": 6.0, "took": None}
+        return {r: {"where": "main thread in spmd.all_reduce", "seq": request["seq"],
+                    "p2p_seq": 0, "last": None, "current": [at], "at_seq": at} for r in peers}
+
+
+@pytest.mark.parametrize("engine, where", [
+    ("MPI", "it is stuck inside MPI (a rank may be blocked in it by an op on another group)"),
+    ("shared memory", "it is stuck inside the shared-memory engine"),
+    ("NCCL", "it is stuck inside NCCL on the GPU"),
+])
+def test_diagnosis_names_the_engine(monkeypatch, engine, where):
+    from spmd import watchdog
+
+    monkeypatch.setattr(watchdog._rt, "channel", _Channel())
+    text = watchdog.diagnose("all_reduce", _Group(), 7, "collective", 6.0, "wait", engine)
+    assert text.startswith(f"all_reduce: did not complete within 6.0 s (collective #7 on group "
+                           f"tp:0, {engine}, group timeout 5 s) [rank 0, group tp:0]"), text
+    assert f"every rank reached all_reduce #7; {where}" in text, text
+    others = {"MPI", "shared memory", "NCCL"} - {engine}
+    assert not any(f"inside {o}" in text for o in others), text
+    alone = _Group()
+    alone._ranks = [0]
+    text = watchdog.diagnose("all_reduce", alone, 7, "collective", 6.0, "wait", engine)
+    assert ("its GPU has not finished the operation" in text) == (engine == "NCCL"), text

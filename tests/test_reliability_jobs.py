@@ -178,3 +178,15 @@ def test_readme_examples_print_what_the_readme_shows():
     line = next(ln for ln in _readme_lines("[rank 3] spmd.errors.CollectiveMismatchError"))
     detail = line.split("with different arguments: ")[1].split(" [rank")[0]
     assert detail in proc.stdout, proc.stdout
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("n", [1, 3])
+def test_idle_nccl_job_keeps_its_groups(n):
+    """NCCL ops (on the device double), then 4 s idle past a 1 s timeout: the job goes on
+    with the same groups and the watchdog reports nothing."""
+    proc, _ = job(n, "nccl_idle.py", "--double", timeout=90)
+    out = proc.stdout
+    assert proc.returncode == 0, out
+    assert out.count("nccl_idle OK") == n, out
+    assert "spmd watchdog" not in out, out

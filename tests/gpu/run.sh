@@ -6,8 +6,14 @@
 # where MPI is GPU-aware; NCCL as WORLD at size 1 and in groups of size 1; MPMD links
 # between the even and odd ranks, staged and direct), NCCL at 2
 # and 4 ranks on one GPU with a different NCCL_HOSTID per rank (over sockets), and the
-# 256 MiB float32 all_reduce benchmark (NCCL at 1 rank, staging at 2), and the GPU
-# example slurm/gpu.sbatch runs.  The last line printed is a one-line summary.
+# 256 MiB float32 all_reduce benchmark (NCCL at 1 rank, staging at 2), torch DDP and
+# FSDP2 on CUDA tensors through init_process_group("spmd") at 2 ranks (NCCL, and MPI
+# staging), an NCCL job that idles past its timeout and goes on, `spmd bench --device
+# cuda` (spmd beside torch's NCCL and raw CuPy NCCL), and the GPU example
+# slurm/gpu.sbatch runs.  The last line printed is a one-line summary.
+#
+# The same GPU tests run in CI without a GPU on spmd.testing.device_double
+# (SPMD_TEST_DEVICE=double in tests/run.sh); this script is what only a GPU can show.
 #
 #   OUT=/path tests/gpu/run.sh     full logs in $OUT/gpu-check (else a temporary folder)
 #   SIZES="1 2" NCCL_SIZES="2" BUDGET=300 tests/gpu/run.sh
@@ -156,6 +162,40 @@ for n in $NCCL_SIZES; do
     note "NCCL -n $n with NCCL_HOSTID per rank: exit $rc; $(outcome "$LOGS/nccl_hostid_n$n.log")"
     short+=("nccl n$n $(outcome "$LOGS/nccl_hostid_n$n.log" | sed 's/ in .*//')")
 done
+
+# -- torch on CUDA tensors through init_process_group("spmd"): DDP and FSDP2 at 2 ranks,
+# NCCL (a different NCCL_HOSTID per rank) and MPI through host staging ------------------
+HOSTID=(env NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1 NCCL_SOCKET_IFNAME=lo)
+PER_RANK=(bash -c 'NCCL_HOSTID=spmd-rank${PMI_RANK:-${OMPI_COMM_WORLD_RANK:-0}} exec "$@"' hostid)
+for script in ddp fsdp2; do
+    step "torch_${script}_nccl" 90 "${HOSTID[@]}" "${MPIRUN[@]}" -n 2 "${PER_RANK[@]}" \
+        "$PYTHON" "tests/torch_backend/${script}_script.py" --device cuda
+    rc=$?
+    note "torch $script on CUDA, NCCL -n 2: exit $rc; $(grep -c 'matches single-process' "$LOGS/torch_${script}_nccl.log") of 2 ranks match"
+    short+=("$script nccl $rc")
+    step "torch_${script}_mpi" 90 env SPMD_CUDA_AWARE_MPI=0 "${MPIRUN[@]}" -n 2 \
+        "$PYTHON" "tests/torch_backend/${script}_script.py" --device cuda --spmd-backend cpu:mpi,cuda:mpi
+    rc=$?
+    note "torch $script on CUDA, cpu:mpi,cuda:mpi -n 2: exit $rc; $(grep -c 'matches single-process' "$LOGS/torch_${script}_mpi.log") of 2 ranks match"
+    short+=("$script mpi $rc")
+done
+
+# -- a healthy NCCL job idles past its 1 s timeout, then goes on ---------------------------
+step idle_n1 60 "${MPIRUN[@]}" -n 1 "$PYTHON" tests/programs/nccl_idle.py
+rc=$?
+note "NCCL job idle past its timeout -n 1: exit $rc; $(grep -c 'nccl_idle OK' "$LOGS/idle_n1.log") OK lines"
+short+=("idle n1 $rc")
+step idle_n2 60 "${HOSTID[@]}" "${MPIRUN[@]}" -n 2 "${PER_RANK[@]}" "$PYTHON" tests/programs/nccl_idle.py
+rc=$?
+note "NCCL job idle past its timeout -n 2 (NCCL_HOSTID): exit $rc; $(grep -c 'nccl_idle OK' "$LOGS/idle_n2.log") OK lines"
+short+=("idle n2 $rc")
+
+# -- per-call cost and bandwidth beside torch's NCCL and raw CuPy NCCL --------------------
+step bench_gpu 120 "${MPIRUN[@]}" -n 1 "$PYTHON" -m spmd bench --device cuda
+rc=$?
+note "spmd bench --device cuda -n 1: exit $rc; $(grep -m1 'target' "$LOGS/bench_gpu.log")"
+grep -E 'target|us/call|GB/s' "$LOGS/bench_gpu.log" | head -n 20
+short+=("bench gpu $rc")
 
 # -- the GPU example slurm/gpu.sbatch runs, at 2 ranks on the one GPU (so through MPI) ----
 step example_n2 60 "${MPIRUN[@]}" -n 2 "$PYTHON" examples/dp_mlp_gpu.py --backend mpi

@@ -6,17 +6,32 @@ leave every rank with the same model, equal to one process training on the whole
 batch (checked here against such a reference computed on every rank).
 """
 
+import argparse
+
 import torch
 import torch.distributed as dist
 from torch import nn
 
+# On a GPU machine (tests/gpu/run.sh): --device cuda trains on CUDA tensors, and
+# --spmd-backend SPEC picks spmd's engines first ("cpu:mpi,cuda:mpi": staged through MPI).
+args = argparse.ArgumentParser()
+args.add_argument("--device", default="cpu")
+args.add_argument("--spmd-backend", default=None)
+args = args.parse_args()
+if args.spmd_backend:
+    import spmd
+
+    spmd.init_process_group(backend=args.spmd_backend)
 dist.init_process_group("spmd")
 rank, world = dist.get_rank(), dist.get_world_size()
+dev = torch.device(args.device)
+if dev.type == "cuda":
+    torch.cuda.set_device(0)  # one GPU per machine here; several ranks share it
 
 
 def make_model(seed):
     torch.manual_seed(seed)
-    return nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 4)).double()
+    return nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 4)).double().to(dev)
 
 
 ref = make_model(0)  # rank 0's initial weights, which DDP broadcasts to every rank
@@ -26,8 +41,8 @@ ref_opt = torch.optim.SGD(ref.parameters(), lr=0.05)
 per_rank = 4
 for step in range(5):
     g = torch.Generator().manual_seed(100 + step)
-    x, y = torch.randn(world * per_rank, 16, generator=g, dtype=torch.float64), \
-        torch.randn(world * per_rank, 4, generator=g, dtype=torch.float64)
+    x, y = torch.randn(world * per_rank, 16, generator=g, dtype=torch.float64).to(dev), \
+        torch.randn(world * per_rank, 4, generator=g, dtype=torch.float64).to(dev)
     mine = slice(rank * per_rank, (rank + 1) * per_rank)
     opt.zero_grad()
     nn.functional.mse_loss(model(x[mine]), y[mine]).backward()

@@ -6,20 +6,35 @@ whole batch in this process.  FSDP2 averages the reduce-scattered gradients, so 
 gathered parameters must equal the reference's after every step.
 """
 
+import argparse
+
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
+# On a GPU machine (tests/gpu/run.sh): --device cuda trains on CUDA tensors, and
+# --spmd-backend SPEC picks spmd's engines first ("cpu:mpi,cuda:mpi": staged through MPI).
+args = argparse.ArgumentParser()
+args.add_argument("--device", default="cpu")
+args.add_argument("--spmd-backend", default=None)
+args = args.parse_args()
+if args.spmd_backend:
+    import spmd
+
+    spmd.init_process_group(backend=args.spmd_backend)
 dist.init_process_group("spmd")
 rank, world = dist.get_rank(), dist.get_world_size()
+dev = torch.device(args.device)
+if dev.type == "cuda":
+    torch.cuda.set_device(0)  # one GPU per machine here; several ranks share it
 
 
 def make_model():
     torch.manual_seed(0)
     return nn.Sequential(nn.Linear(16, 64), nn.Tanh(), nn.Linear(64, 32), nn.Tanh(),
-                         nn.Linear(32, 4)).double()
+                         nn.Linear(32, 4)).double().to(dev)
 
 
 ref = make_model()
@@ -34,8 +49,8 @@ ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
 per_rank = 3
 for step in range(3):
     g = torch.Generator().manual_seed(200 + step)
-    x = torch.randn(world * per_rank, 16, generator=g, dtype=torch.float64)
-    y = torch.randn(world * per_rank, 4, generator=g, dtype=torch.float64)
+    x = torch.randn(world * per_rank, 16, generator=g, dtype=torch.float64).to(dev)
+    y = torch.randn(world * per_rank, 4, generator=g, dtype=torch.float64).to(dev)
     mine = slice(rank * per_rank, (rank + 1) * per_rank)
     opt.zero_grad()
     nn.functional.mse_loss(model(x[mine]), y[mine]).backward()
