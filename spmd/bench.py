@@ -37,6 +37,8 @@ from types import SimpleNamespace
 import numpy as np
 from mpi4py import MPI
 
+from ._bench_gpu import run_gpu
+
 __all__ = ["main", "run", "add_arguments", "parse_size", "OPS", "IMPLS"]
 
 OPS = ("all_reduce", "broadcast", "reduce", "all_gather_into_tensor", "reduce_scatter_tensor",
@@ -98,6 +100,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--plot", default=None, metavar="FILE.png",
                    help="plot latency and bus bandwidth vs size (needs matplotlib)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--device", choices=["cpu", "cuda", "double"], default="cpu",
+                   help="cpu: the host sweep (default); cuda: all_reduce on GPU arrays beside "
+                        "torch's NCCL and raw CuPy NCCL, with the GPU targets; double: the "
+                        "cuda bench on spmd.testing.device_double (no GPU, no figures)")
 
 
 class _Config:
@@ -546,6 +552,8 @@ def _progress(on: bool, total: int):
 
 def bench_command(args) -> int:
     """Entry point of ``spmd bench`` (after argument parsing)."""
+    if args.device != "cpu":
+        return run_gpu(args)
     doc = run(args)
     if doc is None:
         return 0

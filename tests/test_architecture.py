@@ -28,7 +28,7 @@ LAYERS = {
         "spmd._spawn_child", "spmd.checkpoint", "spmd._shard", "spmd._ckpt_plan", "spmd._mpiio",
         "spmd._mesh_args", "spmd._mesh_layout",
         "spmd._megatron_layout"],
-    6: ["spmd.bench", "spmd._bench_report", "spmd.cli", "spmd.__main__", "spmd.comms_log",
+    6: ["spmd.bench", "spmd._bench_report", "spmd._bench_gpu", "spmd.cli", "spmd.__main__", "spmd.comms_log",
         "spmd.testing",
         "spmd.trace", "spmd.fr_trace", "spmd"],
 }

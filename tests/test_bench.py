@@ -133,3 +133,22 @@ def test_env_switches_trace_and_comms_log(tmp_path):
         mine = [e["name"] for e in xs if e["pid"] == rank
                 and e["name"] in ("all_reduce", "broadcast", "barrier")]
         assert mine == ["all_reduce"] * 4 + ["broadcast", "barrier"]
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("n", [1, 2])
+def test_gpu_bench_on_the_device_double(n):
+    """The GPU bench's table and target lines (its figures are the double's, not a GPU's);
+    what needs torch with CUDA is listed as not run, with the reason."""
+    proc = _bench(n, "--device", "double", "--quick")
+    out = proc.stdout
+    assert proc.returncode == 0, out[-3000:]
+    assert f"GPU all_reduce (float32), {n} rank(s)" in out and "spmd device double" in out, out
+    rows = {line.split()[0]: line.split()[1:] for line in out.splitlines()
+            if line.startswith(("spmd-cupy ", "cupy-nccl "))}
+    assert set(rows) == {"spmd-cupy", "cupy-nccl"}, out
+    assert all(len(v) == 4 and all(float(x) > 0 for x in v) for v in rows.values()), out
+    assert out.count("target: 8 B back-to-back time per call") == 3, out
+    assert "spmd-cupy / torch-nccl: not measured (torch-nccl:" in out
+    assert len([line for line in out.splitlines()
+                if line.startswith("target:") and "spmd-cupy / cupy-nccl = " in line]) == 2, out

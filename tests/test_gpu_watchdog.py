@@ -121,6 +121,9 @@ def test_nccl_hang_is_reported_and_aborted(dist, double, nccl_group):
     try:
         work = dist.all_reduce(cp.ones(3, cp.float32), group=g, async_op=True)
         found = _wait_for_report(seen, "hang-nccl")
+        # Every rank's watchdog asks the others where they are: nobody leaves the group
+        # until all have their reports.
+        dist.barrier()
     finally:
         dd.release()
     assert found, "the watchdog did not report the NCCL op the device never finished"

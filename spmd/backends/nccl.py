@@ -59,7 +59,8 @@ from .reduction import checked_plan, premul_factor
 
 __all__ = ["NCCL_TYPES", "NCCLBackend", "NcclWork", "plan_for", "uid_for_cupy", "uid_to_bytes"]
 
-_SAME_DEVICE = contextlib.nullcontext()  # no device switch: already on the group's device
+_AS_IS = contextlib.nullcontext()  # no switch: the device (or stream) is already the one
+
 
 class NCCLBackend(NcclPointToPoint, DeviceBackend):
     """NCCL collectives and point-to-point operations on cupy arrays."""
@@ -140,8 +141,6 @@ class NCCLBackend(NcclPointToPoint, DeviceBackend):
             finally:
                 comm.destroy()
         self._inflight.clear()
-
-    # -- errors ---------------------------------------------------------------------
 
     def _check_broken(self, op: str) -> None:
         if self._broken is not None:
@@ -228,8 +227,6 @@ class NCCLBackend(NcclPointToPoint, DeviceBackend):
             elif entry is not None and entry[T1] is None:
                 entry[T1] = time.monotonic()
 
-    # -- launching ------------------------------------------------------------------
-
     def _plan(self, dtype, op, opname: str):
         """(plan, NCCL datatype, NCCL op, divide after) for a reduction, or raise."""
         plan = checked_plan(PLANS, dtype, op, opname, self.group)
@@ -249,9 +246,10 @@ class NCCLBackend(NcclPointToPoint, DeviceBackend):
             got = self._resolved[id(plan)] = (plan, ntype, nop, divide)
         return got
 
-    def _launch(self, op: str, body):
+    def _launch(self, op: str, body, kernels: bool = True):
         """Run ``body(comm, stream_ptr)`` on the communicator's stream after the caller's
-        current stream; return (end event, what body keeps alive)."""
+        current stream; return (end event, what body keeps alive).  ``kernels=False``:
+        body makes only NCCL calls, which take the stream explicitly (no stream switch)."""
         comm = self._comm
         if comm is None:
             comm = self.connect(op)
@@ -260,14 +258,14 @@ class NCCLBackend(NcclPointToPoint, DeviceBackend):
         if self._inflight:
             self._reap()
         cp = self._cp
-        with (_SAME_DEVICE if self._runtime.getDevice() == self._device
+        with (_AS_IS if self._runtime.getDevice() == self._device
               else cp.cuda.Device(self._device)):
             ready = self._ready
             ready.record(cp.cuda.get_current_stream())
             stream = self._stream
             stream.wait_event(ready)
             try:
-                with stream:
+                with stream if kernels else _AS_IS:
                     kept = body(comm, stream.ptr)
             except self._nccl.NcclError as exc:
                 self._abort(f"an NCCL error in {op}")
@@ -277,8 +275,8 @@ class NCCLBackend(NcclPointToPoint, DeviceBackend):
             end.record(stream)
         return end, kept
 
-    def _work(self, op, body, outputs, keep, blocking=False, peer=None) -> NcclWork:
-        end, kept = self._launch(op, body)
+    def _work(self, op, body, outputs, keep, blocking=False, peer=None, kernels=True) -> NcclWork:
+        end, kept = self._launch(op, body, kernels)
         work = NcclWork(self, end, op, outputs, (keep, kept), blocking, peer)
         self._inflight.append((end, (keep, kept), weakref.ref(work), getattr(work, "_fr", None)))
         return work
@@ -288,7 +286,7 @@ class NCCLBackend(NcclPointToPoint, DeviceBackend):
         self._nccl.groupStart()
         try:
             yield
-        finally:
+        finally:  # (an error inside still ends the group: NCCL needs the pair)
             self._nccl.groupEnd()
 
     def _scaled(self, a, plan, op):
@@ -327,7 +325,8 @@ class NCCLBackend(NcclPointToPoint, DeviceBackend):
             _copy_into(self._cp, a, buf)
             return buf
 
-        return self._work("all_reduce", body, [a], a)
+        simple = divide is None and not plan.premul and a.flags.c_contiguous  # NCCL alone
+        return self._work("all_reduce", body, [a], a, kernels=not simple)
 
     def all_reduce_coalesced(self, tensors, op):
         cp = self._cp
