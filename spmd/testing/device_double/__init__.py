@@ -40,7 +40,6 @@ from ._device import (
     Event,
     Stream,
     alloc_pinned_memory,
-    device,
     get_current_stream,
     hold,
     release,
@@ -48,7 +47,7 @@ from ._device import (
 )
 from ._nccl import NcclCommunicator, NcclError, nccl
 
-__all__ = ["DeviceArray", "NcclCommunicator", "NcclError", "cupy", "device", "hold", "install",
+__all__ = ["DeviceArray", "NcclCommunicator", "NcclError", "cupy", "hold", "install",
            "nccl", "release", "runtime", "uninstall"]
 
 

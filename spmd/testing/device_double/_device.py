@@ -19,7 +19,7 @@ _monotonic = time.monotonic
 # -- the device: streams that run their queues when the host looks ----------------------
 
 class _DeviceState:
-    """The one device of this process: its streams with queued work, and the knobs."""
+    """The state of the process's one device (its streams with queued work) and its knobs."""
 
     def __init__(self) -> None:
         self.lock = threading.RLock()
