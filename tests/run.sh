@@ -58,7 +58,7 @@ done
 # its watchdog and diagnoses) on spmd.testing.device_double: CuPy, CUDA streams and
 # events and NCCL stood in for on CPU, so their logic is checked where there is no GPU.
 PATHS=(tests/test_gpu_*.py)
-for n in ${DOUBLE_SIZES:-"1 2 3 4"}; do
+for n in ${DOUBLE_SIZES:-1 2 3 4}; do
     mpi_run "gpu double n=$n" "$n" SPMD_TEST_DEVICE=double
 done
 PATHS=(tests/)

@@ -2,12 +2,11 @@
 strings and selection, register_backend with a user backend that runs, GPU-aware MPI
 detection (library strings, the environment override, MPIX_Query_cuda_support through
 ctypes on the MPI library loaded here), NCCL dtype/op tables and unique ids, device
-detection of raw arguments, mixed host/device arguments, and the NCCL Work's stream,
-timeout and error logic driven by stand-in events and communicators."""
+detection of raw arguments, mixed host/device arguments (the NCCL engine itself runs on
+the device double: tests/test_gpu_nccl_double.py)."""
 
 import collections
 import os
-import re
 
 import numpy as np
 import pytest
@@ -385,129 +384,8 @@ def test_spmd_info_reports_gpu_facts(dist):
         assert info["cupy"].startswith("unavailable (CuPy is not installed")
 
 
-# -- the NCCL Work, driven by stand-ins ----------------------------------------------------
-
-class FakeEvent:
-    def __init__(self, done=False):
-        self.done = done
-
-
-class FakeComm:
-    def __init__(self):
-        self.aborted = False
-        self.error = None
-
-    def check_async_error(self):
-        if self.error is not None:
-            raise RuntimeError(self.error)
-
-    def abort(self):
-        self.aborted = True
-
-
-class FakeStream:
-    def __init__(self):
-        self.waited = []
-
-    def wait_event(self, event):
-        self.waited.append(event)
-
-
-class FakeCupy:
-    def __init__(self):
-        stream = FakeStream()
-        self.stream = stream
-        self.cuda = type("cuda", (), {"get_current_stream": staticmethod(lambda: stream)})
-
-
-def _fake_backend(group):
-    b = object.__new__(nccl_backend.NCCLBackend)
-    b.group = group
-    b._cp, b._comm, b._broken = FakeCupy(), FakeComm(), None
-    b._inflight = collections.deque()
-    return b
-
-
-def _fake_work(b, op="all_reduce", done=False, peer=None, blocking=False):
-    import weakref
-
-    event = FakeEvent(done)
-    keep = np.zeros(3)
-    work = nccl_backend.NcclWork(b, event, op, [keep], keep, blocking, peer)
-    b._inflight.append((event, keep, weakref.ref(work), None))
-    return work, event
-
-
-@pytest.mark.mpi
-def test_nccl_work_waits_on_the_stream_not_the_host(dist):
-    b = _fake_backend(dist.GroupMember.WORLD)
-    work, event = _fake_work(b)
-    assert isinstance(work, spmd.Work)
-    assert work.wait() is True  # returns at once: the event has not passed
-    assert b._cp.stream.waited == [event] and not work.is_completed()
-    event.done = True
-    assert work.is_completed() and work.is_success() and work.result()[0].shape == (3,)
-    other, ev2 = _fake_work(b, op="recv", peer=0)
-    ev2.done = True
-    b._reap()  # completes finished operations and releases their arrays
-    assert other._done and not b._inflight and other._keep is None
-    assert other.source_rank() == dist.GroupMember.WORLD.ranks[0]
-    with pytest.raises(RuntimeError, match="only defined for receives"):
-        work.source_rank()
-    fut = _fake_work(b, done=True)[0].get_future()
-    assert fut.wait()[0].shape == (3,)
-
-
-@pytest.mark.mpi
-def test_nccl_work_timeout_aborts_the_communicator(dist):
-    # A group of its own: the timeout breaks it (as every collective timeout does).
-    pg = dist.new_group(list(range(dist.get_world_size())), group_desc="nccl-timeout")
-    b = _fake_backend(pg)
-    work, _ = _fake_work(b, op="all_gather")
-    with pytest.raises(spmd.DistTimeoutError) as info:
-        work.synchronize(timeout=0.05)
-    text = str(info.value)
-    # The one wait helper's diagnosis: op, group, where the other ranks are, group broken.
-    assert re.match(r"all_gather: did not complete within [\d.]+ s", text), text
-    assert "[rank" in text and "group nccl-timeout" in text, text
-    assert "the NCCL communicator was aborted" in text, text
-    assert "is now broken" in text, text
-    assert b._comm.aborted
-    with pytest.raises(spmd.GroupBrokenError, match=r"broadcast: the group's NCCL communicator was "
-                       "aborted after all_gather timed out"):
-        b.check("broadcast")
-    with pytest.raises(spmd.GroupBrokenError):
-        dist.barrier(group=pg)
-    pg2 = dist.new_group(list(range(dist.get_world_size())), group_desc="nccl-timeout-2")
-    blocking, _ = _fake_work(_fake_backend(pg2), op="barrier", blocking=True)
-    with pytest.raises(spmd.DistTimeoutError, match="barrier"):
-        blocking.wait(timeout=0.02)  # a barrier's wait blocks the host
-    dist.destroy_process_group(pg)
-    dist.destroy_process_group(pg2)
-
-
-@pytest.mark.mpi
-def test_nccl_async_error_aborts_and_names_the_op(dist):
-    b = _fake_backend(dist.GroupMember.WORLD)
-    work, _ = _fake_work(b, op="reduce_scatter")
-    b._comm.error = "NCCL_ERROR_REMOTE_ERROR"
-    with pytest.raises(spmd.DistBackendError, match=r"reduce_scatter: NCCL reported an asynchronous "
-                       r"error: NCCL_ERROR_REMOTE_ERROR; the communicator was aborted \[rank \d+"):
-        work.wait()
-    assert b._comm.aborted
-    with pytest.raises(spmd.GroupBrokenError):
-        work.is_completed()
-
-
-@pytest.mark.mpi
-def test_nccl_recv_source_rank_orders_the_stream(dist):
-    """Blocking recv() returns work.source_rank(): it must make the caller's stream wait
-    for the receive, or reading the buffer afterwards can see old data."""
-    b = _fake_backend(dist.GroupMember.WORLD)
-    work, event = _fake_work(b, op="recv", peer=0)
-    assert b._cp.stream.waited == []
-    assert work.source_rank() == dist.GroupMember.WORLD.ranks[0]
-    assert b._cp.stream.waited == [event]  # ordered after the receive, host not blocked
+# The NCCL Work's stream semantics, reaping, errors and timeouts run on the device double:
+# tests/test_gpu_nccl_double.py.
 
 
 # -- NCCL versions: split, AVG/bfloat16, broadcast counts ------------------------------------

@@ -46,7 +46,7 @@ def test_skipped_collective_times_out_naming_the_missing_rank():
         m = re.search(rf"rank {rank} raised DistTimeoutError after ([\d.]+) s:", out)
         assert m, out
         assert TIMEOUT <= float(m.group(1)) < TIMEOUT + SLACK, out
-        assert (f"all_reduce: did not complete within 2.0 s (collective #2 on group WORLD, "
+        assert (f"all_reduce: did not complete within 2.0 s (collective #2 on group WORLD, MPI, "
                 f"group timeout 2 s) [rank {rank}, group WORLD]") in out
         assert f"rank {rank} then: GroupBrokenError: all_reduce: group WORLD is broken" in out
     assert "ranks that have not reached all_reduce #2:" in out

@@ -1,8 +1,9 @@
-"""The watchdog, the flight recorder and the diagnoses with NCCL groups, on the device
-double (spmd.testing.device_double, installed by SPMD_TEST_DEVICE=double) at every world
-size, so they run where there is no GPU, and deterministically (the double can hold its
-device): an NCCL job that idles past its timeout keeps its groups; a real NCCL hang is
-reported naming NCCL, the op, the group and the ranks, and its communicator aborted."""
+"""The NCCL engine on the device double (spmd.testing.device_double, installed by
+SPMD_TEST_DEVICE=double) at every world size, where there is no GPU, and
+deterministically (the double can hold its device): a Work's stream semantics, reaping,
+asynchronous errors, host timeouts; the watchdog, the flight recorder and the
+diagnoses: an NCCL job that idles past its timeout keeps its groups, a real NCCL hang
+is reported naming NCCL, the op, the group and the ranks, and its communicator aborted."""
 
 import time
 from datetime import timedelta
@@ -186,5 +187,101 @@ def test_host_wait_timeout_names_nccl(dist, double, nccl_group):
         dd.release()
     text = str(info.value)
     assert "(collective #2 on group wait-nccl, NCCL, group timeout 1 s)" in text, text
-    assert "the NCCL communicator was aborted" in text
+    assert "the NCCL communicator was aborted" in text and "is now broken" in text, text
     assert g._backend_for("cuda")._comm._aborted
+    with pytest.raises(dist.GroupBrokenError, match=r"broadcast: the group's NCCL communicator "
+                       "was aborted after all_reduce timed out"):
+        g._backend_for("cuda").check("broadcast")
+    g2 = nccl_group("barrier-nccl")
+    dist.all_reduce(cp.ones(1, cp.float32), group=g2)
+    dd.runtime.deviceSynchronize()
+    dd.hold()
+    try:  # a barrier's wait blocks the host
+        work = dist.barrier(group=g2, async_op=True, device_ids=[0])
+        with pytest.raises(dist.DistTimeoutError, match="barrier: did not complete"):
+            work.wait(timeout=0.2)
+    finally:
+        dd.release()
+
+
+def test_work_orders_the_stream_not_the_host(dist, double, nccl_group):
+    """wait() returns at once and orders the caller's stream after the op (a kernel queued
+    after it sees the result); the host learns of completion through synchronize()."""
+    cp, n = double, dist.get_world_size()
+    g = nccl_group("work-nccl")
+    x = cp.ones(4, cp.float32)
+    dist.all_reduce(x, group=g)
+    dd.runtime.deviceSynchronize()
+    dd.hold()
+    try:
+        work = dist.all_reduce(x, group=g, async_op=True)
+        assert isinstance(work, dist.Work)
+        assert work.wait() is True and not work.is_completed()  # the device is held
+        y = x + 1  # queued on the current stream, after the all_reduce
+    finally:
+        dd.release()
+    np.testing.assert_array_equal(y.get(), np.full(4, n * n + 1, np.float32))
+    work.synchronize()
+    assert work.is_completed() and work.is_success() and work.result()[0] is x
+    fut = dist.all_reduce(x, group=g, async_op=True).get_future()
+    assert fut.wait()[0] is x
+
+
+def test_finished_works_are_reaped(dist, double, nccl_group):
+    """The next launch completes every op whose end event has passed and releases its
+    arrays; dropped Works' recorder entries are finished too."""
+    cp = double
+    g = nccl_group("reap-nccl")
+    kept = [dist.all_reduce(cp.ones(8, cp.float32), group=g, async_op=True) for _ in range(5)]
+    for _ in range(5):
+        dist.all_reduce(cp.ones(8, cp.float32), group=g, async_op=True)  # dropped
+    dd.runtime.deviceSynchronize()
+    backend = g._backend_for("cuda")
+    dist.all_reduce(cp.ones(1, cp.float32), group=g)
+    assert len(backend._inflight) <= 1
+    assert all(w._done and w._keep is None for w in kept)
+    mine = [e for e in fr.recorder.entries() if e[fr.GROUP] is g]
+    assert all(e[fr.T1] is not None for e in mine[:-1]), mine
+
+
+def test_async_error_aborts_and_names_the_op(dist, double, nccl_group):
+    cp = double
+    g = nccl_group("error-nccl")
+    dist.all_reduce(cp.ones(1, cp.float32), group=g)
+    dd.runtime.deviceSynchronize()
+    backend = g._backend_for("cuda")
+    dd.hold()
+    try:
+        work = dist.reduce_scatter_tensor(cp.zeros(1, cp.float32),
+                                          cp.ones(dist.get_world_size(), cp.float32),
+                                          group=g, async_op=True)
+        backend._comm.inject_error("a peer's connection closed")
+        with pytest.raises(dist.DistBackendError, match=r"reduce_scatter_tensor: NCCL reported "
+                           r"an asynchronous error: .*a peer's connection closed; the "
+                           r"communicator was aborted \[rank \d+, group error-nccl\]"):
+            work.wait()
+    finally:
+        dd.release()
+    assert backend._comm._aborted
+    with pytest.raises(dist.GroupBrokenError, match="aborted after an asynchronous NCCL error"):
+        work.is_completed()
+    with pytest.raises(dist.GroupBrokenError):
+        dist.all_reduce(cp.ones(1, cp.float32), group=g)
+
+
+def test_blocking_recv_orders_the_stream(dist, double, nccl_group):
+    """A blocking recv() returns once the caller's stream is ordered after the receive:
+    reading the buffer then sees the data."""
+    n, me = dist.get_world_size(), dist.get_rank()
+    if n == 1:
+        pytest.skip("needs two ranks")
+    cp = double
+    g = nccl_group("recv-nccl")
+    dist.all_reduce(cp.ones(1, cp.float32), group=g)  # every member creates the communicator
+    if me == 0:
+        dist.send(cp.arange(6, dtype=cp.int64) + 100, dst=1, group=g)
+    elif me == 1:
+        buf = cp.zeros(6, cp.int64)
+        assert dist.recv(buf, src=0, group=g) == 0
+        np.testing.assert_array_equal(buf.get(), np.arange(6) + 100)
+    dd.runtime.deviceSynchronize()
