@@ -55,6 +55,22 @@ def _lockstep(request):
 
 
 @pytest.fixture
+def fresh(dist):
+    """Makes new groups of every rank (``fresh(**new_group_kwargs)``), destroyed after the
+    test (broken or not)."""
+    made = []
+
+    def make(**kw):
+        g = dist.new_group(list(range(dist.get_world_size())), **kw)
+        made.append(g)
+        return g
+
+    yield make
+    for g in made:
+        dist.destroy_process_group(g)
+
+
+@pytest.fixture
 def detail(dist):
     """Debug mode DETAIL for groups made inside the test."""
     before = dist.get_debug_level()

@@ -31,19 +31,9 @@ def double(dist):
 
 
 @pytest.fixture
-def nccl_group(dist, double):
-    """A new group of every rank whose GPU arrays go to NCCL, with a 1 s timeout."""
-    made = []
-
-    def make(desc):
-        g = dist.new_group(list(range(dist.get_world_size())), backend=SPEC,
-                           timeout=timedelta(seconds=1), group_desc=desc)
-        made.append(g)
-        return g
-
-    yield make
-    for g in made:
-        dist.destroy_process_group(g)
+def nccl_group(fresh, double):
+    """Makes a new group of every rank whose GPU arrays go to NCCL, with a 1 s timeout."""
+    return lambda desc: fresh(backend=SPEC, timeout=timedelta(seconds=1), group_desc=desc)
 
 
 def _reports_since(seen, text):

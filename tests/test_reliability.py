@@ -30,21 +30,6 @@ def _needs_peers(dist, count=2):
         pytest.skip(f"needs {count} ranks")
 
 
-@pytest.fixture
-def fresh(dist):
-    """A new group of every rank, destroyed afterwards (broken or not)."""
-    made = []
-
-    def make(**kw):
-        g = dist.new_group(list(range(dist.get_world_size())), **kw)
-        made.append(g)
-        return g
-
-    yield make
-    for g in made:
-        dist.destroy_process_group(g)
-
-
 # ----------------------------------------------------------------------------- recorder
 
 def test_sequence_numbers_and_flight_recorder(dist, fresh):

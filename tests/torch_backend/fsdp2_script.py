@@ -6,29 +6,16 @@ whole batch in this process.  FSDP2 averages the reduce-scattered gradients, so 
 gathered parameters must equal the reference's after every step.
 """
 
-import argparse
-
 import torch
 import torch.distributed as dist
+from _device_arg import device_from_args
 from torch import nn
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
-# On a GPU machine (tests/gpu/run.sh): --device cuda trains on CUDA tensors, and
-# --spmd-backend SPEC picks spmd's engines first ("cpu:mpi,cuda:mpi": staged through MPI).
-args = argparse.ArgumentParser()
-args.add_argument("--device", default="cpu")
-args.add_argument("--spmd-backend", default=None)
-args = args.parse_args()
-if args.spmd_backend:
-    import spmd
-
-    spmd.init_process_group(backend=args.spmd_backend)
+dev = device_from_args()  # cpu, or cuda on a GPU machine (tests/gpu/run.sh)
 dist.init_process_group("spmd")
 rank, world = dist.get_rank(), dist.get_world_size()
-dev = torch.device(args.device)
-if dev.type == "cuda":
-    torch.cuda.set_device(0)  # one GPU per machine here; several ranks share it
 
 
 def make_model():
