@@ -34,10 +34,10 @@ __all__ = [
     "nccl_or_none",
     "nccl_problem",
     "nccl_version",
-    "use_runtime",
     "need_cupy",
     "query_cuda_support",
     "select_device",
+    "use_runtime",
 ]
 
 AWARE_ENV = "SPMD_CUDA_AWARE_MPI"

@@ -150,8 +150,10 @@ class FlightRecorder:
 
     @staticmethod
     def end(e: list) -> None:
-        """Mark an entry from :meth:`begin` completed."""
-        e[T1] = _monotonic()
+        """Mark an entry from :meth:`begin` completed (a device op may have been seen
+        finished already: its first end time stays)."""
+        if e[T1] is None:
+            e[T1] = _monotonic()
 
     def started(self, work) -> None:
         try:
@@ -169,8 +171,7 @@ class FlightRecorder:
             e = work._fr
         except AttributeError:  # started before the recorder was registered
             return
-        if e[T1] is None:  # a device op may have been seen finished before its Work was
-            e[T1] = _monotonic()
+        self.end(e)
         if work._exc is not None:
             e[FAILED] = True
 

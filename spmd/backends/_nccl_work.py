@@ -13,17 +13,21 @@ __all__ = ["NcclWork"]
 class NcclWork(Work):
     """A started NCCL operation: an end event on the communicator's stream."""
 
-    __slots__ = ("_blocking", "_device_end", "_event", "_owner", "_peer")
+    __slots__ = ("_blocking", "_event", "_owner", "_peer")
 
     engine = "NCCL"
 
     def __init__(self, owner, event, op: str, outputs, keep, blocking=False, peer=None):
         self._event = event
-        self._device_end = (owner, event)  # the flight recorder asks the event itself
         self._owner = owner
         self._blocking = blocking  # barrier: waiting blocks the host
         self._peer = peer          # receives: the group rank received from
         super().__init__([], op, owner.group, outputs, keep=keep)
+
+    @property
+    def _device_end(self):
+        """(engine, end event): the flight recorder asks the event itself."""
+        return self._owner, self._event
 
     def _test(self) -> bool:
         self._owner.check(self._op)

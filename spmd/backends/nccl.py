@@ -35,7 +35,7 @@ from .. import _gpu
 from .._bootstrap import broadcast_value, check_distinct_gpus
 from .._wait import wait_until
 from ..errors import DistBackendError, GroupBrokenError, located
-from ..flight_recorder import T1
+from ..flight_recorder import recorder
 from ._nccl_p2p import NcclPointToPoint
 from ._nccl_plans import (
     INT_MAX,
@@ -224,8 +224,8 @@ class NCCLBackend(NcclPointToPoint, DeviceBackend):
             if work is not None:
                 if not work._done:
                     work._complete()
-            elif entry is not None and entry[T1] is None:
-                entry[T1] = time.monotonic()
+            elif entry is not None:
+                recorder.end(entry)
 
     def _plan(self, dtype, op, opname: str):
         """(plan, NCCL datatype, NCCL op, divide after) for a reduction, or raise."""
