@@ -7,7 +7,8 @@ import numpy as np
 from .dtypes import FAMILY, MOVE_AS, SUPPORTED_DTYPES, SUPPORTED_NAMES, bfloat16, family
 from .errors import located
 
-__all__ = ["SUPPORTED_DTYPES", "MOVE_AS", "bfloat16", "family", "common_device", "device_of"]
+__all__ = ["SUPPORTED_DTYPES", "MOVE_AS", "bfloat16", "family", "common_device", "device_of",
+           "tensor_without_dense_memory"]
 
 _ndarray = np.ndarray
 
@@ -27,14 +28,44 @@ def _not_array(x, op: str, arg: str, group) -> TypeError:
                    group)
 
 
+def tensor_without_dense_memory(t) -> str | None:
+    """Why torch tensor ``t`` has no memory spmd can move (sparse and other layouts,
+    quantized, nested, meta), with what to move instead; None for a dense tensor."""
+    if t.is_nested:
+        return ("is a nested tensor; move its components (t.unbind()) or, for the jagged "
+                "layout, its values() and offsets()")
+    layout = str(t.layout)
+    if layout != "torch.strided":
+        hint = "t.to_dense(), or its indices and values" if layout == "torch.sparse_coo" \
+            else "t.to_dense()"
+        return f"has layout {layout}; spmd moves dense (strided) tensors: move {hint}"
+    if t.is_quantized:
+        return (f"is a quantized tensor ({t.dtype}); move t.int_repr() with its "
+                "quantization parameters, or t.dequantize()")
+    if t.device.type == "meta":
+        return ("is on the meta device, which holds no data; materialise it first "
+                "(t.to_empty(device=...) and initialise it)")
+    return None
+
+
 def _torch_cpu_view(x, op: str, arg: str, group) -> np.ndarray:
-    """A numpy array sharing a torch CPU tensor's memory, so results land in the tensor."""
+    """A numpy array sharing a torch CPU tensor's memory, so results land in the tensor.
+
+    Through DLPack: ``Tensor.numpy()`` would mark the tensor's storage not resizable for
+    good (FSDP1 frees parameters by resizing their storage to 0)."""
     t = x.detach()
-    if str(t.dtype) == "torch.bfloat16":
-        if bfloat16 is None:
-            raise located(TypeError, op, f"{arg} is a bfloat16 tensor: install ml_dtypes", group)
-        return t.view(_torch_int16()).numpy().view(bfloat16)
-    return t.numpy()
+    try:
+        if str(t.dtype) == "torch.bfloat16":
+            if bfloat16 is None:
+                raise located(TypeError, op, f"{arg} is a bfloat16 tensor: install ml_dtypes",
+                              group)
+            return np.from_dlpack(t.view(_torch_int16())).view(bfloat16)
+        return np.from_dlpack(t)
+    except (RuntimeError, BufferError) as exc:
+        why = tensor_without_dense_memory(t)
+        if why is None:
+            raise
+        raise located(TypeError, op, f"{arg} {why}", group) from exc
 
 
 def _torch_int16():
@@ -128,8 +159,9 @@ def _host_array(x, op: str, arg: str, group):
 
         return as_device_array(x, op, arg, group)
     if dev is not None:
-        raise located(TypeError, op, f"{arg} is on {dev}; spmd moves host (cpu) and CUDA "
-                      "arrays", group)
+        why = tensor_without_dense_memory(x) if type(x).__module__.startswith("torch") else None
+        raise located(TypeError, op, f"{arg} " + (why or f"is on {dev}; spmd moves host (cpu) "
+                      "and CUDA arrays"), group)
     raise _not_array(x, op, arg, group)
 
 

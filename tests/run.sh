@@ -80,15 +80,20 @@ else
     echo "=== spmd._fastcall is not built: every run above took the Python path ==="
 fi
 
-# torch's own distributed test suite against the spmd torch backend, when torch is here.
+# torch's own distributed test suite against the spmd torch backend, when torch is here:
+# as itself, then told its backend is "gloo" and "mpi" (torch's decorators skip a third
+# of the suite by the backend's name; every group stays spmd's, see run_torch_suite.py).
+# NAME:RANKS; torch's suite runs its MPI tests at 3 ranks or more.
 if "$PYTHON" -c "import torch.distributed, expecttest" 2>/dev/null; then
-    for n in ${TORCH_SUITE_SIZES:-2 3}; do
-        echo "=== torch distributed_test on the spmd backend, $n ranks ==="
+    for run in ${TORCH_SUITE_RUNS:-spmd:2 spmd:3 gloo:2 gloo:3 mpi:3}; do
+        name=${run%:*} n=${run#*:}
+        as=(); [ "$name" != spmd ] && as=(--as "$name")
+        echo "=== torch distributed_test on the spmd backend (as $name), $n ranks ==="
         timeout -k 10 "$LIMIT" "$MPIEXEC" "${MPIFLAGS[@]}" -n "$n" "$PYTHON" \
-            tests/torch_backend/run_torch_suite.py
+            tests/torch_backend/run_torch_suite.py "${as[@]}"
         rc=$?
-        [ $rc -ne 0 ] && failed+=("torch suite n=$n (exit $rc)")
-        summary+=("torch suite n=$n: exit $rc")
+        [ $rc -ne 0 ] && failed+=("torch suite as $name n=$n (exit $rc)")
+        summary+=("torch suite as $name n=$n: exit $rc")
     done
 else
     echo "=== torch distributed_test: skipped (torch or expecttest is not installed) ==="

@@ -263,3 +263,114 @@ def test_wrong_size_raises_everywhere(td):
     with pytest.raises(ValueError, match=rf"all_gather_into_tensor: output_tensor has "
                        rf"{n * 3 + 1} elements.*\[rank {me}, group WORLD\]"):
         td.all_gather_into_tensor(torch.empty(n * 3 + 1), torch.empty(3))
+
+
+def _ops_and_their_tensors(td, dt):
+    """(op, call, every tensor the call hands the backend) for each op of torch's API."""
+    me, n = td.get_rank(), td.get_world_size()
+    root = n - 1
+
+    def t(*shape):
+        return torch.ones(*shape, dtype=dt)
+
+    x, out, parts, outs = t(4), t(4 * n), [t(4) for _ in range(n)], [t(4) for _ in range(n)]
+    gl = [t(4) for _ in range(n)] if me == root else None
+    col = t(4, 3)[:, 1]  # a strided view
+    yield "all_reduce", lambda: td.all_reduce(x), [x]
+    yield "all_reduce strided", lambda: td.all_reduce(col), [col]
+    yield "broadcast", lambda: td.broadcast(x, src=root), [x]
+    yield "reduce", lambda: td.reduce(x, dst=root), [x]
+    yield "all_gather", lambda: td.all_gather(outs, x), [x, *outs]
+    yield "all_gather_into_tensor", lambda: td.all_gather_into_tensor(out, x), [out, x]
+    yield "all_gather_coalesced", lambda: td.all_gather_coalesced([[o] for o in outs], [x]), \
+        [x, *outs]
+    yield "gather", lambda: td.gather(x, gl, dst=root), [x, *(gl or [])]
+    yield "scatter", lambda: td.scatter(x, gl, src=root), [x, *(gl or [])]
+    yield "reduce_scatter", lambda: td.reduce_scatter(x, parts), [x, *parts]
+    yield "reduce_scatter_tensor", lambda: td.reduce_scatter_tensor(x, out), [x, out]
+    yield "all_to_all", lambda: td.all_to_all(outs, parts), [*outs, *parts]
+    yield "all_to_all_single", lambda: td.all_to_all_single(out, t(4 * n)), [out]
+    ys = [t(3), t(2)]
+
+    def coalesced():
+        with tdist._coalescing_manager(async_ops=True) as cm:
+            for y in ys:
+                td.all_reduce(y)
+        cm.wait()
+
+    yield "coalescing_manager", coalesced, ys
+    if n > 1:
+        right, left = (me + 1) % n, (me - 1) % n
+        s, r = t(4), t(4)
+
+        def p2p():
+            for w in tdist.batch_isend_irecv([tdist.P2POp(tdist.irecv, r, left),
+                                              tdist.P2POp(tdist.isend, s, right)]):
+                w.wait()
+
+        yield "batch_isend_irecv", p2p, [s, r]
+
+
+@pytest.mark.parametrize("dt", [torch.float32, torch.bfloat16, torch.float8_e4m3fn],
+                         ids=str)
+def test_every_tensor_stays_resizable(td, dt):
+    """FSDP1 frees parameters by resizing their storage to 0: no op may leave a tensor it
+    was handed changed in anything but its values (``Tensor.numpy()`` would mark the
+    storage not resizable for good)."""
+    for op, call, tensors in _ops_and_their_tensors(td, dt):
+        if dt is torch.float8_e4m3fn and op.startswith(("all_reduce", "reduce", "coalesc")):
+            continue  # moved, not reduced
+        call()
+        for i, t in enumerate(tensors):
+            storage = t.untyped_storage()
+            size = storage.nbytes()
+            try:
+                storage.resize_(0)
+                storage.resize_(size)
+            except RuntimeError as exc:
+                raise AssertionError(f"{op} {dt}: tensor {i} is no longer resizable") from exc
+
+
+def _tensors_without_dense_memory():
+    """(kind, tensor, what spmd's error says) for every tensor kind the backend refuses."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # sparse CSR and nested tensors are "beta"
+        yield "sparse_coo", torch.eye(3).to_sparse(), r"layout torch\.sparse_coo.*to_dense"
+        yield "sparse_csr", torch.eye(3).to_sparse_csr(), r"layout torch\.sparse_csr"
+        yield "mkldnn", torch.ones(3).to_mkldnn(), r"layout torch\._mkldnn"
+        yield "quantized", torch.quantize_per_tensor(torch.ones(3), 0.1, 0, torch.qint8), \
+            r"quantized tensor \(torch\.qint8\).*int_repr"
+        yield "meta", torch.ones(3, device="meta"), r"meta device.*to_empty"
+        yield "nested", torch.nested.nested_tensor([torch.ones(2), torch.ones(3)]), \
+            r"nested tensor.*unbind"
+        yield "nested_jagged", torch.nested.nested_tensor(
+            [torch.ones(2, 4), torch.ones(3, 4)], layout=torch.jagged), r"nested tensor"
+
+
+def test_tensors_without_dense_memory_get_spmd_errors(td):
+    """Sparse, mkldnn, quantized, meta and nested tensors: spmd's own error, naming the op,
+    the argument, what it got and what to move instead, on every rank before anything
+    is sent (the group works on after them)."""
+    me, n = td.get_rank(), td.get_world_size()
+    where = rf"\[rank {me}, group WORLD\]"
+    for kind, bad, says in _tensors_without_dense_memory():
+        calls = {
+            "all_reduce: tensor": lambda b=bad: td.all_reduce(b),
+            "broadcast: tensor": lambda b=bad: td.broadcast(b, src=0),
+            "all_gather_into_tensor: output_tensor":
+                lambda b=bad: td.all_gather_into_tensor(b, torch.ones(3)),
+            "all_to_all_single: input":  # (the output of the input's dtype: torch's check)
+                lambda b=bad: td.all_to_all_single(torch.empty_like(b) if b.is_quantized
+                                                   else torch.ones(3), b),
+        }
+        if kind == "quantized":  # torch refuses a qint8 output for a float input itself
+            del calls["all_gather_into_tensor: output_tensor"]
+        for prefix, call in calls.items():
+            with pytest.raises(TypeError, match=rf"^{prefix} .*{says}.*{where}") as err:
+                call()
+            assert "numpy" not in str(err.value), (kind, prefix, str(err.value))
+    x = torch.full((2,), float(me))
+    td.all_reduce(x)
+    assert torch.equal(x, torch.full((2,), float(sum(range(n)))))

@@ -33,3 +33,16 @@ def test_views_grad_and_mixed(dist):
     np.testing.assert_array_equal(out, np.repeat(np.arange(n), 2))
     with pytest.raises(TypeError, match="must be a numpy array"):
         dist.all_reduce(torch.ones(2).tolist())
+
+
+def test_tensors_without_dense_memory_get_spmd_errors(dist):
+    """A sparse, quantized or meta tensor handed to spmd's own API: spmd's error, not
+    torch's or numpy's words."""
+    me = dist.get_rank()
+    for bad, says in [(torch.eye(3).to_sparse(), r"layout torch\.sparse_coo"),
+                      (torch.quantize_per_tensor(torch.ones(3), 0.1, 0, torch.qint8),
+                       r"quantized tensor"),
+                      (torch.ones(3, device="meta"), r"meta device")]:
+        with pytest.raises(TypeError, match=rf"^all_reduce: tensor .*{says}.*\[rank {me}, "
+                           r"group WORLD\]"):
+            dist.all_reduce(bad)

@@ -1,4 +1,4 @@
-"""Training on the spmd torch backend: FSDP2, DTensor redistribution and a 2-D
+"""Training on the spmd torch backend: FSDP1, FSDP2, DTensor redistribution and a 2-D
 DeviceMesh, each an ordinary torch script under ``mpiexec`` (no environment
 variables), checked on every rank against a single-process or numpy reference.
 Every job runs under a wall-clock limit."""
@@ -30,6 +30,14 @@ def _job(n: int, script: str) -> str:
 def _every_rank(out: str, n: int, what: str) -> None:
     for r in range(n):
         assert f"rank {r} of {n}: {what}" in out, out[-4000:]
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 4])
+def test_fsdp1_matches_single_process(n):
+    """Every sharding strategy, use_orig_params both ways, mixed precision, full and
+    sharded state_dict (FSDP1 resizes parameter storage to 0: the backend must leave
+    every tensor resizable)."""
+    _every_rank(_job(n, "fsdp1_script.py"), n, "FSDP1 matches single-process training")
 
 
 @pytest.mark.parametrize("n", [1, 2, 3, 4])

@@ -4,16 +4,26 @@ CPU tensors become numpy arrays sharing their memory (no copy, strided views
 included), so spmd's collectives write results straight into the tensors.  CUDA
 tensors go to spmd as they are (spmd takes them through DLPack).  Dtypes numpy lacks
 (bfloat16 through ml_dtypes; float8 and complex32 as integers of their width) can be
-moved; only those spmd can reduce can be reduced.
+moved; only those spmd can reduce can be reduced.  Tensors with no dense memory of
+their own (sparse, quantized, nested, meta) get spmd's error, naming what to move
+instead.
+
+The numpy views are made through DLPack, never ``Tensor.numpy()``: that marks the
+tensor's storage not resizable for good, and FSDP1 frees its unsharded parameters by
+resizing their storage to 0 after the all-gather.  A tensor handed to the backend
+comes back changed in its values only.
 """
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
 import spmd
 from spmd.arrays import bfloat16 as _np_bf16
+from spmd.arrays import tensor_without_dense_memory
+from spmd.errors import located
 
 __all__ = ["host_in", "host_out", "reduce_op", "same_storage"]
 
@@ -23,50 +33,100 @@ _NUMPY_LESS = {torch.complex32, torch.float8_e4m3fn, torch.float8_e5m2, torch.fl
                torch.float8_e5m2fnuz}
 _bf16 = torch.bfloat16
 
+# torch's C function behind Tensor.__dlpack__: a DLPack capsule in ~0.2 us, where the
+# Python method costs ~1.4 us more (stream and device arguments a CPU tensor has no use
+# for).  Older torch without it takes the public path.
+_to_dlpack = getattr(torch._C, "_to_dlpack_versioned", None)
+_KDL_CPU = (1, 0)
 
-def _view(t: torch.Tensor, op: str, arg: str, reduces: bool):
+
+class _Capsule:
+    """A made DLPack capsule handed to ``numpy.from_dlpack`` (which asks for it by
+    method).  The capsule keeps the tensor's memory alive as long as the numpy view."""
+
+    __slots__ = ("capsule",)
+
+    def __init__(self, capsule) -> None:
+        self.capsule = capsule
+
+    def __dlpack__(self, **_):
+        return self.capsule
+
+    def __dlpack_device__(self):
+        return _KDL_CPU
+
+
+def _numpy_view(t: torch.Tensor) -> np.ndarray:
+    if _to_dlpack is None:
+        return np.from_dlpack(t)
+    return np.from_dlpack(_Capsule(_to_dlpack(t)))
+
+
+def _view(t: torch.Tensor, op: str, arg: str, reduces: bool, group) -> np.ndarray:
     dtype = t.dtype
-    if dtype is _bf16:
-        if _np_bf16 is None:
-            raise TypeError(f"{op}: {arg} is a bfloat16 tensor; install ml_dtypes "
-                            "(pip install spmd[bf16]) to move it")
-        return t.view(torch.int16).numpy().view(_np_bf16)
-    if dtype in _NUMPY_LESS:
-        if reduces:
-            raise TypeError(f"{op}: {arg} has dtype {dtype}, which spmd moves but cannot "
-                            "reduce")
-        return t.view(_AS_INT[t.element_size()]).numpy()
-    return t.numpy()
+    try:
+        if dtype is _bf16:
+            if _np_bf16 is None:
+                raise located(TypeError, op, f"{arg} is a bfloat16 tensor; install ml_dtypes "
+                              "(pip install spmd[bf16]) to move it", group)
+            return _numpy_view(t.view(torch.int16)).view(_np_bf16)
+        if dtype in _NUMPY_LESS:
+            if reduces:
+                raise located(TypeError, op, f"{arg} has dtype {dtype}, which spmd moves "
+                              "but cannot reduce", group)
+            return _numpy_view(t.view(_AS_INT[t.element_size()]))
+        return _numpy_view(t)
+    except (RuntimeError, BufferError) as exc:  # only tensors without dense memory
+        why = tensor_without_dense_memory(t)
+        if why is None:
+            raise
+        raise located(TypeError, op, f"{arg} {why}", group) from exc
 
 
-def _cpu_tensor(t, op: str, arg: str):
-    """``t`` without autograd if it is a CPU tensor, None for a device tensor."""
+def _host_tensor(t, op: str, arg: str, group):
+    """``t`` without autograd if it is a CPU tensor, None for a CUDA tensor."""
     if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{op}: {arg} must be a torch.Tensor, got {type(t).__name__}")
+        raise located(TypeError, op, f"{arg} must be a torch.Tensor, got {type(t).__name__}",
+                      group)
     if not t.is_cpu:   # (10x cheaper than t.device.type)
-        return None
+        if t.is_cuda:
+            return None
+        why = tensor_without_dense_memory(t) or (
+            f"is on device {t.device}; the spmd backend moves CPU tensors, and CUDA tensors "
+            "where CuPy is installed")
+        raise located(TypeError, op, f"{arg} {why}", group)
     return t.detach() if t.requires_grad else t
 
 
-def host_in(t, op: str, arg: str, reduces: bool = False):
-    """What spmd reads for tensor ``t``: a numpy view (CPU) or the tensor (CUDA)."""
-    cpu = _cpu_tensor(t, op, arg)
+def host_in(t, op: str, arg: str, group, reduces: bool = False):
+    """What spmd reads for tensor ``t``: a numpy view (CPU) or the tensor (CUDA).
+
+    Raises:
+        TypeError: ``t`` is no tensor, has no dense memory (sparse, quantized, nested,
+            meta), or has a dtype spmd cannot reduce where ``reduces``.
+    """
+    cpu = _host_tensor(t, op, arg, group)
     if cpu is None:
         return t
     if cpu.is_conj() or cpu.is_neg():
         cpu = cpu.resolve_conj().resolve_neg()  # a lazy view: its values, materialised
-    return _view(cpu, op, arg, reduces)
+    return _view(cpu, op, arg, reduces, group)
 
 
-def host_out(t, op: str, arg: str, reduces: bool = False):
-    """What spmd writes for tensor ``t``: a numpy view sharing its memory (CPU)."""
-    cpu = _cpu_tensor(t, op, arg)
+def host_out(t, op: str, arg: str, group, reduces: bool = False):
+    """What spmd writes for tensor ``t``: a numpy view sharing its memory (CPU).
+
+    Raises:
+        TypeError: as :func:`host_in`, and for a lazy conjugate or negative view.
+    """
+    cpu = _host_tensor(t, op, arg, group)
     if cpu is None:
         return t
     if cpu.is_conj() or cpu.is_neg():
-        raise TypeError(f"{op}: {arg} is a lazy conjugate/negative view; results cannot be "
-                        "written into it (call resolve_conj()/resolve_neg() first)")
-    return _view(cpu, op, arg, reduces)
+        raise located(TypeError, op, f"{arg} is a lazy conjugate/negative view; results "
+                      "cannot be written into it (call resolve_conj()/resolve_neg() first)",
+                      group)
+    return _view(cpu, op, arg, reduces, group)
 
 
 def same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:

@@ -163,11 +163,11 @@ for n in $NCCL_SIZES; do
     short+=("nccl n$n $(outcome "$LOGS/nccl_hostid_n$n.log" | sed 's/ in .*//')")
 done
 
-# -- torch on CUDA tensors through init_process_group("spmd"): DDP and FSDP2 at 2 ranks,
+# -- torch on CUDA tensors through init_process_group("spmd"): DDP, FSDP1, FSDP2 at 2 ranks,
 # NCCL (a different NCCL_HOSTID per rank) and MPI through host staging ------------------
 HOSTID=(env NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1 NCCL_SOCKET_IFNAME=lo)
 PER_RANK=(bash -c 'NCCL_HOSTID=spmd-rank${PMI_RANK:-${OMPI_COMM_WORLD_RANK:-0}} exec "$@"' hostid)
-for script in ddp fsdp2; do
+for script in ddp fsdp1 fsdp2; do
     step "torch_${script}_nccl" 90 "${HOSTID[@]}" "${MPIRUN[@]}" -n 2 "${PER_RANK[@]}" \
         "$PYTHON" "tests/torch_backend/${script}_script.py" --device cuda
     rc=$?
