@@ -233,7 +233,7 @@ def test_mixed_host_and_device_arguments_raise(dist):
     torch = pytest.importorskip("torch")
     with pytest.raises(TypeError, match=r"tensors\[1\] is a cuda array but tensors\[0\] is a cpu"):
         spmd.all_reduce_coalesced([torch.zeros(2), g])
-    with pytest.raises(TypeError, match=r"tensor is on meta"):
+    with pytest.raises(TypeError, match=r"tensor is on the meta device, which holds no data"):
         spmd.all_reduce(torch.empty(2, device="meta"))
 
 

@@ -374,3 +374,17 @@ def test_tensors_without_dense_memory_get_spmd_errors(td):
     x = torch.full((2,), float(me))
     td.all_reduce(x)
     assert torch.equal(x, torch.full((2,), float(sum(range(n)))))
+
+
+def test_devices_torch_asks_the_group_for(td):
+    """torch places object collectives and sharded state dicts by the group's device
+    types (FSDP1's sharded state_dict failed with none); its helpers that look up a
+    backend per device find the group itself."""
+    from torch.distributed import distributed_c10d as c10d
+
+    assert c10d._get_object_coll_device() == "cpu"
+    assert "cpu" in c10d._device_capability()
+    group = c10d._get_default_group()
+    assert group._get_backend(torch.device("cpu")) is group
+    with pytest.warns(UserWarning, match="only supported for either nccl or gloo"):
+        c10d._set_pg_timeout(timedelta(seconds=60))

@@ -103,6 +103,12 @@ class SpmdProcessGroup(dist.ProcessGroup):
             return [_CPU, _CUDA]
         return [_CPU]
 
+    def _get_backend(self, device=None):
+        """The group itself for every device it serves: torch's ``Backend`` cannot be
+        subclassed from Python, so the group is its own backend (torch's helpers that
+        look one up, such as ``_set_pg_timeout``, then find no gloo or NCCL in it)."""
+        return self
+
     def getBackendName(self) -> str:
         return "spmd"
 
