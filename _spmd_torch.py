@@ -10,6 +10,7 @@ the spmd backend is made; then ``spmd.torch`` does the work.
 
 from __future__ import annotations
 
+import importlib
 import os
 import sys
 import warnings
@@ -80,8 +81,13 @@ def register() -> None:
             return
         if BACKEND.upper() not in dist.Backend._plugins:
             dist.Backend.register_backend(BACKEND, _create, extended_api=True, devices=_DEVICES)
-        import importlib
-
+        # spmd records its own ops (spmd.flight_recorder).  torch 2.15 attaches its
+        # recorder to every group of a backend not in this set, which fails for a group
+        # that is a ProcessGroup subclass (it has no C++ backend to file entries under).
+        c10d = importlib.import_module("torch.distributed.distributed_c10d")
+        self_recording = getattr(c10d, "_FR_SELF_RECORDING_BACKENDS", None)
+        if self_recording is not None:
+            self_recording.add(BACKEND)
         # The module, not torch.distributed.rendezvous (a function of the same name).
         handlers = importlib.import_module("torch.distributed.rendezvous")._rendezvous_handlers
         if handlers.get("env") is not _env_rendezvous and "env" in handlers:

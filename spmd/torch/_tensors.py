@@ -158,7 +158,8 @@ def reduce_op(op) -> spmd.ReduceOp:
         factor = getattr(op, "factor", None)
         if factor is None:
             raise ValueError("PREMUL_SUM needs a factor: make it with "
-                             "torch.distributed._make_nccl_premul_sum(factor)")
+                             "torch.distributed._make_nccl_premul_sum(factor); torch before "
+                             "2.13 does not show the factor to Python backends")
         if isinstance(factor, torch.Tensor):
             factor = factor.detach().cpu().reshape(()).item()
         return spmd.make_premul_sum(factor)

@@ -63,7 +63,8 @@ def train(model, steps=STEPS, dtype=torch.float64, on_step=None):
     for step in range(steps):
         x, y = batch(step, dtype)
         opt.zero_grad()
-        nn.functional.mse_loss(model(x[mine]), y[mine]).backward()
+        out = model(x[mine])
+        nn.functional.mse_loss(out, y[mine].to(out.dtype)).backward()
         opt.step()
         if on_step is not None:
             on_step(step)
