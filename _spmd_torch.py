@@ -81,7 +81,7 @@ def register() -> None:
             return
         if BACKEND.upper() not in dist.Backend._plugins:
             dist.Backend.register_backend(BACKEND, _create, extended_api=True, devices=_DEVICES)
-        # spmd records its own ops (spmd.flight_recorder).  torch 2.15 attaches its
+        # spmd records its own ops (spmd.core.flight_recorder).  torch 2.15 attaches its
         # recorder to every group of a backend not in this set, which fails for a group
         # that is a ProcessGroup subclass (it has no C++ backend to file entries under).
         c10d = importlib.import_module("torch.distributed.distributed_c10d")

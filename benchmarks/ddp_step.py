@@ -19,7 +19,7 @@ from mpi4py import MPI
 
 import spmd
 import spmd.torch
-from spmd.bench import _Torch
+from spmd.tools.bench import _Torch
 
 
 def step_times(group, hidden: int, steps: int, warmup: int) -> list[float]:

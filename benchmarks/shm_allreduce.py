@@ -26,7 +26,7 @@ import numpy as np
 from mpi4py import MPI
 
 import spmd
-from spmd.backends.shm import SHM_ENV
+from spmd.backends.shm.engine import SHM_ENV
 
 OPS = ("all_reduce", "broadcast", "all_gather_into_tensor", "reduce_scatter_tensor", "reduce")
 

@@ -69,9 +69,20 @@ def _public_modules() -> list[str]:
 
 
 def _top_level_names() -> dict[int, str]:
-    """id(object) -> its name in ``spmd.__all__`` (modules left out)."""
-    return {id(getattr(spmd, n)): n for n in spmd.__all__
-            if not isinstance(getattr(spmd, n), types.ModuleType)}
+    """id(object) -> the public name it is documented under: ``spmd.X`` for what
+    ``spmd.__all__`` exports, else ``spmd.pkg.X`` for what a package re-exports from
+    its modules (``spmd.checkpoint.Shard``); modules left out."""
+    names: dict[int, str] = {}
+    packages = ["spmd"] + sorted(
+        (m for m in _public_modules()[1:] if hasattr(importlib.import_module(m), "__path__")),
+        key=lambda m: m.count("."))
+    for pkg in packages:
+        module = importlib.import_module(pkg)
+        for n in getattr(module, "__all__", []):
+            obj = getattr(module, n)
+            if not isinstance(obj, types.ModuleType):
+                names.setdefault(id(obj), f"{pkg}.{n}")
+    return names
 
 
 def _module_page(name: str, top: dict[int, str]) -> str:
@@ -83,7 +94,8 @@ def _module_page(name: str, top: dict[int, str]) -> str:
         own = [n for n in spmd.__all__ if not isinstance(getattr(spmd, n), types.ModuleType)]
         subs = [n for n in spmd.__all__ if isinstance(getattr(spmd, n), types.ModuleType)]
         lines += ["```{eval-rst}", ".. automodule:: spmd", "   :no-members:", "```", "",
-                  "Modules: " + ", ".join(f"{{py:mod}}`spmd.{s}`" for s in subs) + ".", ""]
+                  "Modules: " + ", ".join(f"{{py:mod}}`spmd.{s} <{getattr(spmd, s).__name__}>`"
+                                          for s in subs) + ".", ""]
     else:
         if exported is None:
             lines += ["```{eval-rst}", f".. automodule:: {name}", "   :no-members:", "```"]
@@ -93,10 +105,10 @@ def _module_page(name: str, top: dict[int, str]) -> str:
             obj = getattr(module, n)
             if isinstance(obj, types.ModuleType):
                 continue
-            (also if id(obj) in top else own).append(n)
+            (also if top.get(id(obj), f"{name}.{n}") != f"{name}.{n}" else own).append(n)
         parent, _, last = name.rpartition(".")
         if getattr(sys.modules[parent], last, module) is not module:
-            # spmd.spawn and spmd.monitored_barrier: the package's function of the same
+            # spmd.spawn and spmd.api.monitored_barrier: the package's function of the same
             # name is what users reach, and owns the name in the index; the module's
             # docstring is shown without declaring the module.
             doc = inspect.cleandoc(module.__doc__ or "")
@@ -105,7 +117,7 @@ def _module_page(name: str, top: dict[int, str]) -> str:
             lines += ["```{eval-rst}", f".. automodule:: {name}", "   :no-members:",
                       "```", ""]
         if also:
-            links = ", ".join(f"{{py:obj}}`spmd.{top[id(getattr(module, n))]}`" for n in also)
+            links = ", ".join(f"{{py:obj}}`{top[id(getattr(module, n))]}`" for n in also)
             lines += [f"Also exported by the package, documented there: {links}.", ""]
     for n in own:
         obj = getattr(sys.modules[name], n)
@@ -141,8 +153,9 @@ def _write_api_pages() -> None:
 
 def _drop_type_docstrings(app, what, name, obj, options, lines) -> None:
     """A constant without a docstring of its own shows none, not its type's (dict's)."""
-    if what in ("data", "attribute") and lines and type(obj).__doc__ and \
-            "\n".join(lines).strip() == inspect.cleandoc(type(obj).__doc__).strip():
+    type_doc = type(obj).__doc__  # a slot named __doc__ makes it a descriptor, not text
+    if what in ("data", "attribute") and lines and isinstance(type_doc, str) and \
+            "\n".join(lines).strip() == inspect.cleandoc(type_doc).strip():
         lines.clear()
 
 

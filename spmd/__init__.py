@@ -2,24 +2,20 @@
 
 Importing spmd initialises MPI through mpi4py (thread level MULTIPLE); set
 ``mpi4py.rc`` options before the import to change that.
+
+The packages are the architecture (README.md, "Architecture"): ``core`` (foundations),
+``store``, ``backends`` (engines), ``runtime`` (groups, the default group, the watchdog),
+``api`` (the operations), ``torch`` (the torch.distributed backend), ``training``,
+``layouts``, ``checkpoint``, ``spawn``, ``tools``, ``testing``.
 """
 
-from . import (
-    checkpoint,
-    coalescing,
-    comms_log,
-    futures,
-    mpmd,
-    parallel_state,
-    persistent,
-    store,
-    topology,
-    trace,
-)
-from ._version import __version__ as __version__
-from .bucket_reducer import BucketReducer
-from .coalescing import coalescing_manager
-from .collectives import (
+import sys
+
+from spmd import checkpoint, store
+from spmd._version import __version__ as __version__
+from spmd.api import coalescing, persistent
+from spmd.api.coalescing import coalescing_manager
+from spmd.api.collectives import (
     all_gather,
     all_gather_coalesced,
     all_gather_into_tensor,
@@ -35,13 +31,18 @@ from .collectives import (
     reduce_scatter_tensor,
     scatter,
 )
-from .debug import (
-    DebugLevel,
-    get_debug_level,
-    set_debug_level,
-    set_debug_level_from_env,
+from spmd.api.monitored_barrier import monitored_barrier
+from spmd.api.objects import (
+    all_gather_object,
+    broadcast_object_list,
+    gather_object,
+    recv_object_list,
+    scatter_object_list,
+    send_object_list,
 )
-from .errors import (
+from spmd.api.p2p import P2POp, batch_isend_irecv, irecv, isend, recv, send
+from spmd.core import errors, futures
+from spmd.core.errors import (
     CollectiveMismatchError,
     DistBackendError,
     DistError,
@@ -50,9 +51,23 @@ from .errors import (
     DistTimeoutError,
     GroupBrokenError,
 )
-from .flight_recorder import dump_flight_recorder
-from .futures import Future
-from .group import (
+from spmd.core.flight_recorder import dump_flight_recorder
+from spmd.core.futures import Future
+from spmd.core.launch import LaunchInfo, launch_info
+from spmd.core.ops import ReduceOp, make_premul_sum
+from spmd.core.work import Work
+from spmd.layouts import mesh, mpmd, parallel_state, topology
+from spmd.layouts.mesh import DeviceMesh, init_device_mesh
+from spmd.layouts.mpmd import Link, Program, get_programs, init_program, new_link
+from spmd.layouts.topology import NodeTopology, bind_device, node_topology
+from spmd.runtime import group
+from spmd.runtime.debug import (
+    DebugLevel,
+    get_debug_level,
+    set_debug_level,
+    set_debug_level_from_env,
+)
+from spmd.runtime.group import (
     GroupMember,
     ProcessGroup,
     get_global_rank,
@@ -63,25 +78,7 @@ from .group import (
     new_subgroups_by_enumeration,
     split_group,
 )
-from .launch import LaunchInfo, launch_info
-from .mesh import DeviceMesh, init_device_mesh
-from .monitored_barrier import monitored_barrier
-from .mpmd import Link, Program, get_programs, init_program, new_link
-from .objects import (
-    all_gather_object,
-    broadcast_object_list,
-    gather_object,
-    recv_object_list,
-    scatter_object_list,
-    send_object_list,
-)
-from .ops import ReduceOp, make_premul_sum
-from .p2p import P2POp, batch_isend_irecv, irecv, isend, recv, send
-from .spawn import ProcessContext, spawn
-from .store import FileStore, HashStore, PrefixStore, Store, TCPStore
-from .topology import NodeTopology, bind_device, node_topology
-from .work import Work
-from .world import (
+from spmd.runtime.world import (
     Backend,
     destroy_process_group,
     get_backend,
@@ -95,8 +92,21 @@ from .world import (
     is_nccl_available,
     register_backend,
 )
+from spmd.spawn import ProcessContext, spawn
+from spmd.store import FileStore, HashStore, PrefixStore, Store, TCPStore
+from spmd.tools import comms_log, trace
+from spmd.training.bucket_reducer import BucketReducer
 
 _make_nccl_premul_sum = make_premul_sum  # torch's spelling
+
+# Public modules by their short names: ``dist.group.WORLD``, ``from spmd import
+# parallel_state``, ``import spmd.parallel_state``, ``from spmd.mesh import DeviceMesh``.
+for _short, _module in {"group": group, "errors": errors, "futures": futures, "mesh": mesh,
+                        "parallel_state": parallel_state, "topology": topology, "mpmd": mpmd,
+                        "coalescing": coalescing, "persistent": persistent,
+                        "comms_log": comms_log, "trace": trace}.items():
+    sys.modules.setdefault(f"spmd.{_short}", _module)
+del _short, _module
 
 __all__ = [
     "Backend",

@@ -8,7 +8,7 @@ import os
 import numpy as np
 import pytest
 
-from spmd import _gpu
+from spmd.core import cuda as _gpu
 
 
 def gpu_skip_reason() -> str | None:

@@ -70,14 +70,14 @@ done
 for n in $SHM_OFF_SIZES; do
     mpi_run "mpi n=$n shm=off" "$n" SPMD_SHM=0
 done
-# The blocking ops' compiled call path (spmd._fastcall, where pip built it) off: the
+# The blocking ops' compiled call path (spmd.backends.mpi._fastcall, where pip built it) off: the
 # Python path it stands in for takes the same calls.
-if "$PYTHON" -c "import spmd._fastcall" 2>/dev/null; then
+if "$PYTHON" -c "import spmd.backends.mpi._fastcall" 2>/dev/null; then
     for n in $PYTHON_PATH_SIZES; do
         mpi_run "mpi n=$n fastcall=off" "$n" SPMD_FASTCALL=0
     done
 else
-    echo "=== spmd._fastcall is not built: every run above took the Python path ==="
+    echo "=== spmd.backends.mpi._fastcall is not built: every run above took the Python path ==="
 fi
 
 # torch's own distributed test suite against the spmd torch backend, when torch is here:

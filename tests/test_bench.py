@@ -17,7 +17,7 @@ ROW_FIELDS = {"op", "bytes", "count", "impl", "iters", "median_us", "p10_us", "p
 
 
 def _bench(n, *args, timeout=240):
-    return run(mpiexec(n, sys.executable, "-m", "spmd.bench", *args), timeout=timeout)
+    return run(mpiexec(n, sys.executable, "-m", "spmd.tools.bench", *args), timeout=timeout)
 
 
 @pytest.mark.timeout(300)
@@ -101,7 +101,7 @@ def test_torch_gloo_in_the_same_job(tmp_path):
 
 
 def test_bad_arguments():
-    from spmd import bench
+    from spmd.tools import bench
 
     assert bench.parse_size("8") == 8
     assert bench.parse_size("64K") == 65536

@@ -2,18 +2,18 @@
 rank and are recorded like any op; every other call takes the Work path, with the same
 results and errors.
 
-The short path is the compiled one (spmd._fastcall) where it is built and on, else the
-Python one (spmd.backends.blocking); the suite runs with both (SPMD_FASTCALL=0 in
+The short path is the compiled one (spmd.backends.mpi._fastcall) where it is built and on, else the
+Python one (spmd.backends.mpi.blocking); the suite runs with both (SPMD_FASTCALL=0 in
 tests/run.sh), and each test checks that the path it expects took the calls."""
 
 import numpy as np
 import pytest
 
-from spmd import collectives, p2p
-from spmd import flight_recorder as fr
-from spmd import work as work_mod
-from spmd.backends import fastcall
-from spmd.backends.blocking import BlockingHost
+from spmd.api import collectives, p2p
+from spmd.backends.mpi import fastcall
+from spmd.backends.mpi.blocking import BlockingHost
+from spmd.core import flight_recorder as fr
+from spmd.core import work as work_mod
 
 pytestmark = pytest.mark.mpi
 

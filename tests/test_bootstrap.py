@@ -55,7 +55,7 @@ def test_init_with_store_uses_it(dist, tmp_path_factory):
 
 @pytest.mark.parametrize("via_store", [False, True])
 def test_mixed_installations_are_refused(dist, tmp_path_factory, monkeypatch, via_store):
-    from spmd import world
+    from spmd.runtime import world
 
     n, me = dist.get_world_size(), dist.get_rank()
     if n == 1:
@@ -84,7 +84,7 @@ def test_store_keys_never_repeat(dist):
 
     from mpi4py import MPI
 
-    from spmd._bootstrap import _key
+    from spmd.core.bootstrap import _key
 
     n = dist.get_world_size()
     keys = []
@@ -112,7 +112,7 @@ def test_store_keys_never_repeat(dist):
 def test_two_ranks_on_one_gpu_are_refused_before_nccl(dist, tmp_path_factory, via_store):
     """The duplicate-GPU check over the group, with each rank's (host, bus id) given:
     the same verdict on every rank, naming the ranks and the fixes."""
-    from spmd._bootstrap import check_distinct_gpus
+    from spmd.core.bootstrap import check_distinct_gpus
 
     n, me = dist.get_world_size(), dist.get_rank()
     store = _file_store(dist, tmp_path_factory) if via_store else None
@@ -139,7 +139,7 @@ def test_two_ranks_on_one_gpu_are_refused_before_nccl(dist, tmp_path_factory, vi
 
 
 def test_duplicate_gpus_rule():
-    from spmd._bootstrap import duplicate_gpus
+    from spmd.core.bootstrap import duplicate_gpus
 
     assert duplicate_gpus([("a", "1"), ("b", "1"), ("a", "2")], [4, 5, 6]) == ""
     why = duplicate_gpus([("a", "1"), ("b", "1"), ("a", "2"), ("b", "1")], [4, 5, 6, 7])

@@ -15,8 +15,9 @@ import numpy as np
 import pytest
 from conftest import ml_dtypes
 
-from spmd import _mpiio
 from spmd import checkpoint as ckpt
+from spmd.checkpoint import mpiio as _mpiio
+from spmd.checkpoint import save_load
 
 pytestmark = pytest.mark.mpi
 
@@ -164,7 +165,7 @@ def test_many_files_side_by_side_and_collective(dist, where, monkeypatch):
     """More byte-range files than are held open at once, written side by side (each
     rank starting at another file), mixed with column blocks (collective writes),
     a replicated 0-d array and a rank-less empty block: every file equals its array."""
-    from spmd import _mpiio
+    from spmd.checkpoint import mpiio as _mpiio
     monkeypatch.setattr(_mpiio, "OPEN_AT_ONCE", 3)
     batches, collective = [], []
     side_by_side, write_block = _mpiio._write_side_by_side, _mpiio.write_block
@@ -226,12 +227,12 @@ def test_failure_before_rename_leaves_nothing_complete(dist, where):
         if stage == "renaming":
             raise OSError("simulated crash before the rename")
 
-    ckpt._fault_hook = fail
+    save_load._fault_hook = fail
     try:
         with pytest.raises(OSError, match="simulated crash"):
             ckpt.save({"a": np.ones(5), "s": ckpt.Shard.split(np.ones(2))}, path)
     finally:
-        ckpt._fault_hook = None
+        save_load._fault_hook = None
     dist.barrier()
     assert not os.path.exists(path)
     left = os.listdir(where)
@@ -248,7 +249,7 @@ def test_index_failure_renames_nothing(dist, where, monkeypatch):
     def no_index(tmp, *args):
         raise OSError(f"simulated: no room for the index in {tmp}")
 
-    monkeypatch.setattr(ckpt, "_write_index", no_index)
+    monkeypatch.setattr(save_load, "_write_index", no_index)
     path = os.path.join(where, "c")
     with pytest.raises(OSError, match=r"checkpoint.save: cannot write the index in .*simulated"
                        rf".*\[rank {dist.get_rank()}, group WORLD\]"):

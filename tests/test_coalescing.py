@@ -4,7 +4,7 @@ across dtypes, shapes, views, buckets and reduce ops; misuse raises before sendi
 import numpy as np
 import pytest
 
-from spmd import coalescing
+from spmd.api import coalescing
 
 pytestmark = pytest.mark.mpi
 

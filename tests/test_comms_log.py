@@ -6,7 +6,8 @@ import io
 import numpy as np
 import pytest
 
-from spmd import comms_log, work
+from spmd.core import work
+from spmd.tools import comms_log
 
 pytestmark = pytest.mark.mpi
 

@@ -54,7 +54,7 @@ def test_parallel_example_lines_are_whole():
 
 
 def test_write_lines_writes_each_line_once_whole():
-    from spmd._lines import write_lines
+    from spmd.core.lines import write_lines
 
     class Recorder:
         def __init__(self):

@@ -1,4 +1,4 @@
-"""The compiled call path (spmd._fastcall, bound by spmd.backends.fastcall).
+"""The compiled call path (spmd.backends.mpi._fastcall, bound by spmd.backends.mpi.fastcall).
 
 The suite runs with it on (where it is built) and off (SPMD_FASTCALL=0 in tests/run.sh);
 these tests hold for both paths: every dtype and reduce op against numpy, a blocking op
@@ -19,10 +19,10 @@ from datetime import timedelta
 import numpy as np
 import pytest
 
-from spmd.backends import fastcall
+from spmd.backends.mpi import fastcall
 from spmd.backends.reduction import PLANS, Plan
-from spmd.dtypes import SUPPORTED_DTYPES
-from spmd.ops import ReduceOp
+from spmd.core.dtypes import SUPPORTED_DTYPES
+from spmd.core.ops import ReduceOp
 
 SLACK = 4.0  # seconds a diagnosis may take beyond the timeout on a loaded machine
 
@@ -232,13 +232,13 @@ def test_coalescing_manager_and_group_subclasses_take_the_python_path(dist, monk
 
 
 def test_the_extension_is_built_where_a_compiler_is():
-    """pip builds spmd._fastcall where a C compiler and Python's headers are present; a
+    """pip builds spmd.backends.mpi._fastcall where a C compiler and Python's headers are present; a
     missing build would silently leave only the Python path tested."""
     headers = os.path.exists(os.path.join(sysconfig.get_paths()["include"], "Python.h"))
     compiler = shutil.which(sysconfig.get_config_var("CC").split()[0] or "cc")
     if not (headers and compiler):
         pytest.skip("no C compiler or no Python headers: the Python path is the only one")
-    from spmd import _fastcall  # noqa: F401 - the import is the check
+    import spmd.backends.mpi._fastcall as _fastcall  # noqa: F401 - the import is the check
 
     if os.environ.get("SPMD_FASTCALL", "1") != "0":
         assert fastcall.compiled is not None, fastcall.reason
@@ -249,7 +249,8 @@ def test_all_reduce_coalesced_fuses_in_one_call(dist, monkeypatch):
     """The compiled all_reduce_coalesced (packs, reduces once, unpacks) gives numpy's
     result; lists it declines (mixed dtypes, a view, over the fusion limit) give the
     same through the Python path."""
-    from spmd import collectives, packing
+    from spmd.api import collectives
+    from spmd.core import packing
 
     n, r = dist.get_world_size(), dist.get_rank()
     taken = []
@@ -288,7 +289,7 @@ def test_all_reduce_coalesced_fuses_in_one_call(dist, monkeypatch):
     if compiled is not None:
         assert taken == expect
     # recorded once per fused call, like the Python path's Work
-    from spmd import flight_recorder as fr
+    from spmd.core import flight_recorder as fr
     last = [e for e in fr.recorder.entries() if e[fr.GROUP] is dist.GroupMember.WORLD][-1]
     assert last[fr.OP] == "all_reduce_coalesced" and fr.state(last) == fr.COMPLETED
 

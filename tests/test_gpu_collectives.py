@@ -62,7 +62,7 @@ def _expect(gpu, dt, opname) -> str:
     """"ok", or "raises" (TypeError before anything is sent), or "skip" (no reference)."""
     if gpu["mode"] != "nccl":
         return "ok" if supported(dt, opname) else "raises"
-    from spmd.backends._nccl_plans import plan_for
+    from spmd.backends.nccl.plans import plan_for
 
     if type(plan_for(dt, opname)) is str:
         return "raises"
@@ -75,7 +75,7 @@ def _expect(gpu, dt, opname) -> str:
 def gpu(request):
     """cupy, and WORLD-sized and parity groups whose GPU arrays take one path."""
     cp = cupy()
-    from spmd import _gpu
+    from spmd.core import cuda as _gpu
 
     mode = request.param
     dist = _initialised()

@@ -14,11 +14,11 @@ from conftest import TEST_TIMEOUT, all_dtypes
 from mpi4py import MPI
 
 import spmd
-from spmd import _gpu
-from spmd.arrays import device_of
-from spmd.backends import _nccl_plans as plans
-from spmd.backends import nccl as nccl_backend
 from spmd.backends.cuda_mpi import direct_plan
+from spmd.backends.nccl import engine as nccl_backend
+from spmd.backends.nccl import plans
+from spmd.core import cuda as _gpu
+from spmd.core.arrays import device_of
 
 DTYPES = all_dtypes()
 
@@ -271,7 +271,7 @@ def test_device_map_with_registered_names():
 
 
 def _unregister(name):
-    from spmd import backend_registry
+    from spmd.backends import registry as backend_registry
 
     backend_registry.backend_factories.pop(name, None)
     backend_registry.backend_devices.pop(name, None)
@@ -287,7 +287,7 @@ def _reinit(dist):
 
 @pytest.mark.mpi
 def test_user_backend_factory_runs(dist):
-    from spmd.backends.mpi import MPIBackend
+    from spmd.backends.mpi.engine import MPIBackend
 
     calls = collections.Counter()
 
@@ -324,7 +324,7 @@ def test_user_backend_factory_runs(dist):
 
 @pytest.mark.mpi
 def test_default_backend_picks_nccl_when_importable(dist, monkeypatch):
-    from spmd import world
+    from spmd.runtime import world
 
     assert dist.get_backend() == ("cpu:mpi,cuda:nccl" if dist.is_nccl_available() else "mpi")
     monkeypatch.setattr(world, "is_nccl_available", lambda: True)
@@ -359,7 +359,7 @@ def test_device_id_checked_at_init(dist):
 
 
 def test_barrier_device_choice():
-    from spmd.collectives import _barrier_device
+    from spmd.api.collectives import _barrier_device
 
     class PG:
         def __init__(self, spec):
@@ -374,7 +374,7 @@ def test_barrier_device_choice():
 
 @pytest.mark.mpi
 def test_spmd_info_reports_gpu_facts(dist):
-    from spmd.cli import _rank_info
+    from spmd.tools.cli import _rank_info
 
     info = _rank_info()
     assert info["gpu_aware_mpi"].startswith(("yes (", "no ("))
@@ -562,9 +562,9 @@ def test_cuda_mpi_paths_per_library(dist, monkeypatch, library, direct_ops):
                         raising=False)
     monkeypatch.setattr(b, "_direct", lambda reqs, op, *rest: op, raising=False)
     monkeypatch.setattr(cuda_mpi, "Work", None)  # every direct call goes through _direct
-    import spmd.arrays
+    import spmd.core.arrays
 
-    monkeypatch.setattr(spmd.arrays, "movable", lambda a: a)
+    monkeypatch.setattr(spmd.core.arrays, "movable", lambda a: a)
     a = np.zeros(4)
     calls = {
         "send": lambda: b.send(a, 0, 0), "recv": lambda: b.recv(a, 0, 0),

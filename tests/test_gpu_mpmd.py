@@ -22,7 +22,7 @@ def _name(rank):
 
 @pytest.fixture(params=["staging", "direct"])
 def link(request, dist):
-    from spmd import _gpu
+    from spmd.core import cuda as _gpu
 
     cp = cupy()
     if dist.get_world_size() < 2:

@@ -57,7 +57,7 @@ def _solo_group():
 @pytest.fixture
 def solo(_solo_group):
     """cupy, spmd and this rank's own NCCL group of size 1 (alive in every test)."""
-    from spmd import _gpu
+    from spmd.core import cuda as _gpu
 
     return _gpu.cupy_or_none(), _initialised(), _solo_group.get()
 
@@ -81,7 +81,7 @@ def test_reductions_in_a_group_of_one(solo):
             x = to_device(cp, host, "strided")
             op = (dist.make_premul_sum(PREMUL_FACTOR) if opname == "PREMUL_SUM"
                   else getattr(dist.ReduceOp, opname))
-            from spmd.backends._nccl_plans import plan_for
+            from spmd.backends.nccl.plans import plan_for
 
             if type(plan_for(dt, opname)) is str:
                 with pytest.raises(TypeError, match="all_reduce: "):
@@ -171,7 +171,7 @@ def test_stream_and_work_semantics(solo):
 
 
 def test_nccl_only_group_and_store_bootstrap():
-    from spmd import _gpu
+    from spmd.core import cuda as _gpu
     from spmd.store import HashStore
 
     dist = _initialised()
@@ -200,7 +200,7 @@ def test_nccl_only_group_and_store_bootstrap():
 
 
 def test_eager_init_and_comm_split():
-    from spmd import _gpu
+    from spmd.core import cuda as _gpu
 
     dist = _initialised()
     if dist.get_world_size() != 1:
@@ -239,7 +239,7 @@ def test_mixed_dtypes_all_gather_coalesced(solo):
 def test_device_id_selects_the_device():
     """init_process_group(device_id=...) makes it CuPy's current device: arrays made
     afterwards are on it, and NCCL's communicator is created there at init."""
-    from spmd import _gpu
+    from spmd.core import cuda as _gpu
 
     dist = _initialised()
     if dist.get_world_size() != 1:
@@ -274,7 +274,7 @@ def test_blocking_recv_orders_the_callers_stream():
     """recv() returns when the caller's stream is ordered after the receive: reading
     the buffer at once sees the new data, never the old."""
     dist = _initialised()
-    from spmd import _gpu
+    from spmd.core import cuda as _gpu
 
     cp = _gpu.cupy_or_none()
     pg = _world_nccl(dist, "nccl-p2p")
@@ -298,7 +298,7 @@ def test_uneven_roots_avg_and_complex_on_several_ranks():
     """The paths a group of one never reaches: grouped calls with uneven sizes, roots
     other than 0, AVG (NCCL's own) and complex as pairs of reals, byte counts in wide
     and narrow units."""
-    from spmd import _gpu
+    from spmd.core import cuda as _gpu
 
     dist = _initialised()
     cp = _gpu.cupy_or_none()
@@ -345,7 +345,7 @@ def test_two_ranks_on_one_gpu_get_a_clear_error():
     every rank alike, with the fixes named (NCCL itself says only "invalid usage")."""
     import os
 
-    from spmd import _gpu
+    from spmd.core import cuda as _gpu
 
     dist = _initialised()
     cp = _gpu.cupy_or_none()

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from _gpu_helpers import on_device_double
 
-from spmd import flight_recorder as fr
+from spmd.core import flight_recorder as fr
 from spmd.testing import device_double as dd
 
 pytestmark = pytest.mark.mpi
@@ -37,7 +37,7 @@ def nccl_group(fresh, double):
 
 
 def _reports_since(seen, text):
-    from spmd import watchdog
+    from spmd.runtime import watchdog
 
     return [r for r in list(watchdog.reports)[seen:] if text in r]
 
@@ -55,7 +55,7 @@ def _wait_for_report(seen, text, seconds=10.0):
 def test_idle_nccl_group_outlives_its_timeout(dist, double, nccl_group):
     """Finished NCCL ops nobody polled (a blocking all_reduce, an async one whose Work was
     dropped) are not "in flight": a group idle for longer than its timeout is kept."""
-    from spmd import watchdog
+    from spmd.runtime import watchdog
 
     cp, n = double, dist.get_world_size()
     g = nccl_group("idle-nccl")
@@ -100,7 +100,7 @@ def test_finished_ops_leave_the_in_flight_list_without_a_poll(dist, double, nccl
 def test_nccl_hang_is_reported_and_aborted(dist, double, nccl_group):
     """Every rank calls; the device never finishes (held): the watchdog reports the op as
     stuck in NCCL on the GPU, breaks the group and aborts its communicator."""
-    from spmd import watchdog
+    from spmd.runtime import watchdog
 
     cp, n = double, dist.get_world_size()
     g = nccl_group("hang-nccl")
@@ -139,7 +139,7 @@ def test_nccl_hang_is_reported_and_aborted(dist, double, nccl_group):
 
 def test_nccl_op_a_peer_never_joins(dist, double, nccl_group):
     """Rank 0 alone calls: the others are named as not having reached the op."""
-    from spmd import watchdog
+    from spmd.runtime import watchdog
 
     n, me = dist.get_world_size(), dist.get_rank()
     if n == 1:

@@ -95,7 +95,7 @@ def test_gpu_check_script_without_a_gpu(tmp_path):
     proc = _run(["bash", str(script)], {"OUT": str(tmp_path), "PYTHON": sys.executable,
                                          "PYTHONPATH": str(tmp_path / "nothing")}, timeout=120)
     took = time.monotonic() - start
-    from spmd import _gpu
+    from spmd.core import cuda as _gpu
 
     if _gpu.cupy_or_none() is not None:
         pytest.skip("CuPy is importable here: the script would run the real check")

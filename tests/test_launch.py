@@ -9,7 +9,7 @@ import warnings
 import pytest
 from _launch import mpiexec, run
 
-from spmd import launch
+from spmd.core import launch
 
 HYDRA = {"PMI_RANK": "1", "PMI_SIZE": "4", "PMI_FD": "9", "PMI_HOSTNAME": "vm",
          "MPI_LOCALRANKID": "1", "MPI_LOCALNRANKS": "4"}

@@ -343,7 +343,7 @@ def test_layout_splits_that_no_layout_can_express():
     """Unflattening a flattened (2, 3) of a (2, 2, 3) mesh into (3, 2) would cut the
     size-3 mode unevenly: refused (torch fails an assertion there), while (2, 3) and
     (6, 1) give what torch gives (tests/programs/mesh_record.py checks more at 8 ranks)."""
-    from spmd import _mesh_layout as lay
+    from spmd.layouts import mesh_layout as lay
 
     root = lay.row_major((2, 2, 3))
     flat = lay.collapse([root[0], root[2]])

@@ -14,8 +14,9 @@ import numpy as np
 import pytest
 from _launch import mpiexec_prefix, run
 
-from spmd import _gpu, mpmd
-from spmd.backends._staging import use_device_pointer
+from spmd.backends.staging import use_device_pointer
+from spmd.core import cuda as _gpu
+from spmd.layouts import mpmd
 
 
 def _name(rank):
@@ -245,7 +246,7 @@ def test_link_gpu_path_decision(support, contiguous, collective, direct):
 
 
 class HostStaging:
-    """The CUDA copies of spmd.backends._staging.Staging, on host arrays, counted."""
+    """The CUDA copies of spmd.backends.staging.Staging, on host arrays, counted."""
 
     def __init__(self):
         self.calls = []
@@ -317,7 +318,7 @@ def test_functions_need_init_program(dist):
     from conftest import TEST_TIMEOUT
 
     dist.init_process_group(timeout=TEST_TIMEOUT)
-    with pytest.raises(RuntimeError, match="call spmd.mpmd.init_program"):
+    with pytest.raises(RuntimeError, match="call spmd.layouts.mpmd.init_program"):
         dist.get_programs()
 
 

@@ -33,7 +33,7 @@ def _needs_peers(dist, count=2):
 # ----------------------------------------------------------------------------- recorder
 
 def test_sequence_numbers_and_flight_recorder(dist, fresh):
-    from spmd import flight_recorder as fr
+    from spmd.core import flight_recorder as fr
 
     n, me = dist.get_world_size(), dist.get_rank()
     g = fresh()
@@ -75,7 +75,7 @@ def test_dump_is_a_private_file(dist, tmp_path):
 
 
 def test_dump_to_stderr_without_a_directory(dist, capsys, monkeypatch):
-    from spmd import watchdog
+    from spmd.runtime import watchdog
 
     monkeypatch.setattr(watchdog.config(), "dump_dir", None)
     dist.all_reduce(np.ones(2))
@@ -145,7 +145,7 @@ def test_p2p_timeout_leaves_the_group_usable(dist):
 
 
 def test_timeouts_are_taken_from_group_and_init(dist, fresh):
-    from spmd.group import DEFAULT_TIMEOUT
+    from spmd.runtime.group import DEFAULT_TIMEOUT
 
     assert DEFAULT_TIMEOUT == timedelta(minutes=30)
     assert dist.GroupMember.WORLD.timeout == TEST_TIMEOUT
@@ -154,7 +154,7 @@ def test_timeouts_are_taken_from_group_and_init(dist, fresh):
 
 
 def test_watchdog_reports_work_nobody_waits_for(dist, fresh):
-    from spmd import watchdog
+    from spmd.runtime import watchdog
 
     _needs_peers(dist)
     me = dist.get_rank()
@@ -183,7 +183,7 @@ def test_watchdog_reports_work_nobody_waits_for(dist, fresh):
 
 
 def test_heartbeat_monitor_reports_a_stuck_watchdog(dist, monkeypatch):
-    from spmd import watchdog
+    from spmd.runtime import watchdog
 
     wd = watchdog._rt.watchdog
     assert wd is not None and wd.thread.is_alive()
@@ -249,7 +249,7 @@ def test_debug_mode_catches_mismatched_calls_on_every_rank(dist, fresh, detail, 
     n, me = dist.get_world_size(), dist.get_rank()
     g = fresh(group_desc=f"dbg_{case}")
     most, last, field = MISMATCHES[case]
-    from spmd import collectives
+    from spmd.api import collectives
 
     class OnGroup:  # the same calls, on group g
         def __getattr__(self, name):
@@ -354,7 +354,7 @@ def test_two_threads_on_two_groups(dist, fresh):
         t.join(timeout=120)
     assert not any(t.is_alive() for t in threads), "a thread hung"
     assert not errors, errors
-    from spmd.flight_recorder import counters
+    from spmd.core.flight_recorder import counters
 
     assert [counters(g)[0].seq for g in groups] == [306, 306]
 
@@ -362,7 +362,8 @@ def test_two_threads_on_two_groups(dist, fresh):
 # ----------------------------------------------------------------------------- settings
 
 def test_settings_from_options_and_environment(dist, monkeypatch):
-    from spmd import settings, watchdog
+    from spmd.core import settings
+    from spmd.runtime import watchdog
 
     assert sys.excepthook is watchdog._excepthook  # installed by init
     monkeypatch.setenv("SPMD_ABORT_ON_EXCEPTION", "0")
@@ -407,7 +408,7 @@ class _Channel:
     ("NCCL", "it is stuck inside NCCL on the GPU"),
 ])
 def test_diagnosis_names_the_engine(monkeypatch, engine, where):
-    from spmd import watchdog
+    from spmd.runtime import watchdog
 
     monkeypatch.setattr(watchdog._rt, "channel", _Channel())
     text = watchdog.diagnose("all_reduce", _Group(), 7, "collective", 6.0, "wait", engine)

@@ -61,7 +61,7 @@ def test_an_escaping_timeout_aborts_the_job():
     out = proc.stdout
     assert proc.returncode != 0, out
     assert elapsed < 30, (elapsed, out)  # the straggler sleeps 60 s: it was killed
-    assert re.search(r"\[rank [01]\] spmd\.errors\.DistTimeoutError: all_reduce: did not "
+    assert re.search(r"\[rank [01]\] spmd\.core\.errors\.DistTimeoutError: all_reduce: did not "
                      r"complete within 2\.0 s", out), out
     assert re.search(r"\[rank [01]\] spmd: uncaught DistTimeoutError: aborting the MPI job", out)
 
@@ -137,7 +137,7 @@ def test_flight_recorder_dumps_are_private_and_merge(tmp_path):
         assert stat.S_IMODE(os.stat(dumps / f).st_mode) == 0o600
         assert json.loads((dumps / f).read_text())["format"] == "spmd-flight-recorder"
     assert stat.S_IMODE(os.stat(dumps).st_mode) == 0o700
-    reader = run([sys.executable, "-m", "spmd.fr_trace", str(dumps)], timeout=60)
+    reader = run([sys.executable, "-m", "spmd.tools.fr_trace", str(dumps)], timeout=60)
     assert reader.returncode == 0, reader.stdout
     text = reader.stdout
     assert "first divergence at collective #2: not every rank finished it" in text, text
@@ -167,7 +167,7 @@ def test_readme_examples_print_what_the_readme_shows():
     shown = [ln for ln in _readme_lines("[rank 0]") if "DistTimeoutError" in ln
              or "reached" in ln or "rank 2: last finished" in ln or "now broken" in ln]
     assert len(shown) >= 5
-    if "[rank 0] spmd.errors.DistTimeoutError" in proc.stdout:  # rank 0 aborted first
+    if "[rank 0] spmd.core.errors.DistTimeoutError" in proc.stdout:  # rank 0 aborted first
         for ln in shown:
             expect = re.sub(r"\d+\.\d s ago", r"__AGO__", ln)
             got = re.sub(r"\d+\.\d s ago", r"__AGO__", proc.stdout)
@@ -175,7 +175,7 @@ def test_readme_examples_print_what_the_readme_shows():
     else:
         assert "rank 2: last finished all_reduce #1" in proc.stdout, proc.stdout
     proc, _ = job(4, "readme_mismatch.py", SPMD_DEBUG="DETAIL")
-    line = next(ln for ln in _readme_lines("[rank 3] spmd.errors.CollectiveMismatchError"))
+    line = next(ln for ln in _readme_lines("[rank 3] spmd.core.errors.CollectiveMismatchError"))
     detail = line.split("with different arguments: ")[1].split(" [rank")[0]
     assert detail in proc.stdout, proc.stdout
 

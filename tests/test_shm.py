@@ -1,4 +1,4 @@
-"""The shared-memory engine (spmd/backends/shm.py) on one node: one-shot and two-shot
+"""The shared-memory engine (spmd/backends/shm/engine.py) on one node: one-shot and two-shot
 all_reduce, reduce, reduce_scatter_tensor, broadcast and the all-gathers, through tiny
 slots so that every array takes several chunks around the ring; bit-identical floats;
 ordering of asynchronous ops; deadlines; MPI progress; fallback to MPI.
@@ -185,7 +185,8 @@ def test_off_means_no_engine(dist, monkeypatch):
 
 def test_falls_back_to_mpi_without_shared_windows(dist, monkeypatch):
     """Where Allocate_shared fails, results still come (from MPI) and the status says why."""
-    from spmd.backends import _shm_window, shm
+    from spmd.backends.shm import engine as shm
+    from spmd.backends.shm import window as _shm_window
 
     def refuse(nbytes, node):
         raise MPI.Exception(MPI.ERR_UNSUPPORTED_OPERATION)

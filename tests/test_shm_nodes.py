@@ -7,7 +7,7 @@ import sys
 import pytest
 from _launch import HERE, ROOT, mpiexec, run
 
-from spmd.backends.shm import shm_mode
+from spmd.backends.shm.engine import shm_mode
 
 PROGRAM = "tests/programs/shm_nodes.py"
 

@@ -165,7 +165,7 @@ class _LateComm:
         self.data, self.probes = data, 0
 
     def improbe(self, source, tag, status):
-        from spmd._spawn_child import RESULT
+        from spmd.spawn.child import RESULT
 
         self.probes += 1
         if self.probes != 3:
@@ -184,12 +184,11 @@ def test_result_arriving_after_the_process_is_gone_is_a_finished_rank():
     """A rank sends its result and exits at once; MPI may deliver the message after the
     parent sees the process gone: that rank finished, it did not die.  A rank whose
     result never comes is reported dead after the grace."""
-    import importlib
     import pickle
     import socket
     import time
 
-    sp = importlib.import_module("spmd.spawn")  # the module; spmd.spawn is the function
+    from spmd.spawn import parent as sp
 
     gone = subprocess.Popen([sys.executable, "-c", "pass"])
     gone.wait()  # a pid with no process behind it

@@ -28,7 +28,7 @@ for _p in (HERE, ROOT):  # for the spawned workers too (they inherit sys.path)
 
 import _store_helpers as helpers  # noqa: E402
 
-from spmd.errors import DistNetworkError, DistStoreError  # noqa: E402
+from spmd.core.errors import DistNetworkError, DistStoreError  # noqa: E402
 from spmd.store import FileStore, HashStore, PrefixStore, Store, TCPStore  # noqa: E402
 
 pytestmark = pytest.mark.timeout(60)
@@ -754,5 +754,5 @@ def test_store_modules_use_only_the_standard_library():
     out = subprocess.run([sys.executable, "-c", code, os.path.join(ROOT, "spmd")],
                          capture_output=True, text=True, timeout=30)
     assert out.returncode == 0, out.stderr
-    assert out.stdout.strip() == ("['spmd', 'spmd._filestore', 'spmd._stores', 'spmd._tcpstore', "
-                                  "'spmd._typing', 'spmd.errors', 'spmd.store']")
+    assert out.stdout.strip() == ("['spmd', 'spmd.core', 'spmd.core.errors', 'spmd.core.typing', "
+                                  "'spmd.store', 'spmd.store.base', 'spmd.store.file', 'spmd.store.tcp']")

@@ -11,7 +11,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "programs"))
 import layout_ref as ref
 from conftest import TEST_TIMEOUT
 
-from spmd import topology
+from spmd.layouts import topology
 
 ENV = topology.PSEUDO_NODE_ENV
 

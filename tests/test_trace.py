@@ -7,7 +7,7 @@ import os
 import numpy as np
 import pytest
 
-from spmd import trace
+from spmd.tools import trace
 
 pytestmark = pytest.mark.mpi
 

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import spmd
-from spmd import debug
+from spmd.runtime import debug
 
 pytestmark = pytest.mark.mpi
 

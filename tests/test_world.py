@@ -184,7 +184,7 @@ class _FakeCupy:
 
 
 def test_device_id_becomes_the_current_device(dist, monkeypatch):
-    from spmd import _gpu
+    from spmd.core import cuda as _gpu
 
     me, n = dist.get_rank(), dist.get_world_size()
     fake = _FakeCupy()

@@ -3,7 +3,7 @@
 Arguments arrive validated by the public functions (types, lengths, sizes, roots);
 an engine checks only what depends on it (which dtypes and reduce ops it supports),
 and does so before it starts any communication.  Roots and peers are group ranks.
-An engine is given its group's context (``spmd.context.GroupContext``: communicator,
+An engine is given its group's context (``spmd.core.context.GroupContext``: communicator,
 identity, timeout) and nothing else of the group layer.
 """
 
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..optable import ENGINE_OPS, OPS
+from spmd.core.optable import ENGINE_OPS, OPS
 
 __all__ = ["DeviceBackend", "install_op_methods"]
 
@@ -19,7 +19,7 @@ __all__ = ["DeviceBackend", "install_op_methods"]
 class DeviceBackend:
     """One group's engine for one kind of device.
 
-    Every operation of ``spmd.optable.ENGINE_OPS`` is a method returning a Work; an
+    Every operation of ``spmd.core.optable.ENGINE_OPS`` is a method returning a Work; an
     engine that lacks one raises NotImplementedError naming the op and the engine.
     """
 

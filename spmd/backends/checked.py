@@ -2,7 +2,7 @@
 group before it starts.
 
 The wrapper is a real engine: one method per operation of the op table
-(``spmd.optable``), each computing the op's fingerprint from the table, exchanging it
+(``spmd.core.optable``), each computing the op's fingerprint from the table, exchanging it
 with the other ranks of the group on a private duplicate of the group's communicator,
 and raising ``CollectiveMismatchError`` on every rank when they differ.  Point-to-point
 operations are passed through (their peers are not the whole group).  Waits go through
@@ -26,11 +26,11 @@ import weakref
 import numpy as np
 from mpi4py import MPI
 
-from .._wait import wait_until
-from ..errors import CollectiveMismatchError
-from ..flight_recorder import next_seq, ranks_text
-from ..optable import OPS
-from .base import DeviceBackend, install_op_methods
+from spmd.backends.base import DeviceBackend, install_op_methods
+from spmd.core.errors import CollectiveMismatchError
+from spmd.core.flight_recorder import next_seq, ranks_text
+from spmd.core.optable import OPS
+from spmd.core.wait import wait_until
 
 __all__ = ["CheckedBackend", "active", "check_call", "check_link_call", "check_op", "checking"]
 
@@ -40,7 +40,7 @@ FP_BYTES = 1024   # one rank's fingerprint, JSON, zero-padded: one fixed-size al
 # them, since no Work exists yet for the op they are about to start.
 checking: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
-# Debug level DETAIL is on (set by spmd.debug.set_debug_level).  Operations outside the
+# Debug level DETAIL is on (set by spmd.runtime.debug.set_debug_level).  Operations outside the
 # engines test it before checking, so with debug mode off they pay one truth test.
 active = False
 

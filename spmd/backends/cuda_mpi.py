@@ -7,7 +7,7 @@ the device inputs into pinned host arrays, runs the *same* host operation on the
 copies the results back into the caller's device arrays when the Work completes:
 one implementation of the semantics, whatever the array's device.
 
-When MPI can read device memory (see ``spmd._gpu.mpi_gpu_support``), operations that
+When MPI can read device memory (see ``spmd.core.cuda.mpi_gpu_support``), operations that
 are one contiguous buffer each way and need no arithmetic outside MPI (broadcast,
 all_gather_into_tensor, all_to_all_single, send/recv, and reductions whose plan is a
 plain MPI op) hand the device pointer to MPI directly.  On Open MPI only Isend/Irecv
@@ -25,13 +25,13 @@ from __future__ import annotations
 import numpy as np
 from mpi4py import MPI
 
-from .. import _gpu
-from ..arrays import movable
-from ..backend_registry import Backend
-from ..work import Work
-from .base import DeviceBackend
-from .host import HostBackend
-from .reduction import PLANS, counts_displs
+from spmd.backends.base import DeviceBackend
+from spmd.backends.host import HostBackend
+from spmd.backends.reduction import PLANS, counts_displs
+from spmd.backends.registry import Backend
+from spmd.core import cuda as _gpu
+from spmd.core.arrays import movable
+from spmd.core.work import Work
 
 __all__ = ["CudaMPIBackend"]
 

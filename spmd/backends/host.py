@@ -9,15 +9,15 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..optable import ENGINE_OPS
-from ..packing import get_bucket_bytes, pack_buckets
-from ..work import then
-from .base import DeviceBackend
-from .blocking import BlockingHost
-from .fastcall import comm_of
-from .mpi import MPIBackend
-from .reduction import simple_plan
-from .shm import engine_for
+from spmd.backends.base import DeviceBackend
+from spmd.backends.mpi.blocking import BlockingHost
+from spmd.backends.mpi.engine import MPIBackend
+from spmd.backends.mpi.fastcall import comm_of
+from spmd.backends.reduction import simple_plan
+from spmd.backends.shm.engine import engine_for
+from spmd.core.optable import ENGINE_OPS
+from spmd.core.packing import get_bucket_bytes, pack_buckets
+from spmd.core.work import then
 
 __all__ = ["HostBackend"]
 
@@ -29,7 +29,7 @@ _DISPATCHED = ("all_reduce", "reduce", "reduce_scatter_tensor", "broadcast", "al
 def fused_on_shm(tensors: list, op: Any, shm_from: int) -> bool:
     """True if all_reduce_coalesced of ``tensors`` runs as one all_reduce of the
     engine: two or more arrays of one dtype MPI reduces itself, one fusion bucket of
-    ``shm_from`` bytes or more.  The compiled path (spmd/_fastcall.c) makes the same
+    ``shm_from`` bytes or more.  The compiled path (spmd/backends/mpi/_fastcall.c) makes the same
     choice from the same facts, so ranks taking either path meet in the same call."""
     if len(tensors) < 2:
         return False

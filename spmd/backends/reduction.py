@@ -12,9 +12,9 @@ from __future__ import annotations
 import numpy as np
 from mpi4py import MPI
 
-from ..dtypes import SUPPORTED_DTYPES, family
-from ..errors import located
-from ..ops import ReduceOp
+from spmd.core.dtypes import SUPPORTED_DTYPES, family
+from spmd.core.errors import located
+from spmd.core.ops import ReduceOp
 
 __all__ = ["Plan", "PLANS", "AVERAGE", "premul_factor", "simple_plan", "checked_plan", "mpi_view",
            "counts_displs"]

@@ -9,9 +9,8 @@ knows the ranks, and rank 0's TCPStore address travels over MPI.
 from __future__ import annotations
 
 from _spmd_torch import BACKEND, register
-
-from ._process_group import SpmdProcessGroup
-from ._work import SpmdWork
+from spmd.torch._process_group import SpmdProcessGroup
+from spmd.torch._work import SpmdWork
 
 __all__ = ["BACKEND", "SpmdProcessGroup", "SpmdWork", "register"]
 

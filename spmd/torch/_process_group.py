@@ -30,13 +30,12 @@ from torch._C._distributed_c10d import (
 )
 
 import spmd
-from spmd._gpu import cupy_or_none
-from spmd.errors import located
-
-from ._sharded_tensor import answer_device_without_shards
-from ._store import ensure_spmd, owns_world, release_world
-from ._tensors import host_in, host_out, reduce_op, same_storage
-from ._work import SpmdWork
+from spmd.core.cuda import cupy_or_none
+from spmd.core.errors import located
+from spmd.torch._sharded_tensor import answer_device_without_shards
+from spmd.torch._store import ensure_spmd, owns_world, release_world
+from spmd.torch._tensors import host_in, host_out, reduce_op, same_storage
+from spmd.torch._work import SpmdWork
 
 __all__ = ["SpmdProcessGroup", "create"]
 

@@ -21,9 +21,9 @@ import torch
 import torch.distributed as dist
 
 import spmd
-from spmd.arrays import bfloat16 as _np_bf16
-from spmd.arrays import tensor_as_numpy, tensor_without_dense_memory
-from spmd.errors import located
+from spmd.core.arrays import bfloat16 as _np_bf16
+from spmd.core.arrays import tensor_as_numpy, tensor_without_dense_memory
+from spmd.core.errors import located
 
 __all__ = ["host_in", "host_out", "reduce_op", "same_storage"]
 

@@ -23,6 +23,7 @@ import numpy as np
 
 import spmd
 from spmd import checkpoint as ckpt
+from spmd.checkpoint import save_load
 
 
 def global_arrays():
@@ -77,7 +78,7 @@ def main():
             if stage == arg and rank == victim:
                 os.kill(os.getpid(), signal.SIGKILL)
 
-        ckpt._fault_hook = die
+        save_load._fault_hook = die
         ckpt.save(layout("rows", True), path)
         raise SystemExit("the save should not have finished")
     elif mode == "fill":

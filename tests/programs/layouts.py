@@ -28,7 +28,7 @@ import numpy as np
 from mpi4py import MPI
 
 import spmd
-from spmd import parallel_state as ps
+from spmd.layouts import parallel_state as ps
 
 KIND_GETTERS = {
     "tp": ps.get_tensor_model_parallel_group,

@@ -11,7 +11,7 @@ import numpy as np
 from mpi4py import MPI
 
 import spmd
-from spmd import mpmd
+from spmd.layouts import mpmd
 
 
 def check(me: str, other: str) -> str:

@@ -20,7 +20,7 @@ from datetime import timedelta
 import numpy as np
 
 import spmd as dist
-from spmd import watchdog
+from spmd.runtime import watchdog
 
 args = argparse.ArgumentParser()
 args.add_argument("--double", action="store_true")
@@ -30,7 +30,7 @@ if args.double:
     from spmd.testing import device_double
 
     device_double.install()
-from spmd import _gpu  # noqa: E402 - after the double is installed
+import spmd.core.cuda as _gpu  # noqa: E402 - after the double is installed
 
 cp = _gpu.cupy_or_none()
 dist.init_process_group(backend="cpu:mpi,cuda:nccl", timeout=timedelta(seconds=1),

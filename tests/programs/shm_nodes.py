@@ -24,8 +24,8 @@ from programs.shm_checks import (
 )
 
 import spmd
-from spmd.arrays import bfloat16
-from spmd.backends import shm
+from spmd.backends.shm import engine as shm
+from spmd.core.arrays import bfloat16
 
 DTYPES = [np.dtype(t) for t in (np.bool_, np.int8, np.int16, np.int32, np.int64, np.uint8,
                                 np.uint16, np.uint32, np.uint64, np.float16, np.float32,

@@ -15,8 +15,8 @@ import numpy as np
 from mpi4py import MPI
 
 import spmd
-from spmd import work as _work
-from spmd.group import world_state
+from spmd.core import work as _work
+from spmd.runtime.group import world_state
 
 OPS = int(sys.argv[1]) if len(sys.argv) > 1 else 20000   # at least this many per rank
 WARMUP = 4000
@@ -56,7 +56,7 @@ rank, n = spmd.get_rank(), spmd.get_world_size()
 assert n >= 3, "run with 3 or more ranks"
 tracker = Tracker()
 _work.add_observer(tracker)
-world = spmd.group.WORLD
+world = spmd.runtime.group.WORLD
 pair = spmd.new_group([0, 1])                 # rank 2.. are not members
 halves = spmd.split_group(split_ranks=[list(range(0, n, 2)), list(range(1, n, 2))])
 dup = spmd.new_group(list(range(n)), group_desc="dup")
@@ -140,8 +140,8 @@ if len(world_state.groups) != base_groups:
     problems.append(f"{len(world_state.groups) - base_groups} groups leaked")
 if live_comms() != base_comms:
     problems.append(f"communicators: {live_comms()} alive, {base_comms} at the start")
-if spmd.flight_recorder.recorder.in_flight():
-    problems.append(f"{len(spmd.flight_recorder.recorder.in_flight())} ops still in flight")
+if spmd.core.flight_recorder.recorder.in_flight():
+    problems.append(f"{len(spmd.core.flight_recorder.recorder.in_flight())} ops still in flight")
 if problems:
     print(f"rank {rank} soak FAILED: " + "; ".join(problems), flush=True)
     sys.exit(1)

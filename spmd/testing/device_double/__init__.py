@@ -31,10 +31,10 @@ from typing import Any
 
 import numpy as np
 
-from ... import _gpu
-from . import _arrays
-from ._arrays import DeviceArray
-from ._device import (
+from spmd.core import cuda as _gpu
+from spmd.testing.device_double import _arrays
+from spmd.testing.device_double._arrays import DeviceArray
+from spmd.testing.device_double._device import (
     CUDARuntimeError,
     Device,
     Event,
@@ -45,7 +45,7 @@ from ._device import (
     release,
     runtime,
 )
-from ._nccl import NcclCommunicator, NcclError, nccl
+from spmd.testing.device_double._nccl import NcclCommunicator, NcclError, nccl
 
 __all__ = ["DeviceArray", "NcclCommunicator", "NcclError", "cupy", "hold", "install",
            "nccl", "release", "runtime", "uninstall"]

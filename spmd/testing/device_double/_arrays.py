@@ -7,7 +7,7 @@ from typing import Any
 
 import numpy as np
 
-from ._device import Device, Stream, get_current_stream
+from spmd.testing.device_double._device import Device, Stream, get_current_stream
 
 __all__ = ["DeviceArray", "arange", "array", "asarray", "ascontiguousarray", "asnumpy",
            "concatenate", "copyto", "empty", "empty_like", "from_dlpack", "full", "ones",

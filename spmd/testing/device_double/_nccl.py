@@ -17,8 +17,8 @@ from typing import Any
 
 import numpy as np
 
-from ...dtypes import bfloat16
-from ._device import device, stream_at
+from spmd.core.dtypes import bfloat16
+from spmd.testing.device_double._device import device, stream_at
 
 __all__ = ["VERSION", "NcclCommunicator", "NcclError", "nccl"]
 

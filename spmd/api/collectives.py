@@ -1,0 +1,539 @@
+"""Public collectives, with torch.distributed's names, arguments and semantics.
+
+Each function checks its arguments on the calling rank (before anything is sent),
+then hands validated arrays to the group's backend for their device, which starts
+nonblocking work.  ``async_op=True`` returns the Work; otherwise the call waits and
+returns None.  A rank that is not in ``group`` gets a warning and None, as in torch.
+
+Every rank of the group must make the same collective calls in the same order, with
+matching roots, dtypes, reduce ops and sizes; what one rank cannot see locally (a
+peer passing another shape) is caught by debug mode, not here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from spmd.backends.host import HostBackend
+from spmd.backends.mpi.fastcall import function
+from spmd.core.arrays import (
+    _ndarray,
+    array_in,
+    array_list,
+    array_out,
+    common_device,
+    device_of,
+    same_dtype,
+    same_size,
+)
+from spmd.core.errors import located
+from spmd.core.futures import Future
+from spmd.core.ops import ReduceOp
+from spmd.core.typing import Array, Timeout
+from spmd.core.work import Work
+from spmd.runtime.group import GroupArg, resolve
+
+__all__ = [
+    "broadcast",
+    "all_reduce",
+    "all_reduce_coalesced",
+    "reduce",
+    "all_gather",
+    "all_gather_into_tensor",
+    "all_gather_coalesced",
+    "gather",
+    "scatter",
+    "reduce_scatter",
+    "reduce_scatter_tensor",
+    "all_to_all",
+    "all_to_all_single",
+    "barrier",
+]
+
+_SUM = ReduceOp.SUM
+
+# The compiled call path of each op (None when it is off); it returns False for a call
+# it does not take.
+_c_broadcast = function("broadcast")
+_c_all_reduce = function("all_reduce")
+_c_all_reduce_coalesced = function("all_reduce_coalesced")
+_c_reduce = function("reduce")
+_c_all_gather_into_tensor = function("all_gather_into_tensor")
+_c_reduce_scatter_tensor = function("reduce_scatter_tensor")
+_c_all_to_all_single = function("all_to_all_single")
+_c_barrier = function("barrier")
+
+
+def _done(work: Work, async_op: bool) -> Work | None:
+    if async_op:
+        return work
+    work.wait()
+    return None
+
+
+def group_rank_of(pg, op: str, rank, group_rank, arg: str) -> int | None:
+    """The group rank named by a global rank (``src``/``dst``/``peer``) or by a group rank
+    (``group_src``/...): at most one may be given; None if neither is."""
+    if group_rank is not None:
+        if rank is not None:
+            raise located(ValueError, op, f"give either {arg} or group_{arg}, not both "
+                          f"(got {arg}={rank}, group_{arg}={group_rank})", pg)
+        if isinstance(group_rank, bool) or not isinstance(group_rank, int):
+            raise located(TypeError, op, f"group_{arg} must be an int, got "
+                          f"{type(group_rank).__name__}", pg)
+        if not 0 <= group_rank < pg._size:
+            raise located(ValueError, op, f"group_{arg}={group_rank} is out of range "
+                          f"[0, {pg._size})", pg)
+        return group_rank
+    if rank is None:
+        return None
+    if isinstance(rank, bool) or not isinstance(rank, int):
+        raise located(TypeError, op, f"{arg} must be an int (a global rank), got "
+                      f"{type(rank).__name__}", pg)
+    r = pg._group_rank(rank)
+    if r < 0:
+        raise located(ValueError, op, f"{arg}={rank} is not a member of the group "
+                      f"(global ranks {list(pg._ranks)})", pg)
+    return r
+
+
+def root_rank(pg, op: str, root, group_root, arg: str, default: int | None = None) -> int:
+    """The group rank of a collective's root; with neither form given, the global rank
+    ``default`` where torch has one (gather, scatter and the object collectives use
+    global rank 0)."""
+    if group_root is None and type(root) is int:  # the common case: one lookup
+        r = pg._group_rank(root)
+        if r >= 0:
+            return r
+    if root is None and group_root is None:
+        root = default
+    r = group_rank_of(pg, op, root, group_root, arg)
+    if r is None:
+        raise located(ValueError, op, f"{arg} (a global rank) or group_{arg} (a group rank) "
+                      "must be given", pg)
+    return r
+
+
+def _root_list(arrays, ref, is_root: bool, op: str, arg: str, role: str, out: bool, pg):
+    """The per-rank list of gather/scatter: required on the root, None or empty elsewhere."""
+    if not is_root:
+        if arrays:
+            raise located(ValueError, op, f"{arg} must be None or empty on ranks other than the "
+                          f"{role}", pg)
+        return None
+    if arrays is None:
+        raise located(ValueError, op, f"{arg} is required on the {role} rank", pg)
+    checked = array_list(arrays, op, arg, pg, pg._size, out=out)
+    same_dtype(checked, ref, op, arg, "tensor", pg)
+    same_size(checked, ref, op, arg, "tensor", pg)
+    return checked
+
+
+def _split_counts(splits, n: int, rows: int, row_size: int, op: str, arg: str, pg) -> list[int]:
+    if not isinstance(splits, (list, tuple)):
+        raise located(TypeError, op, f"{arg} must be a list of ints, got {type(splits).__name__}", pg)
+    if len(splits) != n:
+        raise located(ValueError, op, f"{arg} has {len(splits)} entries, expected {n} "
+                      "(the group size)", pg)
+    for s in splits:
+        if isinstance(s, bool) or not isinstance(s, int) or s < 0:
+            raise located(ValueError, op, f"{arg} must hold non-negative ints, got {list(splits)}", pg)
+    if sum(splits) != rows:
+        raise located(ValueError, op, f"{arg} adds up to {sum(splits)}, expected {rows} "
+                      "(the array's first dimension)", pg)
+    return [s * row_size for s in splits]
+
+
+def broadcast(tensor: Array, src: int | None = None, group: GroupArg = None,
+              async_op: bool = False, group_src: int | None = None) -> Work | None:
+    """Copy ``tensor`` from rank ``src`` into ``tensor`` on every rank of the group."""
+    if _c_broadcast is not None and _c_broadcast(tensor, src, group, async_op, group_src):
+        return None
+    pg = resolve(group, "broadcast")
+    if pg is None:
+        return None
+    root = root_rank(pg, "broadcast", src, group_src, "src")
+    if not async_op and type(tensor) is _ndarray:
+        host = pg._backends.get("cpu")
+        if type(host) is HostBackend and host.blocking.broadcast(tensor, root):
+            return None
+    a = array_out(tensor, "broadcast", "tensor", pg)
+    work = pg._backend_for("cpu" if type(a) is _ndarray else device_of(a)).broadcast(a, root)
+    if async_op:
+        return work
+    work.wait()
+    return None
+
+
+def all_reduce(tensor: Array, op: ReduceOp = _SUM, group: GroupArg = None,
+               async_op: bool = False) -> Work | None:
+    """Reduce ``tensor`` across the group with ``op``; every rank gets the result in place."""
+    if _c_all_reduce is not None and _c_all_reduce(tensor, op, group, async_op):
+        return None
+    pg = resolve(group, "all_reduce")
+    if pg is None:
+        return None
+    if not async_op and type(tensor) is _ndarray:
+        host = pg._backends.get("cpu")
+        if type(host) is HostBackend and host.blocking.all_reduce(tensor, op):
+            return None
+    a = array_out(tensor, "all_reduce", "tensor", pg)
+    work = pg._backend_for("cpu" if type(a) is _ndarray else device_of(a)).all_reduce(a, op)
+    if async_op:
+        return work
+    work.wait()
+    return None
+
+
+def all_reduce_coalesced(tensors: Sequence[Array], op: ReduceOp = _SUM, group: GroupArg = None,
+                         async_op: bool = False) -> Future | None:
+    """All-reduce every array of ``tensors`` in place, packed into one call per dtype.
+
+    With ``async_op=True`` it returns a Future (as torch does) whose value is ``tensors``.
+    """
+    if _c_all_reduce_coalesced is not None \
+            and _c_all_reduce_coalesced(tensors, op, group, async_op):
+        return None
+    pg = resolve(group, "all_reduce_coalesced")
+    if pg is None:
+        return None
+    dev = common_device("all_reduce_coalesced", pg, ("tensors", tensors))
+    arrays = array_list(tensors, "all_reduce_coalesced", "tensors", pg, None, out=True)
+    if not arrays:
+        raise located(ValueError, "all_reduce_coalesced", "tensors is empty", pg)
+    work = pg._backend_for(dev).all_reduce_coalesced(arrays, op)
+    # torch returns the Future here, not the Work: its value is the list of arrays.
+    if async_op:
+        return work.get_future()
+    work.wait()
+    return None
+
+
+def reduce(tensor: Array, dst: int | None = None, op: ReduceOp = _SUM, group: GroupArg = None,
+           async_op: bool = False, group_dst: int | None = None) -> Work | None:
+    """Reduce ``tensor`` across the group into ``tensor`` on rank ``dst`` only."""
+    if _c_reduce is not None and _c_reduce(tensor, dst, op, group, async_op, group_dst):
+        return None
+    pg = resolve(group, "reduce")
+    if pg is None:
+        return None
+    root = root_rank(pg, "reduce", dst, group_dst, "dst")
+    if not async_op and type(tensor) is _ndarray:
+        host = pg._backends.get("cpu")
+        if type(host) is HostBackend and host.blocking.reduce(tensor, root, op, pg._rank == root):
+            return None
+    a = (array_out if pg._rank == root else array_in)(tensor, "reduce", "tensor", pg)
+    work = pg._backend_for("cpu" if type(a) is _ndarray else device_of(a)).reduce(a, root, op)
+    if async_op:
+        return work
+    work.wait()
+    return None
+
+
+def all_gather(tensor_list: Sequence[Array], tensor: Array, group: GroupArg = None,
+               async_op: bool = False) -> Work | None:
+    """Gather every rank's ``tensor`` into ``tensor_list`` on every rank.
+
+    Sizes may differ between ranks: ``tensor_list[i]`` must have rank i's size.
+    """
+    pg = resolve(group, "all_gather")
+    if pg is None:
+        return None
+    dev = common_device("all_gather", pg, ("tensor", tensor), ("tensor_list", tensor_list))
+    a = array_in(tensor, "all_gather", "tensor", pg)
+    outs = array_list(tensor_list, "all_gather", "tensor_list", pg, pg._size, out=True)
+    same_dtype(outs, a, "all_gather", "tensor_list", "tensor", pg)
+    if outs[pg._rank].size != a.size:
+        raise located(ValueError, "all_gather", f"tensor_list[{pg._rank}] has "
+                      f"{outs[pg._rank].size} elements, expected {a.size} (the size of tensor "
+                      "on this rank)", pg)
+    return _done(pg._backend_for(dev).all_gather(outs, a), async_op)
+
+
+def all_gather_into_tensor(output_tensor: Array, input_tensor: Array, group: GroupArg = None,
+                           async_op: bool = False) -> Work | None:
+    """Gather every rank's ``input_tensor`` into ``output_tensor``, in rank order.
+
+    The output is the inputs concatenated along dimension 0 (shape ``[n*d0, ...]``) or
+    stacked (``[n, d0, ...]``); any shape with ``n`` times the input's elements works.
+    """
+    if _c_all_gather_into_tensor is not None \
+            and _c_all_gather_into_tensor(output_tensor, input_tensor, group, async_op):
+        return None
+    pg = resolve(group, "all_gather_into_tensor")
+    if pg is None:
+        return None
+    if not async_op and type(output_tensor) is _ndarray and type(input_tensor) is _ndarray:
+        host = pg._backends.get("cpu")
+        if type(host) is HostBackend and host.blocking.all_gather_into_tensor(output_tensor,
+                                                                              input_tensor):
+            return None
+    dev = "cpu" if type(output_tensor) is _ndarray and type(input_tensor) is _ndarray else \
+        common_device("all_gather_into_tensor", pg, ("output_tensor", output_tensor),
+                      ("input_tensor", input_tensor))
+    a = array_in(input_tensor, "all_gather_into_tensor", "input_tensor", pg)
+    out = array_out(output_tensor, "all_gather_into_tensor", "output_tensor", pg)
+    if out.dtype != a.dtype:
+        raise located(TypeError, "all_gather_into_tensor", f"output_tensor has dtype {out.dtype}, "
+                      f"expected {a.dtype} (the dtype of input_tensor)", pg)
+    if out.size != pg._size * a.size:
+        raise located(ValueError, "all_gather_into_tensor", f"output_tensor has {out.size} "
+                      f"elements, expected world_size ({pg._size}) x input ({a.size}) = "
+                      f"{pg._size * a.size}", pg)
+    return _done(pg._backend_for(dev).all_gather_into_tensor(out, a), async_op)
+
+
+def all_gather_coalesced(output_tensor_lists: Sequence[Sequence[Array]],
+                         input_tensor_list: Sequence[Array], group: GroupArg = None,
+                         async_op: bool = False) -> Future | None:
+    """All-gather a list of arrays in one call: ``output_tensor_lists[i][j]`` receives
+    rank i's ``input_tensor_list[j]``.
+
+    With ``async_op=True`` it returns a Future (as torch does) whose value is
+    ``output_tensor_lists``.
+    """
+    op = "all_gather_coalesced"
+    pg = resolve(group, op)
+    if pg is None:
+        return None
+    nested = output_tensor_lists if isinstance(output_tensor_lists, (list, tuple)) else ()
+    dev = common_device(op, pg, ("input_tensor_list", input_tensor_list),
+                        *((f"output_tensor_lists[{i}]", x) for i, x in enumerate(nested)))
+    ins = array_list(input_tensor_list, op, "input_tensor_list", pg, None, out=False)
+    if not isinstance(output_tensor_lists, (list, tuple)) or len(output_tensor_lists) != pg._size:
+        got = len(output_tensor_lists) if isinstance(output_tensor_lists, (list, tuple)) else \
+            type(output_tensor_lists).__name__
+        raise located(ValueError, op, f"output_tensor_lists must be a list of {pg._size} lists "
+                      f"(the group size), got {got}", pg)
+    outs = []
+    for i, lst in enumerate(output_tensor_lists):
+        arrays = array_list(lst, op, f"output_tensor_lists[{i}]", pg, len(ins), out=True)
+        for j, (o, x) in enumerate(zip(arrays, ins)):
+            if o.dtype != x.dtype or o.size != x.size:
+                raise located(ValueError, op, f"output_tensor_lists[{i}][{j}] is {o.dtype} with "
+                              f"{o.size} elements, expected {x.dtype} with {x.size} (like "
+                              f"input_tensor_list[{j}])", pg)
+        outs.append(arrays)
+    work = pg._backend_for(dev).all_gather_coalesced(outs, ins)
+    # torch returns the Future here: its value is output_tensor_lists.
+    if async_op:
+        return work.get_future()
+    work.wait()
+    return None
+
+
+def gather(tensor: Array, gather_list: Sequence[Array] | None = None, dst: int | None = None,
+           group: GroupArg = None, async_op: bool = False,
+           group_dst: int | None = None) -> Work | None:
+    """Gather every rank's ``tensor`` into ``gather_list`` on rank ``dst``.
+
+    ``gather_list`` must hold one array per rank on ``dst`` and be None (or empty)
+    elsewhere.
+    """
+    pg = resolve(group, "gather")
+    if pg is None:
+        return None
+    root = root_rank(pg, "gather", dst, group_dst, "dst", default=0)
+    dev = common_device("gather", pg, ("tensor", tensor), ("gather_list", gather_list))
+    a = array_in(tensor, "gather", "tensor", pg)
+    outs = _root_list(gather_list, a, pg._rank == root, "gather", "gather_list", "destination",
+                      True, pg)
+    return _done(pg._backend_for(dev).gather(a, outs, root), async_op)
+
+
+def scatter(tensor: Array, scatter_list: Sequence[Array] | None = None, src: int | None = None,
+            group: GroupArg = None, async_op: bool = False,
+            group_src: int | None = None) -> Work | None:
+    """Send ``scatter_list[i]`` from rank ``src`` into ``tensor`` on group rank i.
+
+    ``scatter_list`` must hold one array per rank on ``src`` and be None (or empty)
+    elsewhere.
+    """
+    pg = resolve(group, "scatter")
+    if pg is None:
+        return None
+    root = root_rank(pg, "scatter", src, group_src, "src", default=0)
+    dev = common_device("scatter", pg, ("tensor", tensor), ("scatter_list", scatter_list))
+    out = array_out(tensor, "scatter", "tensor", pg)
+    ins = _root_list(scatter_list, out, pg._rank == root, "scatter", "scatter_list", "source",
+                     False, pg)
+    return _done(pg._backend_for(dev).scatter(out, ins, root), async_op)
+
+
+def reduce_scatter(output: Array, input_list: Sequence[Array], op: ReduceOp = _SUM,
+                   group: GroupArg = None, async_op: bool = False) -> Work | None:
+    """Reduce ``input_list[i]`` across the group into ``output`` on group rank i.
+
+    Sizes may differ by destination: ``input_list[i]`` must have the size of rank i's
+    ``output`` on every rank.
+    """
+    pg = resolve(group, "reduce_scatter")
+    if pg is None:
+        return None
+    dev = common_device("reduce_scatter", pg, ("output", output), ("input_list", input_list))
+    out = array_out(output, "reduce_scatter", "output", pg)
+    ins = array_list(input_list, "reduce_scatter", "input_list", pg, pg._size, out=False)
+    same_dtype(ins, out, "reduce_scatter", "input_list", "output", pg)
+    if ins[pg._rank].size != out.size:
+        raise located(ValueError, "reduce_scatter", f"input_list[{pg._rank}] has "
+                      f"{ins[pg._rank].size} elements, expected {out.size} (the size of output)", pg)
+    return _done(pg._backend_for(dev).reduce_scatter(out, ins, op), async_op)
+
+
+def reduce_scatter_tensor(output: Array, input: Array, op: ReduceOp = _SUM,  # noqa: A002
+                          group: GroupArg = None, async_op: bool = False) -> Work | None:
+    """Reduce ``input`` across the group and scatter it: group rank i gets the i-th of
+    ``n`` equal chunks (along dimension 0) in ``output``."""
+    if _c_reduce_scatter_tensor is not None \
+            and _c_reduce_scatter_tensor(output, input, op, group, async_op):
+        return None
+    pg = resolve(group, "reduce_scatter_tensor")
+    if pg is None:
+        return None
+    if not async_op and type(output) is _ndarray and type(input) is _ndarray:
+        host = pg._backends.get("cpu")
+        if type(host) is HostBackend and host.blocking.reduce_scatter_tensor(output, input, op):
+            return None
+    dev = "cpu" if type(output) is _ndarray and type(input) is _ndarray else \
+        common_device("reduce_scatter_tensor", pg, ("output", output), ("input", input))
+    out = array_out(output, "reduce_scatter_tensor", "output", pg)
+    a = array_in(input, "reduce_scatter_tensor", "input", pg)
+    if out.dtype != a.dtype:
+        raise located(TypeError, "reduce_scatter_tensor", f"output has dtype {out.dtype}, "
+                      f"expected {a.dtype} (the dtype of input)", pg)
+    if a.size != pg._size * out.size:
+        raise located(ValueError, "reduce_scatter_tensor", f"input has {a.size} elements, "
+                      f"expected world_size ({pg._size}) x output ({out.size}) = "
+                      f"{pg._size * out.size}", pg)
+    return _done(pg._backend_for(dev).reduce_scatter_tensor(out, a, op), async_op)
+
+
+def all_to_all(output_tensor_list: Sequence[Array], input_tensor_list: Sequence[Array],
+               group: GroupArg = None, async_op: bool = False) -> Work | None:
+    """Send ``input_tensor_list[i]`` to group rank i; receive rank i's into
+    ``output_tensor_list[i]``.  Sizes may differ per pair."""
+    pg = resolve(group, "all_to_all")
+    if pg is None:
+        return None
+    dev = common_device("all_to_all", pg, ("output_tensor_list", output_tensor_list),
+                        ("input_tensor_list", input_tensor_list))
+    ins = array_list(input_tensor_list, "all_to_all", "input_tensor_list", pg, pg._size, out=False)
+    outs = array_list(output_tensor_list, "all_to_all", "output_tensor_list", pg, pg._size, out=True)
+    same_dtype(ins, outs[0], "all_to_all", "input_tensor_list", "output_tensor_list[0]", pg)
+    same_dtype(outs, outs[0], "all_to_all", "output_tensor_list", "output_tensor_list[0]", pg)
+    if ins[pg._rank].size != outs[pg._rank].size:
+        raise located(ValueError, "all_to_all", f"input_tensor_list[{pg._rank}] has "
+                      f"{ins[pg._rank].size} elements but output_tensor_list[{pg._rank}] has "
+                      f"{outs[pg._rank].size}; this rank sends the one to itself into the other", pg)
+    return _done(pg._backend_for(dev).all_to_all(outs, ins), async_op)
+
+
+def all_to_all_single(output: Array, input: Array,  # noqa: A002
+                      output_split_sizes: Sequence[int] | None = None,
+                      input_split_sizes: Sequence[int] | None = None,
+                      group: GroupArg = None, async_op: bool = False) -> Work | None:
+    """Split ``input`` along dimension 0, send piece i to group rank i, and concatenate
+    what arrives into ``output``.
+
+    Without split sizes the first dimension is split into equal parts (it must be
+    divisible by the group size); with them, ``input_split_sizes[i]`` rows go to rank i
+    and ``output_split_sizes[i]`` rows come from it.
+    """
+    if _c_all_to_all_single is not None and _c_all_to_all_single(
+            output, input, output_split_sizes, input_split_sizes, group, async_op):
+        return None
+    op = "all_to_all_single"
+    pg = resolve(group, op)
+    if pg is None:
+        return None
+    if not async_op and output_split_sizes is None and input_split_sizes is None \
+            and type(output) is _ndarray and type(input) is _ndarray:
+        host = pg._backends.get("cpu")
+        if type(host) is HostBackend and host.blocking.all_to_all_single(output, input):
+            return None
+    dev = "cpu" if type(output) is _ndarray and type(input) is _ndarray else \
+        common_device(op, pg, ("output", output), ("input", input))
+    a = array_in(input, op, "input", pg)
+    out = array_out(output, op, "output", pg)
+    n = pg._size
+    if out.dtype != a.dtype:
+        raise located(TypeError, op, f"output has dtype {out.dtype}, expected {a.dtype} "
+                      "(the dtype of input)", pg)
+    if a.ndim == 0 or out.ndim == 0:
+        raise located(ValueError, op, "input and output need at least one dimension to split", pg)
+    in_row, out_row = _row_size(a), _row_size(out)
+    if in_row != out_row:
+        raise located(ValueError, op, f"rows of input have {in_row} elements but rows of output "
+                      f"have {out_row}; they must match", pg)
+    if output_split_sizes is None and input_split_sizes is None:
+        if a.shape[0] % n:
+            raise located(ValueError, op, f"input's first dimension ({a.shape[0]}) is not "
+                          f"divisible by the group size ({n}); pass split sizes", pg)
+        if out.size != a.size:
+            raise located(ValueError, op, f"output has {out.size} elements, expected {a.size} "
+                          "(like input, without split sizes)", pg)
+        in_counts = out_counts = None
+    else:
+        if input_split_sizes is None:
+            if a.shape[0] % n:
+                raise located(ValueError, op, f"input's first dimension ({a.shape[0]}) is not "
+                              f"divisible by the group size ({n}); pass input_split_sizes", pg)
+            input_split_sizes = [a.shape[0] // n] * n
+        if output_split_sizes is None:
+            if out.shape[0] % n:
+                raise located(ValueError, op, f"output's first dimension ({out.shape[0]}) is not "
+                              f"divisible by the group size ({n}); pass output_split_sizes", pg)
+            output_split_sizes = [out.shape[0] // n] * n
+        in_counts = _split_counts(input_split_sizes, n, a.shape[0], in_row, op,
+                                  "input_split_sizes", pg)
+        out_counts = _split_counts(output_split_sizes, n, out.shape[0], out_row, op,
+                                   "output_split_sizes", pg)
+        if in_counts[pg._rank] != out_counts[pg._rank]:
+            raise located(ValueError, op, f"input_split_sizes[{pg._rank}] "
+                          f"({input_split_sizes[pg._rank]}) != output_split_sizes[{pg._rank}] "
+                          f"({output_split_sizes[pg._rank]}): this rank sends that piece to itself", pg)
+    return _done(pg._backend_for(dev).all_to_all_single(out, a, out_counts, in_counts), async_op)
+
+
+def _row_size(a) -> int:
+    size = 1
+    for d in a.shape[1:]:
+        size *= d
+    return size
+
+
+def _barrier_device(pg, device_ids) -> str:
+    """MPI's barrier when the group has a host backend (or device_ids is empty), else the
+    GPU backend's (a group made with backend="nccl" has only that)."""
+    if not device_ids and "cpu" in pg._backends:
+        return "cpu"
+    from spmd.runtime.world import Backend
+
+    devices = Backend.device_map(pg._backend_name)
+    if "cpu" in devices and not device_ids:
+        return "cpu"
+    return "cuda" if "cuda" in devices else "cpu"
+
+
+def barrier(group: GroupArg = None, async_op: bool = False,
+            device_ids: Sequence[int] | None = None,
+            timeout: Timeout | None = None) -> Work | None:
+    """Block until every rank of the group has entered the barrier.
+
+    Args:
+        timeout: how long to wait (the group's timeout if None).
+    """
+    if _c_barrier is not None and _c_barrier(group, async_op, device_ids, timeout):
+        return None
+    pg = resolve(group, "barrier")
+    if pg is None:
+        return None
+    if not async_op and timeout is None and not device_ids:
+        host = pg._backends.get("cpu")
+        if type(host) is HostBackend and host.blocking.barrier():
+            return None
+    work = pg._backend_for(_barrier_device(pg, device_ids)).barrier()
+    if async_op:
+        return work
+    work.wait(timeout)
+    return None

@@ -1,0 +1,174 @@
+"""Point-to-point operations: send/recv, their async forms, and batches of them."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+from mpi4py import MPI
+
+from spmd.api.collectives import group_rank_of
+from spmd.backends.host import HostBackend
+from spmd.backends.mpi.fastcall import function
+from spmd.core.arrays import _ndarray, array_in, array_out, device_of
+from spmd.core.errors import located
+from spmd.core.typing import Array
+from spmd.core.work import Work
+from spmd.runtime.group import GroupArg, resolve
+
+__all__ = ["send", "recv", "isend", "irecv", "P2POp", "batch_isend_irecv"]
+
+# The largest tag is kept for spmd's own object messages (send_object_list).
+OBJECT_TAG = MPI.COMM_WORLD.Get_attr(MPI.TAG_UB)
+
+
+# The compiled call path (None when it is off); False: a call it does not take.
+_c_send = function("send")
+_c_recv = function("recv")
+
+
+def check_tag(tag, op: str, pg) -> int:
+    if isinstance(tag, bool) or not isinstance(tag, int):
+        raise located(TypeError, op, f"tag must be an int, got {type(tag).__name__}", pg)
+    if not 0 <= tag < OBJECT_TAG:
+        raise located(ValueError, op, f"tag={tag} is out of range [0, {OBJECT_TAG})", pg)
+    return tag
+
+
+def peer_rank(pg, op: str, peer, group_peer, arg: str, any_source: bool = False) -> int | None:
+    """Group rank of the peer given as a global rank or as ``group_<arg>``; None means
+    any source (receives only)."""
+    r = group_rank_of(pg, op, peer, group_peer, arg)
+    if r is None:
+        if any_source:
+            return None
+        raise located(ValueError, op, f"{arg} (a global rank) or group_{arg} (a group rank) "
+                      "must be given", pg)
+    if r == pg._rank:
+        raise located(ValueError, op, f"{arg} is this rank itself; send and receive need "
+                      "two different ranks", pg)
+    return r
+
+
+def isend(tensor: Array, dst: int | None = None, group: GroupArg = None, tag: int = 0,
+          group_dst: int | None = None) -> Work | None:
+    """Start sending ``tensor`` to rank ``dst``; return a Work."""
+    pg = resolve(group, "isend")
+    if pg is None:
+        return None
+    peer = peer_rank(pg, "isend", dst, group_dst, "dst")
+    a = array_in(tensor, "isend", "tensor", pg)
+    return pg._backend_for(device_of(a)).send(a, peer, check_tag(tag, "isend", pg))
+
+
+def irecv(tensor: Array, src: int | None = None, group: GroupArg = None, tag: int = 0,
+          group_src: int | None = None) -> Work | None:
+    """Start receiving into ``tensor`` from rank ``src`` (any rank if None); return a Work
+    whose ``source_rank()`` tells the sender."""
+    pg = resolve(group, "irecv")
+    if pg is None:
+        return None
+    peer = peer_rank(pg, "irecv", src, group_src, "src", any_source=True)
+    a = array_out(tensor, "irecv", "tensor", pg)
+    return pg._backend_for(device_of(a)).recv(a, peer, check_tag(tag, "irecv", pg))
+
+
+def send(tensor: Array, dst: int | None = None, group: GroupArg = None, tag: int = 0,
+         group_dst: int | None = None) -> None:
+    """Send ``tensor`` to rank ``dst`` and wait until the buffer can be reused."""
+    if _c_send is not None and _c_send(tensor, dst, group, tag, group_dst):
+        return None
+    pg = resolve(group, "send")
+    if pg is None:
+        return None
+    peer = peer_rank(pg, "send", dst, group_dst, "dst")
+    tag = check_tag(tag, "send", pg)
+    if type(tensor) is _ndarray:
+        host = pg._backends.get("cpu")
+        if type(host) is HostBackend and host.blocking.send(tensor, peer, tag):
+            return None
+    a = array_in(tensor, "send", "tensor", pg)
+    pg._backend_for(device_of(a)).send(a, peer, tag).wait()
+    return None
+
+
+def recv(tensor: Array, src: int | None = None, group: GroupArg = None, tag: int = 0,
+         group_src: int | None = None) -> int:
+    """Receive into ``tensor`` from rank ``src`` (any rank if None).
+
+    Returns:
+        The global rank of the sender (-1 on a rank outside ``group``).
+    """
+    if _c_recv is not None:
+        sender = _c_recv(tensor, src, group, tag, group_src)
+        if sender is not False:
+            return sender
+    pg = resolve(group, "recv")
+    if pg is None:
+        return -1
+    peer = peer_rank(pg, "recv", src, group_src, "src", any_source=True)
+    tag = check_tag(tag, "recv", pg)
+    if peer is not None and type(tensor) is _ndarray:
+        host = pg._backends.get("cpu")
+        if type(host) is HostBackend and host.blocking.recv(tensor, peer, tag):
+            return pg._global_rank(peer)
+    a = array_out(tensor, "recv", "tensor", pg)
+    work = pg._backend_for(device_of(a)).recv(a, peer, tag)
+    return work.source_rank()
+
+
+class P2POp:
+    """One send or receive of a :func:`batch_isend_irecv` batch.
+
+    Args:
+        op: ``spmd.isend`` or ``spmd.irecv``.
+        tensor: the array to send or receive into.
+        peer: the other side's global rank (or ``group_peer``, its group rank).
+    """
+
+    __slots__ = ("op", "tensor", "peer", "group", "tag", "group_peer")
+
+    def __init__(self, op: Callable[..., Work | None], tensor: Array, peer: int | None = None,
+                 group: GroupArg = None, tag: int = 0, group_peer: int | None = None):
+        if op not in (isend, irecv):
+            raise ValueError("P2POp: op must be spmd.isend or spmd.irecv, got "
+                             f"{getattr(op, '__name__', op)!r}")
+        self.op, self.tensor, self.peer, self.group = op, tensor, peer, group
+        self.tag, self.group_peer = tag, group_peer
+
+    def __repr__(self) -> str:
+        return f"P2POp({self.op.__name__}, peer={self.peer}, group_peer={self.group_peer}, tag={self.tag})"
+
+
+def batch_isend_irecv(p2p_op_list: Sequence[P2POp]) -> list[Work | None]:
+    """Start every send and receive of the list; return their Works in the same order.
+
+    Every operation is checked before any is started, so a bad entry sends nothing.
+    """
+    if not isinstance(p2p_op_list, (list, tuple)) or not p2p_op_list:
+        raise ValueError("batch_isend_irecv: expected a non-empty list of P2POp")
+    started: list[tuple | None] = []
+    for i, p in enumerate(p2p_op_list):
+        if not isinstance(p, P2POp):
+            raise TypeError(f"batch_isend_irecv: entry {i} is {type(p).__name__}, expected P2POp")
+        name = "isend" if p.op is isend else "irecv"
+        pg = resolve(p.group, "batch_isend_irecv")
+        if pg is None:
+            started.append(None)
+            continue
+        sending = p.op is isend
+        peer = peer_rank(pg, f"batch_isend_irecv[{i}] {name}", p.peer, p.group_peer, "peer")
+        check = array_in if sending else array_out
+        a = check(p.tensor, f"batch_isend_irecv[{i}] {name}", "tensor", pg)
+        started.append((pg, sending, a, peer, check_tag(p.tag, "batch_isend_irecv", pg)))
+    # One batch per backend: NCCL must see a group's sends and receives together.
+    works: list[Work | None] = [None] * len(started)
+    batches: dict = {}
+    for i, item in enumerate(started):
+        if item is not None:
+            pg, sending, a, peer, tag = item
+            backend = pg._backend_for(device_of(a))
+            batches.setdefault(id(backend), (backend, []))[1].append((i, sending, a, peer, tag))
+    for backend, items in batches.values():
+        for item, work in zip(items, backend.batch_p2p([it[1:] for it in items])):
+            works[item[0]] = work
+    return works

@@ -1,0 +1,913 @@
+/* The compiled call path of the common blocking ops on host arrays.
+ *
+ * A blocking collective or send/recv on contiguous numpy arrays, on a plain group,
+ * with a reduce op MPI applies itself and a size below the shared-memory engine's
+ * thresholds: the same case spmd/backends/mpi/blocking.py takes in Python, taken here
+ * without the Python.  Each function returns False, having done nothing, for a call
+ * outside that case (the Python path then runs it and raises the errors for bad
+ * input); True (recv: the sender's global rank) once the op has completed.
+ *
+ * Nothing here links against MPI.  spmd/backends/mpi/fastcall.py binds the library mpi4py
+ * loaded: the addresses of the MPI functions, the handle size of that library's ABI (4
+ * bytes for MPICH's int handles, 8 for pointer handles: Open MPI, the MPI-5 ABI) and
+ * the handles of the datatypes and reduce ops, so one build runs with any MPI.
+ *
+ * What a wait keeps from the Python path: the op is recorded in the flight recorder
+ * (its begin() is called; the entry's end time set here), a wait past the group's
+ * timeout ends in the Python function that raises the same diagnosed
+ * DistTimeoutError, signals are checked and the GIL is handed over while waiting.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <limits.h>
+#include <sched.h>
+#include <stdint.h>
+#include <time.h>
+
+/* -- the bound MPI library ------------------------------------------------------- */
+
+typedef union { int32_t i; void *p; } Handle;   /* an MPI_Request written by MPI */
+
+enum { FN_IALLREDUCE, FN_IREDUCE, FN_IBCAST, FN_IALLGATHER, FN_IREDUCE_SCATTER_BLOCK,
+       FN_IALLTOALL, FN_IBARRIER, FN_ISEND, FN_IRECV, FN_TEST, FN_COUNT };
+static const char *const FN_NAMES[FN_COUNT] = {
+    "MPI_Iallreduce", "MPI_Ireduce", "MPI_Ibcast", "MPI_Iallgather",
+    "MPI_Ireduce_scatter_block", "MPI_Ialltoall", "MPI_Ibarrier", "MPI_Isend",
+    "MPI_Irecv", "MPI_Test"};
+
+static void *fn[FN_COUNT];
+static int h4;               /* handles are 4-byte ints (else pointer-sized) */
+static void *in_place;       /* MPI_IN_PLACE */
+
+/* One call site per MPI function, typed for either handle size: a handle travels as
+ * intptr_t here and is narrowed to int where the library's handles are ints. */
+#define H4(x) ((int32_t)(x))
+#define HP(x) ((void *)(x))
+
+typedef int (*test_fn)(void *, int *, void *);
+
+/* Iallreduce, Ireduce_scatter_block: (sendbuf, recvbuf, n, type, op, comm, req) */
+static int c_reduction(int f, const void *s, void *r, int n, intptr_t dt, intptr_t op,
+                       intptr_t comm, void *req) {
+    if (h4) return ((int (*)(const void *, void *, int, int32_t, int32_t, int32_t, void *))
+                    fn[f])(s, r, n, H4(dt), H4(op), H4(comm), req);
+    return ((int (*)(const void *, void *, int, void *, void *, void *, void *))fn[f])(
+        s, r, n, HP(dt), HP(op), HP(comm), req);
+}
+
+static int c_ireduce(const void *s, void *r, int n, intptr_t dt, intptr_t op, int root,
+                     intptr_t comm, void *req) {
+    if (h4) return ((int (*)(const void *, void *, int, int32_t, int32_t, int, int32_t,
+                             void *))fn[FN_IREDUCE])(s, r, n, H4(dt), H4(op), root, H4(comm), req);
+    return ((int (*)(const void *, void *, int, void *, void *, int, void *, void *))
+            fn[FN_IREDUCE])(s, r, n, HP(dt), HP(op), root, HP(comm), req);
+}
+
+static int c_ibcast(void *b, int n, intptr_t dt, int root, intptr_t comm, void *req) {
+    if (h4) return ((int (*)(void *, int, int32_t, int, int32_t, void *))fn[FN_IBCAST])(
+        b, n, H4(dt), root, H4(comm), req);
+    return ((int (*)(void *, int, void *, int, void *, void *))fn[FN_IBCAST])(
+        b, n, HP(dt), root, HP(comm), req);
+}
+
+/* Iallgather, Ialltoall: (sendbuf, n, type, recvbuf, n, type, comm, req) */
+static int c_exchange(int f, const void *s, void *r, int n, intptr_t dt, intptr_t comm,
+                      void *req) {
+    if (h4) return ((int (*)(const void *, int, int32_t, void *, int, int32_t, int32_t,
+                             void *))fn[f])(s, n, H4(dt), r, n, H4(dt), H4(comm), req);
+    return ((int (*)(const void *, int, void *, void *, int, void *, void *, void *))fn[f])(
+        s, n, HP(dt), r, n, HP(dt), HP(comm), req);
+}
+
+static int c_ibarrier(intptr_t comm, void *req) {
+    if (h4) return ((int (*)(int32_t, void *))fn[FN_IBARRIER])(H4(comm), req);
+    return ((int (*)(void *, void *))fn[FN_IBARRIER])(HP(comm), req);
+}
+
+/* Isend, Irecv: (buf, n, type, peer, tag, comm, req) */
+static int c_p2p(int f, void *b, int n, intptr_t dt, int peer, int tag, intptr_t comm,
+                 void *req) {
+    if (h4) return ((int (*)(void *, int, int32_t, int, int, int32_t, void *))fn[f])(
+        b, n, H4(dt), peer, tag, H4(comm), req);
+    return ((int (*)(void *, int, void *, int, int, void *, void *))fn[f])(
+        b, n, HP(dt), peer, tag, HP(comm), req);
+}
+
+/* -- what spmd tells this module at bind time --------------------------------------- */
+
+#define MAX_DTYPES 32
+#define MAX_OPS 16
+
+typedef struct { PyObject *dtype; intptr_t type; } Moved;          /* dtype -> MPI type */
+typedef struct { PyObject *op; int n; Moved dt[MAX_DTYPES]; intptr_t mop[MAX_DTYPES]; } Reduced;
+
+static Moved moved[MAX_DTYPES];
+static int n_moved;
+static Reduced reduced[MAX_OPS];
+static int n_reduced;
+
+static PyTypeObject *ndarray_type, *group_type, *host_type;
+static PyObject *world_state;    /* spmd.runtime.group.world_state (its .world: the default group) */
+static PyObject *observers;      /* spmd.core.work._observers */
+static PyObject *recorder;       /* the flight recorder: the one observer this path serves */
+static PyObject *begin;          /* recorder.begin */
+static PyObject *expired;        /* (op, group, entry, waited): raises DistTimeoutError */
+static PyObject *mpi_error;      /* (code): raises mpi4py's MPI.Exception */
+static PyObject *wait_module;    /* spmd.core.wait: its .oversubscribed */
+static Py_ssize_t t1_index;      /* the recorder entry's end-time slot */
+static long tag_ub;
+static int bound;
+
+static PyObject *s_world, *s_comm, *s_error, *s_backends, *s_cpu, *s_fast, *s_index,
+    *s_timeout, *s_oversubscribed, *s_dtype;
+enum { O_ALL_REDUCE, O_BROADCAST, O_REDUCE, O_ALL_GATHER, O_REDUCE_SCATTER, O_ALL_TO_ALL,
+       O_BARRIER, O_SEND, O_RECV, O_COALESCED, N_OPS };
+static PyObject *s_ops[N_OPS];
+static const char *const OP_NAMES[N_OPS] = {
+    "all_reduce", "broadcast", "reduce", "all_gather_into_tensor", "reduce_scatter_tensor",
+    "all_to_all_single", "barrier", "send", "recv", "all_reduce_coalesced"};
+/* The shared-memory engine's threshold attribute for each op (NULL: the engine never
+ * takes it). */
+static const char *const SHM_FROM[N_OPS] = {
+    "all_reduce_from", "broadcast_from", "reduce_from", NULL, "reduce_scatter_from",
+    NULL, NULL, NULL, NULL, NULL};
+static PyObject *s_shm_from[N_OPS], *s_gather_from, *s_gather_to, *s_bucket_bytes;
+static PyObject *packing_module;     /* spmd.core.packing: its _bucket_bytes, the fusion limit */
+static PyObject *shm_all_reduce;     /* (engine, buffer, dtype, op): its all_reduce, waited */
+
+/* -- FastComm: one group's communicator, as the host backend holds it ------------- */
+
+typedef struct {
+    PyObject_HEAD
+    intptr_t comm;
+    int rank, size;
+    PyObject *shm;          /* the group's shared-memory engine, or None */
+} FastComm;
+
+static int fastcomm_init(FastComm *self, PyObject *args, PyObject *kw) {
+    long long comm;
+    PyObject *shm;
+    static char *names[] = {"comm", "rank", "size", "shm", NULL};
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "LiiO", names, &comm, &self->rank,
+                                     &self->size, &shm))
+        return -1;
+    self->comm = (intptr_t)comm;
+    Py_INCREF(shm);
+    Py_XSETREF(self->shm, shm);
+    return 0;
+}
+
+static void fastcomm_dealloc(FastComm *self) {
+    Py_XDECREF(self->shm);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static PyTypeObject FastCommType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "spmd.backends.mpi._fastcall.FastComm",
+    .tp_doc = "FastComm(comm, rank, size, shm): a group's communicator handle for the "
+              "compiled call path.",
+    .tp_basicsize = sizeof(FastComm),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_new = PyType_GenericNew,
+    .tp_init = (initproc)fastcomm_init,
+    .tp_dealloc = (destructor)fastcomm_dealloc,
+};
+
+/* -- one call ----------------------------------------------------------------------- */
+
+typedef struct {
+    PyObject *group;        /* borrowed from the caller or new (the default group) */
+    FastComm *fc;           /* new reference */
+    int own_group;
+} Target;
+
+static void target_release(Target *t) {
+    Py_XDECREF(t->fc);
+    if (t->own_group) Py_XDECREF(t->group);
+}
+
+static PyObject *get(PyObject *o, PyObject *name) {   /* new ref, or NULL without error */
+    PyObject *v = PyObject_GetAttr(o, name);
+    if (v == NULL) PyErr_Clear();
+    return v;
+}
+
+/* The group's FastComm where the call may take this path: a ProcessGroup (or the
+ * default group), alive, whose host backend is the plain one.  0 if not. */
+static int resolve(PyObject *group, Target *t) {
+    t->fc = NULL;
+    t->own_group = 0;
+    if (group == Py_None) {
+        group = get(world_state, s_world);
+        if (group == NULL) return 0;
+        t->own_group = 1;
+        if (group == Py_None) { Py_DECREF(group); t->own_group = 0; return 0; }
+    } else if (Py_TYPE(group) != group_type) {
+        return 0;
+    }
+    t->group = group;
+    PyObject *v = get(group, s_error);
+    if (v == NULL) goto no;
+    int ok = v == Py_None;
+    Py_DECREF(v);
+    if (!ok) goto no;
+    v = get(group, s_comm);
+    if (v == NULL) goto no;
+    ok = v != Py_None;
+    Py_DECREF(v);
+    if (!ok) goto no;
+    PyObject *backends = get(group, s_backends);
+    if (backends == NULL) goto no;
+    PyObject *host = PyDict_Check(backends) ? PyDict_GetItemWithError(backends, s_cpu) : NULL;
+    PyErr_Clear();
+    if (host == NULL || Py_TYPE(host) != host_type) { Py_DECREF(backends); goto no; }
+    v = get(host, s_fast);
+    Py_DECREF(backends);
+    if (v == NULL) goto no;
+    if (Py_TYPE(v) != &FastCommType) { Py_DECREF(v); goto no; }
+    t->fc = (FastComm *)v;
+    return 1;
+no:
+    if (t->own_group) { Py_DECREF(group); t->own_group = 0; }
+    return 0;
+}
+
+/* 1 if only the flight recorder (or nothing) observes Works, 0 if another observer
+ * needs a Work; *record set when the recorder is on. */
+static int observed_by_recorder(int *record) {
+    Py_ssize_t n = PyList_GET_SIZE(observers);
+    *record = n == 1;
+    return n == 0 || (n == 1 && PyList_GET_ITEM(observers, 0) == recorder);
+}
+
+/* The shared-memory engine's threshold for op (LLONG_MAX: it never takes the op). */
+static long long shm_from(FastComm *fc, int op) {
+    if (fc->shm == Py_None || SHM_FROM[op] == NULL) return LLONG_MAX;
+    PyObject *v = get(fc->shm, s_shm_from[op]);
+    if (v == NULL) return -1;
+    long long x = PyLong_AsLongLong(v);
+    Py_DECREF(v);
+    if (x == -1 && PyErr_Occurred()) { PyErr_Clear(); return -1; }
+    return x;
+}
+
+static int shm_gathers(FastComm *fc, long long nbytes) {
+    if (fc->shm == Py_None) return 0;
+    PyObject *lo = get(fc->shm, s_gather_from), *hi = get(fc->shm, s_gather_to);
+    int takes = 1;      /* unreadable bounds: leave the call to the Python path */
+    if (lo != NULL && hi != NULL) {
+        long long a = PyLong_AsLongLong(lo), b = PyLong_AsLongLong(hi);
+        if (!PyErr_Occurred()) takes = a <= nbytes && nbytes < b;
+        PyErr_Clear();
+    }
+    Py_XDECREF(lo);
+    Py_XDECREF(hi);
+    return takes;
+}
+
+static intptr_t moved_type(PyObject *dtype) {   /* 0: not a dtype this path moves */
+    for (int i = 0; i < n_moved; i++)
+        if (moved[i].dtype == dtype) return moved[i].type;
+    return 0;
+}
+
+/* The MPI type and op for reducing dtype with op; 0 if MPI does not reduce it itself. */
+static int reduced_type(PyObject *op, PyObject *dtype, intptr_t *type, intptr_t *mop) {
+    for (int i = 0; i < n_reduced; i++) {
+        if (reduced[i].op != op) continue;
+        for (int j = 0; j < reduced[i].n; j++) {
+            if (reduced[i].dt[j].dtype == dtype) {
+                *type = reduced[i].dt[j].type;
+                *mop = reduced[i].mop[j];
+                return 1;
+            }
+        }
+        return 0;
+    }
+    return 0;
+}
+
+/* A buffer of a numpy array (exact ndarray, C-contiguous; writable if asked) and its
+ * dtype; 0 (nothing held) if it is not one. */
+static int array(PyObject *a, int writable, Py_buffer *view, PyObject **dtype) {
+    if (Py_TYPE(a) != ndarray_type) return 0;
+    int flags = PyBUF_C_CONTIGUOUS | (writable ? PyBUF_WRITABLE : 0);
+    if (PyObject_GetBuffer(a, view, flags) < 0) { PyErr_Clear(); return 0; }
+    *dtype = get(a, s_dtype);
+    if (*dtype == NULL) { PyBuffer_Release(view); return 0; }
+    Py_DECREF(*dtype);      /* the array holds its dtype while the buffer is held */
+    return 1;
+}
+
+static double now(void) {   /* time.monotonic()'s clock */
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+static int raise_mpi_error(int code) {
+    PyObject *r = PyObject_CallFunction(mpi_error, "i", code);
+    Py_XDECREF(r);
+    if (!PyErr_Occurred()) PyErr_Format(PyExc_RuntimeError, "MPI error %d", code);
+    return -1;
+}
+
+/* Record the started op (first: its first array, or None); the entry, None when the
+ * recorder is off, NULL on error. */
+static PyObject *record(int record_on, int op, PyObject *group, PyObject *first) {
+    if (!record_on) Py_RETURN_NONE;
+    PyObject *args[3] = {s_ops[op], group, first};
+    return PyObject_Vectorcall(begin, args, 3, NULL);
+}
+
+static int finish(PyObject *entry) {
+    if (entry == Py_None) return 0;
+    PyObject *t = PyFloat_FromDouble(now());
+    if (t == NULL) return -1;
+    return PyList_Check(entry) && PyList_GET_SIZE(entry) > t1_index
+        ? PyList_SetItem(entry, t1_index, t) : (Py_DECREF(t), 0);
+}
+
+/* Test the request until it completes: the group's timeout, signals, the GIL handed
+ * over, the core given away when ranks outnumber cores, as spmd.core.wait.wait_until. */
+static int wait_for(Handle *req, int op, PyObject *group, PyObject *entry) {
+    int flag = 0;
+    char status[256];   /* larger than any MPI_Status */
+    int rc = ((test_fn)fn[FN_TEST])(req, &flag, status);
+    if (rc) return raise_mpi_error(rc);
+    if (flag) return 0;
+    PyObject *v = get(group, s_timeout);
+    double seconds = v ? PyFloat_AsDouble(v) : 1800.0;
+    Py_XDECREF(v);
+    if (seconds == -1.0 && PyErr_Occurred()) return -1;
+    v = get(wait_module, s_oversubscribed);
+    int yield = v != NULL && PyObject_IsTrue(v) == 1;
+    Py_XDECREF(v);
+    double start = now(), deadline = start + seconds;
+    /* Past the first millisecond each test runs without the GIL, as mpi4py's Test does
+     * on the Python path: other Python threads of this rank (spmd's control thread,
+     * which answers the diagnosis of a peer's timeout; the user's) get the GIL at every
+     * poll instead of once in 256, which in a full test process was too rare for them
+     * to make progress (a Python thread ticked 3 times in a 0.5 s receive). */
+    int released = 0;
+    for (unsigned long spins = 1;; spins++) {
+        if (released) {
+            Py_BEGIN_ALLOW_THREADS
+            rc = ((test_fn)fn[FN_TEST])(req, &flag, status);
+            Py_END_ALLOW_THREADS
+        } else {
+            rc = ((test_fn)fn[FN_TEST])(req, &flag, status);
+        }
+        if (rc) return raise_mpi_error(rc);
+        if (flag) return 0;
+        if (yield) {    /* ranks outnumber cores: give the core (and the GIL) away */
+            Py_BEGIN_ALLOW_THREADS
+            sched_yield();
+            Py_END_ALLOW_THREADS
+        }
+        /* A yield can take a scheduler tick: look at the clock more often then. */
+        if (spins & (yield ? 7 : 255)) continue;
+        double t = now();
+        if (t > deadline) {
+            PyObject *args[4] = {s_ops[op], group, entry, NULL};
+            args[3] = PyFloat_FromDouble(t - start);
+            if (args[3] == NULL) return -1;
+            PyObject *r = PyObject_Vectorcall(expired, args, 4, NULL);
+            Py_DECREF(args[3]);
+            Py_XDECREF(r);
+            if (!PyErr_Occurred())
+                PyErr_SetString(PyExc_RuntimeError, "spmd: a timed-out wait raised nothing");
+            return -1;
+        }
+        if (PyErr_CheckSignals() < 0) return -1;
+        if (!yield && t - start > 1e-3)
+            released = 1;
+    }
+}
+
+/* Start (rc from the MPI call), record, wait, finish: the blocking op's life. */
+static PyObject *complete(int rc, Handle *req, int op, int record_on, PyObject *group,
+                          PyObject *first) {
+    if (rc) { raise_mpi_error(rc); return NULL; }
+    PyObject *entry = record(record_on, op, group, first);
+    if (entry == NULL) return NULL;
+    int err = wait_for(req, op, group, entry) || finish(entry);
+    Py_DECREF(entry);
+    if (err) return NULL;
+    Py_RETURN_TRUE;
+}
+
+static int is_false(PyObject *o) { return o == Py_False || o == Py_None; }
+
+/* The group rank of a root or peer given as a global rank (an exact int), -1 if not. */
+static int group_rank(PyObject *group, PyObject *global) {
+    if (!PyLong_CheckExact(global)) return -1;
+    PyObject *index = get(group, s_index);
+    if (index == NULL) return -1;
+    PyObject *r = PyDict_Check(index) ? PyDict_GetItemWithError(index, global) : NULL;
+    long x = r != NULL && PyLong_CheckExact(r) ? PyLong_AsLong(r) : -1;
+    PyErr_Clear();
+    Py_DECREF(index);
+    return (int)x;
+}
+
+static int check_bound(void) {
+    if (bound) return 1;
+    PyErr_SetString(PyExc_RuntimeError, "spmd.backends.mpi._fastcall: bind() has not been called");
+    return 0;
+}
+
+/* One call's state: its group, whether the recorder is on, the buffers it holds. */
+typedef struct {
+    Target t;
+    int rec;
+    int nviews;
+    Py_buffer view[2];
+} Call;
+
+/* The checks every op starts with: the argument count, bind() done, no Work asked for
+ * (``declined``: async_op and the like), no observer but the recorder, a group the path
+ * takes.  1: go on (release with end_call); 0: decline; -1: error raised. */
+static int start_call(Call *c, const char *op, Py_ssize_t n, Py_ssize_t want,
+                      PyObject *group, int declined) {
+    if (n != want) {
+        PyErr_Format(PyExc_TypeError, "%s: expected %zd arguments, got %zd", op, want, n);
+        return -1;
+    }
+    if (!check_bound()) return -1;
+    c->nviews = 0;
+    if (declined || !observed_by_recorder(&c->rec)) return 0;
+    return resolve(group, &c->t);
+}
+
+/* Hold the buffer of a (see array()); 0 if it is not one the path takes. */
+static int hold(Call *c, PyObject *a, int writable, PyObject **dtype) {
+    if (!array(a, writable, &c->view[c->nviews], dtype)) return 0;
+    c->nviews++;
+    return 1;
+}
+
+static PyObject *end_call(Call *c, PyObject *res) {
+    for (int i = 0; i < c->nviews; i++) PyBuffer_Release(&c->view[i]);
+    target_release(&c->t);
+    return res;
+}
+
+#define START(op, want, group, declined)                              \
+    Call c;                                                           \
+    int go_ = start_call(&c, op, n, want, group, declined);           \
+    if (go_ < 0) return NULL;                                         \
+    if (go_ == 0) Py_RETURN_FALSE
+#define DECLINE return end_call(&c, Py_NewRef(Py_False))
+#define COUNT(v) ((v).len / (v).itemsize)
+#define FITS(v) (COUNT(v) <= INT_MAX)
+
+/* all_reduce(tensor, op, group, async_op) */
+static PyObject *fc_all_reduce(PyObject *m, PyObject *const *a, Py_ssize_t n) {
+    START("all_reduce", 4, a[2], !is_false(a[3]));
+    PyObject *dtype;
+    intptr_t type, mop;
+    if (!hold(&c, a[0], 1, &dtype)) DECLINE;
+    Py_buffer *v = &c.view[0];
+    if (!reduced_type(a[1], dtype, &type, &mop) || !FITS(*v)
+            || v->len >= shm_from(c.t.fc, O_ALL_REDUCE)) DECLINE;
+    Handle req;
+    int rc = c_reduction(FN_IALLREDUCE, in_place, v->buf, (int)COUNT(*v), type, mop, c.t.fc->comm, &req);
+    return end_call(&c, complete(rc, &req, O_ALL_REDUCE, c.rec, c.t.group, a[0]));
+}
+
+/* reduce(tensor, dst, op, group, async_op, group_dst) */
+static PyObject *fc_reduce(PyObject *m, PyObject *const *a, Py_ssize_t n) {
+    START("reduce", 6, a[3], !is_false(a[4]) || a[5] != Py_None);
+    int root = group_rank(c.t.group, a[1]);
+    int is_root = root == c.t.fc->rank;
+    PyObject *dtype;
+    intptr_t type, mop;
+    if (root < 0 || !hold(&c, a[0], is_root, &dtype)) DECLINE;
+    Py_buffer *v = &c.view[0];
+    if (!reduced_type(a[2], dtype, &type, &mop) || !FITS(*v)
+            || v->len >= shm_from(c.t.fc, O_REDUCE)) DECLINE;
+    Handle req;
+    int rc = c_ireduce(is_root ? in_place : v->buf, is_root ? v->buf : NULL, (int)COUNT(*v),
+                       type, mop, root, c.t.fc->comm, &req);
+    return end_call(&c, complete(rc, &req, O_REDUCE, c.rec, c.t.group, a[0]));
+}
+
+/* broadcast(tensor, src, group, async_op, group_src) */
+static PyObject *fc_broadcast(PyObject *m, PyObject *const *a, Py_ssize_t n) {
+    START("broadcast", 5, a[2], !is_false(a[3]) || a[4] != Py_None);
+    int root = group_rank(c.t.group, a[1]);
+    PyObject *dtype;
+    if (root < 0 || !hold(&c, a[0], 1, &dtype)) DECLINE;
+    Py_buffer *v = &c.view[0];
+    intptr_t type = moved_type(dtype);
+    if (!type || !FITS(*v) || v->len >= shm_from(c.t.fc, O_BROADCAST)) DECLINE;
+    Handle req;
+    int rc = c_ibcast(v->buf, (int)COUNT(*v), type, root, c.t.fc->comm, &req);
+    return end_call(&c, complete(rc, &req, O_BROADCAST, c.rec, c.t.group, a[0]));
+}
+
+/* The output and input of a gather, scatter or exchange: both held, one dtype. */
+static int hold_pair(Call *c, PyObject *out, PyObject *in, PyObject **dtype) {
+    PyObject *d2;
+    return hold(c, out, 1, dtype) && hold(c, in, 0, &d2) && d2 == *dtype;
+}
+
+/* all_gather_into_tensor(output, input, group, async_op) */
+static PyObject *fc_all_gather(PyObject *m, PyObject *const *a, Py_ssize_t n) {
+    START("all_gather_into_tensor", 4, a[2], !is_false(a[3]));
+    PyObject *dtype;
+    if (!hold_pair(&c, a[0], a[1], &dtype)) DECLINE;
+    Py_buffer *vo = &c.view[0], *vi = &c.view[1];
+    intptr_t type = moved_type(dtype);
+    if (!type || vo->len != (Py_ssize_t)c.t.fc->size * vi->len || !FITS(*vi)
+            || shm_gathers(c.t.fc, vo->len)) DECLINE;
+    Handle req;
+    int rc = c_exchange(FN_IALLGATHER, vi->buf, vo->buf, (int)COUNT(*vi), type, c.t.fc->comm,
+                        &req);
+    return end_call(&c, complete(rc, &req, O_ALL_GATHER, c.rec, c.t.group, a[0]));
+}
+
+/* reduce_scatter_tensor(output, input, op, group, async_op) */
+static PyObject *fc_reduce_scatter(PyObject *m, PyObject *const *a, Py_ssize_t n) {
+    START("reduce_scatter_tensor", 5, a[3], !is_false(a[4]));
+    PyObject *dtype;
+    intptr_t type, mop;
+    if (!hold_pair(&c, a[0], a[1], &dtype)) DECLINE;
+    Py_buffer *vo = &c.view[0], *vi = &c.view[1];
+    if (!reduced_type(a[2], dtype, &type, &mop) || vi->len != (Py_ssize_t)c.t.fc->size * vo->len
+            || !FITS(*vo) || vi->len >= shm_from(c.t.fc, O_REDUCE_SCATTER)) DECLINE;
+    Handle req;
+    int rc = c_reduction(FN_IREDUCE_SCATTER_BLOCK, vi->buf, vo->buf, (int)COUNT(*vo), type, mop,
+                                     c.t.fc->comm, &req);
+    return end_call(&c, complete(rc, &req, O_REDUCE_SCATTER, c.rec, c.t.group, a[0]));
+}
+
+/* all_to_all_single(output, input, output_split_sizes, input_split_sizes, group,
+ * async_op): equal splits only (the same shape in and out, the first dimension a
+ * multiple of the group size). */
+static PyObject *fc_all_to_all(PyObject *m, PyObject *const *a, Py_ssize_t n) {
+    START("all_to_all_single", 6, a[4], !is_false(a[5]) || a[2] != Py_None || a[3] != Py_None);
+    PyObject *dtype;
+    if (!hold_pair(&c, a[0], a[1], &dtype)) DECLINE;
+    Py_buffer *vo = &c.view[0], *vi = &c.view[1];
+    int same = vo->ndim == vi->ndim && vi->ndim > 0;
+    for (int d = 0; same && d < vi->ndim; d++) same = vo->shape[d] == vi->shape[d];
+    intptr_t type = moved_type(dtype);
+    if (!type || !same || vi->shape[0] % c.t.fc->size || !FITS(*vi)) DECLINE;
+    Handle req;
+    int rc = c_exchange(FN_IALLTOALL, vi->buf, vo->buf, (int)(COUNT(*vi) / c.t.fc->size), type,
+                        c.t.fc->comm, &req);
+    return end_call(&c, complete(rc, &req, O_ALL_TO_ALL, c.rec, c.t.group, a[0]));
+}
+
+/* barrier(group, async_op, device_ids, timeout) */
+static PyObject *fc_barrier(PyObject *m, PyObject *const *a, Py_ssize_t n) {
+    START("barrier", 4, a[0], !is_false(a[1]) || a[2] != Py_None || a[3] != Py_None);
+    Handle req;
+    int rc = c_ibarrier(c.t.fc->comm, &req);
+    return end_call(&c, complete(rc, &req, O_BARRIER, c.rec, c.t.group, Py_None));
+}
+
+/* send(tensor, dst, group, tag, group_dst) and recv(tensor, src, group, tag, group_src):
+ * to or from a given peer, a tag in range; recv returns the sender's global rank. */
+static PyObject *p2p(int op, PyObject *const *a, Py_ssize_t n) {
+    START(OP_NAMES[op], 5, a[2], a[4] != Py_None);
+    long tag = PyLong_CheckExact(a[3]) ? PyLong_AsLong(a[3]) : -1;
+    if (tag == -1) PyErr_Clear();
+    if (tag < 0 || tag >= tag_ub) DECLINE;
+    int peer = group_rank(c.t.group, a[1]);     /* itself: an error the Python path raises */
+    PyObject *dtype;
+    if (peer < 0 || peer == c.t.fc->rank || !hold(&c, a[0], op == O_RECV, &dtype)) DECLINE;
+    Py_buffer *v = &c.view[0];
+    intptr_t type = moved_type(dtype);
+    if (!type || !FITS(*v)) DECLINE;
+    Handle req;
+    int rc = c_p2p(op == O_SEND ? FN_ISEND : FN_IRECV, v->buf, (int)COUNT(*v), type, peer,
+                   (int)tag, c.t.fc->comm, &req);
+    PyObject *res = complete(rc, &req, op, c.rec, c.t.group, a[0]);
+    if (res == Py_True && op == O_RECV) {
+        Py_DECREF(res);
+        res = Py_NewRef(a[1]);      /* the sender's global rank */
+    }
+    return end_call(&c, res);
+}
+
+static PyObject *fc_send(PyObject *m, PyObject *const *a, Py_ssize_t n) {
+    return p2p(O_SEND, a, n);
+}
+
+static PyObject *fc_recv(PyObject *m, PyObject *const *a, Py_ssize_t n) {
+    return p2p(O_RECV, a, n);
+}
+
+/* all_reduce_coalesced(tensors, op, group, async_op): two or more arrays of one dtype,
+ * each an exact, C-contiguous, writable ndarray, at most one fusion bucket together:
+ * packed into one buffer, one all-reduce, copied back (the Python path's MPI call on
+ * the same bytes, without its Python per array). */
+#define MAX_FUSED 4096
+static char *scratch;            /* the packing buffer, kept between calls */
+static size_t scratch_size;
+static int scratch_busy;         /* a call in another thread holds it (GIL released) */
+
+/* numpy's public array layout (PyArrayObject_fields in numpy/ndarraytypes.h, the same
+ * in numpy 1.x and 2.x) and two of its flags, read directly as pybind11 does: the fused
+ * op checks and copies hundreds of arrays, and a buffer export per array would cost
+ * more than the copy. */
+typedef struct {
+    PyObject_HEAD
+    char *data;
+    int nd;
+    Py_ssize_t *dimensions;
+    Py_ssize_t *strides;
+    PyObject *base;
+    PyObject *descr;
+    int flags;
+} NumpyArray;
+#define NUMPY_C_CONTIGUOUS 0x0001
+#define NUMPY_WRITEABLE 0x0400
+
+typedef struct { char *data; Py_ssize_t len; } Piece;
+
+static PyObject *fc_all_reduce_coalesced(PyObject *m, PyObject *const *a, Py_ssize_t n) {
+    START("all_reduce_coalesced", 4, a[2], !is_false(a[3]));
+    PyObject *seq = a[0];
+    Py_ssize_t k = PyList_CheckExact(seq) ? PyList_GET_SIZE(seq) : -1;
+    PyObject *dtype;
+    intptr_t type = 0, mop = 0;
+    /* The first array through the buffer protocol (its item size, and a check of the
+     * layout read below), then the rest by their fields. */
+    if (k < 2 || k > MAX_FUSED || !hold(&c, PyList_GET_ITEM(seq, 0), 1, &dtype)
+            || !reduced_type(a[1], dtype, &type, &mop)) DECLINE;
+    Py_ssize_t itemsize = c.view[0].itemsize;
+    if (((NumpyArray *)PyList_GET_ITEM(seq, 0))->data != c.view[0].buf) DECLINE;
+    Piece *pieces = PyMem_Malloc(sizeof(Piece) * (size_t)k);
+    PyObject **refs = PyMem_Malloc(sizeof(PyObject *) * (size_t)k);
+    if (pieces == NULL || refs == NULL) {
+        PyMem_Free(pieces);
+        PyMem_Free(refs);
+        end_call(&c, NULL);
+        return PyErr_NoMemory();
+    }
+    PyObject *res = NULL;
+    Py_ssize_t held = 0, total = 0;
+    int take = 1;
+    for (; held < k; held++) {
+        NumpyArray *x = (NumpyArray *)PyList_GET_ITEM(seq, held);
+        if (Py_TYPE(x) != ndarray_type || x->descr != dtype
+                || (x->flags & (NUMPY_C_CONTIGUOUS | NUMPY_WRITEABLE))
+                   != (NUMPY_C_CONTIGUOUS | NUMPY_WRITEABLE)) {
+            take = 0;
+            break;
+        }
+        Py_ssize_t len = itemsize;
+        for (int d = 0; d < x->nd; d++) len *= x->dimensions[d];
+        refs[held] = Py_NewRef((PyObject *)x);    /* alive while the GIL may be released */
+        pieces[held].data = x->data;
+        pieces[held].len = len;
+        total += len;
+    }
+    long long limit = -1;
+    PyObject *lim = take ? get(packing_module, s_bucket_bytes) : NULL;
+    if (lim != NULL) {
+        limit = PyLong_AsLongLong(lim);
+        Py_DECREF(lim);
+        PyErr_Clear();
+    }
+    if (!take || total > limit || total / itemsize > INT_MAX) {
+        res = Py_NewRef(Py_False);
+        goto done;
+    }
+    char *buf = scratch;
+    int own = scratch_busy || scratch_size < (size_t)total;
+    if (own) {
+        buf = PyMem_RawMalloc((size_t)total ? (size_t)total : 1);
+        if (buf == NULL) { PyErr_NoMemory(); goto done; }
+    } else {
+        scratch_busy = 1;
+    }
+    Py_ssize_t pos = 0;
+    for (Py_ssize_t i = 0; i < k; i++) {
+        memcpy(buf + pos, pieces[i].data, (size_t)pieces[i].len);
+        pos += pieces[i].len;
+    }
+    if (total >= shm_from(c.t.fc, O_ALL_REDUCE)) {
+        /* The shared-memory engine's size: its all_reduce on the packed bytes, as the
+         * Python path (HostBackend.all_reduce_coalesced) does; it records itself. */
+        PyObject *mv = PyMemoryView_FromMemory(buf, total, PyBUF_WRITE);
+        PyObject *args[4] = {c.t.fc->shm, mv, dtype, a[1]};
+        PyObject *r = mv ? PyObject_Vectorcall(shm_all_reduce, args, 4, NULL) : NULL;
+        res = r == NULL ? NULL : Py_NewRef(Py_True);
+        Py_XDECREF(r);
+        if (res != NULL) {   /* nothing may keep a view of the buffer past this call */
+            PyObject *gone = PyObject_CallMethod(mv, "release", NULL);
+            if (gone == NULL) Py_CLEAR(res);
+            Py_XDECREF(gone);
+        }
+        Py_XDECREF(mv);
+    } else {
+        Handle req;
+        int rc = c_reduction(FN_IALLREDUCE, in_place, buf, (int)(total / itemsize), type, mop, c.t.fc->comm,
+                              &req);
+        res = complete(rc, &req, O_COALESCED, c.rec, c.t.group, PyList_GET_ITEM(seq, 0));
+    }
+    if (res == NULL) {
+        /* A failed or timed-out op may still write into the buffer later: never reuse
+         * or free it. */
+        if (!own) { scratch = NULL; scratch_size = 0; scratch_busy = 0; }
+        goto done;
+    }
+    pos = 0;
+    for (Py_ssize_t i = 0; i < k; i++) {
+        memcpy(pieces[i].data, buf + pos, (size_t)pieces[i].len);
+        pos += pieces[i].len;
+    }
+    if (own) {
+        /* Keep the larger buffer for the next call when no other call holds one. */
+        if (!scratch_busy && (size_t)total > scratch_size) {
+            PyMem_RawFree(scratch);
+            scratch = buf;
+            scratch_size = (size_t)total;
+        } else {
+            PyMem_RawFree(buf);
+        }
+    } else {
+        scratch_busy = 0;
+    }
+done:
+    for (Py_ssize_t i = 0; i < held; i++) Py_DECREF(refs[i]);
+    PyMem_Free(pieces);
+    PyMem_Free(refs);
+    return end_call(&c, res);
+}
+
+/* -- binding -------------------------------------------------------------------------- */
+
+static void set_ref(PyObject **slot, PyObject *v) {
+    Py_XINCREF(v);
+    Py_XSETREF(*slot, v);
+}
+
+/* bind(functions, handle_size, in_place, moved, reduced, ndarray, group_type,
+ *      host_type, world_state, observers, recorder, expired, mpi_error, wait_module,
+ *      t1_index, tag_ub, packing, shm_all_reduce)
+ *
+ * functions: {MPI function name: address}; moved: [(dtype, type handle)]; reduced:
+ * [(op, [(dtype, type handle, op handle)])].  Called once, by spmd.backends.mpi.fastcall. */
+static PyObject *fc_bind(PyObject *m, PyObject *args) {
+    PyObject *functions, *mv, *rd, *nd, *gt, *ht, *ws, *obs, *rec, *exp, *me, *wm, *pk, *sa;
+    int hsize;
+    long long ip;
+    Py_ssize_t t1;
+    long ub;
+    if (!PyArg_ParseTuple(args, "O!iLO!O!O!O!O!OO!OOOOnlOO", &PyDict_Type, &functions, &hsize,
+                          &ip, &PyList_Type, &mv, &PyList_Type, &rd, &PyType_Type, &nd,
+                          &PyType_Type, &gt, &PyType_Type, &ht, &ws, &PyList_Type, &obs,
+                          &rec, &exp, &me, &wm, &t1, &ub, &pk, &sa))
+        return NULL;
+    if (hsize != 4 && hsize != (int)sizeof(void *)) {
+        PyErr_Format(PyExc_ValueError, "bind: MPI handles of %d bytes are not supported", hsize);
+        return NULL;
+    }
+    void *found[FN_COUNT];
+    for (int i = 0; i < FN_COUNT; i++) {
+        PyObject *addr = PyDict_GetItemString(functions, FN_NAMES[i]);
+        found[i] = addr ? PyLong_AsVoidPtr(addr) : NULL;
+        if (found[i] == NULL) {
+            if (!PyErr_Occurred())
+                PyErr_Format(PyExc_ValueError, "bind: no address for %s", FN_NAMES[i]);
+            return NULL;
+        }
+    }
+    Py_ssize_t nm = PyList_GET_SIZE(mv), nr = PyList_GET_SIZE(rd);
+    if (nm > MAX_DTYPES || nr > MAX_OPS) {
+        PyErr_SetString(PyExc_ValueError, "bind: too many dtypes or ops");
+        return NULL;
+    }
+    Moved new_moved[MAX_DTYPES];
+    Reduced *new_reduced = PyMem_Calloc(MAX_OPS, sizeof(Reduced));
+    if (new_reduced == NULL) return PyErr_NoMemory();
+    for (Py_ssize_t i = 0; i < nm; i++) {
+        PyObject *d;
+        long long h;
+        if (!PyArg_ParseTuple(PyList_GET_ITEM(mv, i), "OL", &d, &h)) goto fail;
+        new_moved[i].dtype = d;
+        new_moved[i].type = (intptr_t)h;
+    }
+    for (Py_ssize_t i = 0; i < nr; i++) {
+        PyObject *op, *lst;
+        if (!PyArg_ParseTuple(PyList_GET_ITEM(rd, i), "OO!", &op, &PyList_Type, &lst)) goto fail;
+        if (PyList_GET_SIZE(lst) > MAX_DTYPES) {
+            PyErr_SetString(PyExc_ValueError, "bind: too many dtypes");
+            goto fail;
+        }
+        new_reduced[i].op = op;
+        new_reduced[i].n = (int)PyList_GET_SIZE(lst);
+        for (Py_ssize_t j = 0; j < PyList_GET_SIZE(lst); j++) {
+            PyObject *d;
+            long long th, oh;
+            if (!PyArg_ParseTuple(PyList_GET_ITEM(lst, j), "OLL", &d, &th, &oh)) goto fail;
+            new_reduced[i].dt[j].dtype = d;
+            new_reduced[i].dt[j].type = (intptr_t)th;
+            new_reduced[i].mop[j] = (intptr_t)oh;
+        }
+    }
+    /* Keep every dtype and op alive for the process's life (the table holds pointers). */
+    for (Py_ssize_t i = 0; i < nm; i++) Py_INCREF(new_moved[i].dtype);
+    for (Py_ssize_t i = 0; i < nr; i++) {
+        Py_INCREF(new_reduced[i].op);
+        for (int j = 0; j < new_reduced[i].n; j++) Py_INCREF(new_reduced[i].dt[j].dtype);
+    }
+    memcpy(fn, found, sizeof fn);
+    h4 = hsize == 4;
+    in_place = (void *)(intptr_t)ip;
+    memcpy(moved, new_moved, sizeof(Moved) * (size_t)nm);
+    n_moved = (int)nm;
+    memcpy(reduced, new_reduced, sizeof(Reduced) * (size_t)nr);
+    n_reduced = (int)nr;
+    PyMem_Free(new_reduced);
+    set_ref((PyObject **)&ndarray_type, nd);
+    set_ref((PyObject **)&group_type, gt);
+    set_ref((PyObject **)&host_type, ht);
+    set_ref(&world_state, ws);
+    set_ref(&observers, obs);
+    set_ref(&recorder, rec);
+    set_ref(&expired, exp);
+    set_ref(&mpi_error, me);
+    set_ref(&wait_module, wm);
+    set_ref(&packing_module, pk);
+    set_ref(&shm_all_reduce, sa);
+    PyObject *b = PyObject_GetAttrString(rec, "begin");
+    if (b == NULL) return NULL;
+    Py_XSETREF(begin, b);
+    t1_index = t1;
+    tag_ub = ub;
+    bound = 1;
+    Py_RETURN_NONE;
+fail:
+    PyMem_Free(new_reduced);
+    return NULL;
+}
+
+#define FASTCALL(name, f, doc) {name, (PyCFunction)(void (*)(void))f, METH_FASTCALL, doc}
+
+static PyMethodDef methods[] = {
+    {"bind", (PyCFunction)fc_bind, METH_VARARGS, "Bind the MPI library and spmd's objects."},
+    FASTCALL("all_reduce", fc_all_reduce, "all_reduce(tensor, op, group, async_op) -> bool"),
+    FASTCALL("reduce", fc_reduce, "reduce(tensor, dst, op, group, async_op, group_dst) -> bool"),
+    FASTCALL("broadcast", fc_broadcast,
+             "broadcast(tensor, src, group, async_op, group_src) -> bool"),
+    FASTCALL("all_gather_into_tensor", fc_all_gather,
+             "all_gather_into_tensor(output, input, group, async_op) -> bool"),
+    FASTCALL("reduce_scatter_tensor", fc_reduce_scatter,
+             "reduce_scatter_tensor(output, input, op, group, async_op) -> bool"),
+    FASTCALL("all_to_all_single", fc_all_to_all,
+             "all_to_all_single(output, input, output_split_sizes, input_split_sizes, group, "
+             "async_op) -> bool"),
+    FASTCALL("barrier", fc_barrier, "barrier(group, async_op, device_ids, timeout) -> bool"),
+    FASTCALL("send", fc_send, "send(tensor, dst, group, tag, group_dst) -> bool"),
+    FASTCALL("recv", fc_recv,
+             "recv(tensor, src, group, tag, group_src) -> sender's global rank, or False"),
+    FASTCALL("all_reduce_coalesced", fc_all_reduce_coalesced,
+             "all_reduce_coalesced(tensors, op, group, async_op) -> bool"),
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {
+    PyModuleDef_HEAD_INIT, "spmd.backends.mpi._fastcall",
+    "The compiled call path of spmd's common blocking ops (see spmd.backends.mpi.fastcall).",
+    -1, methods,
+};
+
+#define INTERN(var, text) if ((var = PyUnicode_InternFromString(text)) == NULL) return NULL
+
+PyMODINIT_FUNC PyInit__fastcall(void) {
+    if (PyType_Ready(&FastCommType) < 0) return NULL;
+    INTERN(s_world, "world");
+    INTERN(s_comm, "_comm");
+    INTERN(s_error, "_error");
+    INTERN(s_backends, "_backends");
+    INTERN(s_cpu, "cpu");
+    INTERN(s_fast, "fast");
+    INTERN(s_index, "_index");
+    INTERN(s_timeout, "_timeout");
+    INTERN(s_oversubscribed, "oversubscribed");
+    INTERN(s_dtype, "dtype");
+    INTERN(s_gather_from, "all_gather_from");
+    INTERN(s_gather_to, "all_gather_to");
+    INTERN(s_bucket_bytes, "_bucket_bytes");
+    for (int i = 0; i < N_OPS; i++) {
+        INTERN(s_ops[i], OP_NAMES[i]);
+        if (SHM_FROM[i] != NULL) INTERN(s_shm_from[i], SHM_FROM[i]);
+    }
+    PyObject *m = PyModule_Create(&module);
+    if (m == NULL) return NULL;
+    Py_INCREF(&FastCommType);
+    if (PyModule_AddObject(m, "FastComm", (PyObject *)&FastCommType) < 0) {
+        Py_DECREF(&FastCommType);
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}

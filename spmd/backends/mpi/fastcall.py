@@ -1,0 +1,184 @@
+"""The compiled call path: the common blocking ops on host arrays without the Python.
+
+``spmd.backends.mpi._fastcall`` (spmd/backends/mpi/_fastcall.c, built by pip where a C compiler is present) runs
+the case :mod:`spmd.backends.mpi.blocking` runs in Python: a blocking collective or
+send/recv on contiguous numpy arrays, a plain group, a reduce op MPI applies itself, a
+size below the shared-memory engine's thresholds.  Every public op tries it first; a
+call it declines takes the Python path, which also raises the errors for bad input.
+
+The extension does not link against MPI.  :func:`bind` hands it the library mpi4py
+loaded: the addresses of the MPI functions, the handle size of that library's ABI and
+the handles of the datatypes and reduce ops, the same ones mpi4py would pass; so one
+build works with MPICH, Open MPI or the MPI-5 ABI, and both paths make the same MPI
+calls.  Waits keep what the Python path gives: the flight recorder's entry, the group's
+timeout ending in the same diagnosed DistTimeoutError, signals, the GIL handed over.
+
+``SPMD_FASTCALL=0`` turns it off (the Python path then takes every call); ``spmd info``
+says whether it is on and, if not, why.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+from typing import Any
+
+import numpy as np
+from mpi4py import MPI
+
+from spmd.backends.reduction import _MPI_OPS, PLANS, simple_plan
+from spmd.core import packing
+from spmd.core import wait as _wait
+from spmd.core.dtypes import MOVE_AS
+from spmd.core.flight_recorder import COUNTER, SEQ, T1, TIMED_OUT, recorder
+from spmd.core.launch import _loaded_libmpi
+from spmd.core.ops import ReduceOp
+from spmd.core.work import _observers
+
+__all__ = ["compiled", "reason", "bind", "comm_of", "function"]
+
+_module: Any
+try:
+    from spmd.backends.mpi import _fastcall as _module
+except ImportError as err:  # not built: no compiler when spmd was installed
+    _module = None
+    _why = f"spmd.backends.mpi._fastcall is not built ({err})"
+else:
+    _why = ""
+
+_FUNCTIONS = ("MPI_Iallreduce", "MPI_Ireduce", "MPI_Ibcast", "MPI_Iallgather",
+              "MPI_Ireduce_scatter_block", "MPI_Ialltoall", "MPI_Ibarrier", "MPI_Isend",
+              "MPI_Irecv", "MPI_Test")
+
+# The extension once bound (None: the Python path takes every call), and why not.
+compiled: Any = None
+reason = _why
+
+
+def _disabled() -> bool:
+    return os.environ.get("SPMD_FASTCALL", "1").strip().lower() in ("0", "false", "no", "off")
+
+
+def _addresses() -> dict[str, int]:
+    """The MPI functions mpi4py calls: looked up first in the process's global scope
+    (where a PMPI tool preloaded with LD_PRELOAD comes first), then in mpi4py's module and
+    the libmpi it loaded."""
+    libs = [ctypes.CDLL(None)]
+    for path in (MPI.__file__, _loaded_libmpi()):
+        if path:
+            try:
+                libs.append(ctypes.CDLL(path))
+            except OSError:
+                pass
+    found = {}
+    for name in _FUNCTIONS:
+        for lib in libs:
+            try:
+                address = ctypes.cast(getattr(lib, name), ctypes.c_void_p).value
+            except AttributeError:
+                continue
+            if address:
+                found[name] = address
+                break
+        else:
+            raise LookupError(f"{name} was not found in the loaded MPI library")
+    return found
+
+
+def _handle(obj: Any) -> int:
+    """The MPI handle of an mpi4py object as a signed integer of the handle's width
+    (mpi4py answers MPICH's negative int handles as unsigned numbers)."""
+    bits = 8 * MPI._sizeof(obj)
+    h = MPI._handleof(obj) & ((1 << bits) - 1)
+    return h - (1 << bits) if h >> (bits - 1) else h
+
+
+def _type_handle(dtype: np.dtype) -> int:
+    """The handle of the MPI datatype mpi4py sends an array of ``dtype`` as (it names
+    the datatype by the buffer's format)."""
+    return _handle(MPI._typedict[np.empty(1, dtype).data.format])
+
+
+def _moved() -> list[tuple[np.dtype, int]]:
+    out = []
+    for dt, view in MOVE_AS.items():
+        try:
+            out.append((dt, _type_handle(view or dt)))
+        except KeyError:  # a format mpi4py does not map: the Python path moves it
+            pass
+    return out
+
+
+def _reduced() -> list[tuple[ReduceOp, list[tuple[np.dtype, int, int]]]]:
+    """(op, [(dtype, MPI datatype, MPI op)]) for every pair MPI reduces itself."""
+    out = []
+    for name in _MPI_OPS:
+        op = getattr(ReduceOp, name)
+        pairs = []
+        for dt in PLANS[name]:
+            plan = simple_plan(dt, op)
+            if plan is not None:
+                try:
+                    pairs.append((dt, _type_handle(plan.view or dt), _handle(plan.mpi_op)))
+                except KeyError:
+                    pass
+        out.append((op, pairs))
+    return out
+
+
+def _expired(op: str, group: Any, entry: list | None, waited: float) -> None:
+    """A compiled wait passed the group's timeout: the Python path's error."""
+    if entry is None:
+        raise _wait.timeout_error(op, group, waited)
+    entry[TIMED_OUT] = True
+    raise _wait.timeout_error(op, group, waited, seq=entry[SEQ], kind=entry[COUNTER].kind)
+
+
+def _mpi_error(code: int) -> None:
+    raise MPI.Exception(code)
+
+
+def _shm_all_reduce(shm: Any, raw: memoryview, dtype: np.dtype, op: ReduceOp) -> None:
+    """A fused all_reduce_coalesced of the engine's size: its all_reduce on the packed
+    bytes, as HostBackend.all_reduce_coalesced runs it."""
+    shm.all_reduce(np.frombuffer(raw, dtype), op).wait()
+
+
+def bind(group_type: type, host_type: type, world_state: Any) -> None:
+    """Bind the extension to this process's MPI library and to spmd's objects (the
+    group module calls it once, at import).  Leaves ``compiled`` None, with ``reason``
+    set, where the extension is missing or turned off or the library cannot be bound."""
+    global compiled, reason
+    if _module is None:
+        return
+    if _disabled():
+        reason = "turned off (SPMD_FASTCALL=0)"
+        return
+    sizes = {MPI._sizeof(t) for t in (MPI.Comm, MPI.Datatype, MPI.Op, MPI.Request)}
+    if len(sizes) != 1:
+        reason = f"MPI handles of unequal sizes {sorted(sizes)}"
+        return
+    try:
+        functions = _addresses()
+    except (LookupError, OSError) as err:
+        reason = str(err)
+        return
+    tag_ub = int(MPI.COMM_WORLD.Get_attr(MPI.TAG_UB) or 32767)   # 32767: MPI's minimum
+    _module.bind(functions, sizes.pop(), int(MPI.IN_PLACE), _moved(), _reduced(), np.ndarray,
+                 group_type, host_type, world_state, _observers, recorder, _expired,
+                 _mpi_error, _wait, T1, tag_ub, packing, _shm_all_reduce)
+    compiled = _module
+    reason = ""
+
+
+def comm_of(group: Any, comm: MPI.Intracomm, shm: Any) -> Any:
+    """The extension's handle of one group's communicator (None when it is off)."""
+    if compiled is None:
+        return None
+    return compiled.FastComm(_handle(comm), group._rank, group._size, shm)
+
+
+def function(op: str) -> Any:
+    """The compiled function of ``op`` (the public ops look it up once, at import), or
+    None when the extension is off."""
+    return None if compiled is None else getattr(compiled, op)

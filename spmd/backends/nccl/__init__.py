@@ -1,0 +1,1 @@
+"""The NCCL engine for GPU arrays, through CuPy, bootstrapped over MPI."""

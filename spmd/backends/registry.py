@@ -1,0 +1,134 @@
+"""Backend names and the registry of backend factories: which engine serves which device.
+
+``Backend`` is torch's name for a validated backend string (``"mpi"``, ``"nccl"``,
+``"cpu:mpi,cuda:nccl"``); the tables map each name (and device) to the factory that
+makes a group's engine.  The built-in engines are registered by ``spmd.runtime.world``; users
+add their own with :func:`~spmd.register_backend`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from spmd.core import cuda as _gpu
+
+__all__ = ["Backend", "register_backend", "DEVICES"]
+
+DEVICES = ("cpu", "cuda")
+
+# name -> factory(group) -> engine; (name, device) -> factory where one name has a class
+# per device ("mpi" for cuda arrays is the GPU-aware/staging MPI engine).
+backend_factories: dict[str, Callable] = {}
+device_factories: dict[tuple[str, str], Callable] = {}
+backend_devices: dict[str, tuple[str, ...]] = {}  # devices of user-registered backends
+# Debug mode: wraps each new engine so its calls are checked across ranks (None: off).
+wrapper: Callable | None = None
+
+
+class Backend(str):
+    """A backend name, validated: ``"mpi"``, ``"nccl"`` or a per-device map such as
+    ``"cpu:mpi,cuda:nccl"``.
+
+    ``"gloo"`` is accepted as another name for MPI on host arrays, so code written for
+    torch's CPU backend ports unchanged.
+    """
+
+    UNDEFINED = "undefined"
+    MPI = "mpi"
+    NCCL = "nccl"
+    GLOO = "gloo"
+
+    def __new__(cls, name: str):
+        if not isinstance(name, str):
+            raise TypeError(f"Backend: expected a str, got {type(name).__name__}")
+        value = name.strip().lower()
+        cls.device_map(value)
+        return super().__new__(cls, value)
+
+    @staticmethod
+    def device_map(spec: str) -> dict[str, str]:
+        """``"cpu:mpi,cuda:nccl"`` -> ``{"cpu": "mpi", "cuda": "nccl"}``."""
+        spec = spec.strip().lower()
+        known = ("mpi", "nccl", "gloo", *backend_devices)
+        if ":" not in spec:
+            if spec == "undefined":  # init's default: the GPU backend is picked lazily
+                return {"cpu": "mpi", "cuda": "undefined"}
+            if spec not in known:
+                raise ValueError(f"Backend: unknown backend {spec!r}; expected one of {known} "
+                                 "or a per-device map like 'cpu:mpi,cuda:nccl'")
+            if spec == "nccl":
+                return {"cuda": "nccl"}
+            if spec == "gloo":
+                return {"cpu": "mpi"}
+            if spec in backend_devices:
+                return {device: spec for device in backend_devices[spec]}
+            return {"cpu": "mpi", "cuda": "mpi"}
+        out: dict[str, str] = {}
+        for part in spec.split(","):
+            device, sep, name = part.strip().partition(":")
+            if not sep or device not in DEVICES or name not in known:
+                raise ValueError(f"Backend: cannot parse {part!r} in {spec!r}; expected "
+                                 f"device:backend with device in {DEVICES} and backend in {known}")
+            if device in out:
+                raise ValueError(f"Backend: device {device!r} appears twice in {spec!r}")
+            out[device] = "mpi" if name == "gloo" else name
+        return out
+
+
+def register_backend(name: str, factory: Callable[[Any], Any],
+                     devices: Iterable[str] | None = None) -> None:
+    """Make ``name`` usable in backend strings: ``init_process_group(backend=name)``,
+    ``"cpu:mpi,cuda:<name>"``, ``new_group(backend=...)``.
+
+    Args:
+        name: the backend's name (case-insensitive); it must not be taken.
+        factory: ``factory(group) -> spmd.backends.base.DeviceBackend``, called once per group
+            and device the first time an array of that device meets the group; the
+            group's MPI communicator is ``group.comm``.
+        devices: the devices it serves, from ``("cpu", "cuda")`` (both if None).
+
+    Raises:
+        ValueError: the name is taken or malformed, or a device is unknown.
+        TypeError: ``factory`` is not callable.
+    """
+    if not isinstance(name, str) or not name.strip().isidentifier():
+        raise ValueError(f"register_backend: name must be an identifier, got {name!r}")
+    key = name.strip().lower()
+    if key in ("mpi", "nccl", "gloo", "undefined") or key in backend_factories:
+        raise ValueError(f"register_backend: backend {key!r} is already registered")
+    if not callable(factory):
+        raise TypeError(f"register_backend: factory must be callable, got {type(factory).__name__}")
+    devs = DEVICES if devices is None else tuple(str(d).lower() for d in devices)
+    if not devs or any(d not in DEVICES for d in devs):
+        raise ValueError(f"register_backend: devices must be a non-empty subset of {DEVICES}, "
+                         f"got {devices!r}")
+    backend_factories[key] = factory
+    backend_devices[key] = devs
+    setattr(Backend, key.upper(), key)
+
+
+Backend.register_backend = staticmethod(register_backend)  # type: ignore[attr-defined]
+
+
+def unavailable(name: str) -> str | None:
+    """Why backend ``name`` cannot run here (None when it can)."""
+    if name not in backend_factories:
+        return "it is not registered"
+    if name == "nccl":
+        return _gpu.nccl_problem()
+    return None
+
+
+def make_backend(group, device: str):
+    """The engine of ``group`` for ``device`` arrays, made on first use."""
+    name = Backend.device_map(group._backend_name).get(device)
+    if name is None:
+        raise RuntimeError(f"no backend handles {device} arrays in group {group._name} "
+                           f"(backend {group._backend_name!r})")
+    factory = device_factories.get((name, device)) or backend_factories[name]
+    backend = factory(group)
+    if wrapper is not None:
+        backend = wrapper(backend)
+    group._backends[device] = backend
+    return backend

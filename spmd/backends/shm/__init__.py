@@ -1,0 +1,1 @@
+"""The node-local shared-memory engine for host arrays, hierarchical across nodes."""

@@ -1,0 +1,560 @@
+"""Node-local shared-memory collectives for host arrays, hierarchical across nodes.
+
+Inside a node, ranks exchange data through one MPI-3 shared window per group
+(``_shm_window``) instead of MPI messages:
+
+- one-shot all_reduce (small and medium arrays): every rank copies its input into its
+  slot; every rank reduces all slots, in local-rank order, into its output.
+- two-shot all_reduce (large arrays): the array goes through the window in chunks of
+  one slot; each rank copies the parts of a chunk other ranks own into its slot, reduces
+  the part it owns from every rank's slot, and every rank copies all reduced parts out.
+- across nodes: the reduced part is all-reduced by MPI among the ranks with the same
+  local rank (one per node) before it is copied out: a hierarchical all_reduce.
+- broadcast, all_gather, all_gather_into_tensor, reduce_scatter_tensor and reduce run
+  on one node through the same slots.
+
+Inside a node every element is reduced in local-rank order (rank 0's value first),
+whichever path and whichever rank computes it, and each reduced element is computed
+once and copied, so every rank gets the same bits.  Across nodes the node sums are
+combined by MPI's all_reduce, whose result is the same on every rank (MPICH's is; the
+MPI standard advises it).  Chunks cycle through a ring of slots, so the window does
+not grow with the message.
+
+The MPI backend hands an op to the engine when its size passes the engine's threshold
+for that op (the ``*_from`` attributes; the all-gathers also have an upper bound):
+sizes where the engine measured faster than the MPI library (see AUTO_FROM).
+``SPMD_SHM=0`` turns the engine off, ``SPMD_SHM=force`` uses it at every size.  Where
+the window cannot be allocated the group quietly uses MPI; ``spmd info`` says why.
+
+An engine op returns a Work whose test runs the op's next steps: each step either runs
+or finds that a peer has not caught up, so waits honour deadlines, ``async_op=True``
+returns at once, and the ops of one group run in the order they were started.  An op
+moves while its rank starts, tests or waits on engine ops (of any group).  Unlike an
+MPI request, it does not move while its rank waits only on MPI requests: a rank that
+blocks in a receive whose sender waits in an engine op of theirs must test its engine
+Works first.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+
+import numpy as np
+from mpi4py import MPI
+
+from spmd.backends.shm.records import Chunk, ShmWork, Task
+from spmd.backends.shm.reduce import Reduction, accumulate, finalize
+from spmd.backends.shm.thresholds import (
+    ALIGN,
+    ALL_GATHER_TO,
+    AUTO_FROM,
+    AUTO_FROM_OVERSUBSCRIBED,
+    HIER_FROM,
+    NEVER,
+    ONE_SHOT_READ,
+    SHM_ENV,
+    SLOT_BYTES,
+    SLOT_BYTES_OVERSUBSCRIBED,
+    SLOTS,
+    shm_mode,
+    status,
+)
+from spmd.backends.shm.window import nap as _nap
+from spmd.backends.shm.window import open_window
+from spmd.core import wait as _wait
+from spmd.core.errors import GroupBrokenError
+from spmd.core.wait import wait_until
+from spmd.core.work import Work
+
+__all__ = ["SHM_ENV", "ShmEngine", "engine_for", "shm_mode", "status"]
+
+_NEVER = NEVER
+_ALIGN = ALIGN
+_U8 = np.dtype(np.uint8)
+
+
+def engine_for(backend) -> ShmEngine | None:
+    """The engine for an MPI backend's group, or None where it cannot help."""
+    mode = shm_mode()
+    if mode == "off" or (mode == "auto" and backend.size < 2):
+        return None
+    return ShmEngine(backend, mode)
+
+
+def _cuts(count: int, parts: int, step: int) -> list[int]:
+    """Boundaries of ``parts`` near-equal parts of ``count`` items, on multiples of ``step``."""
+    units = -(-count // step)
+    base, extra = divmod(units, parts)
+    cuts, pos = [0], 0
+    for j in range(parts):
+        pos += base + (j < extra)
+        cuts.append(min(count, pos * step))
+    return cuts
+
+
+def _flat(a: np.ndarray) -> np.ndarray:
+    """A contiguous 1-D array with ``a``'s items: a view when ``a`` is contiguous."""
+    return a.reshape(-1) if a.flags.c_contiguous else np.ascontiguousarray(a).reshape(-1)
+
+
+def _same_start(x: np.ndarray, y: np.ndarray) -> bool:
+    return x.__array_interface__["data"][0] == y.__array_interface__["data"][0]
+
+
+# -- Work ----------------------------------------------------------------------------
+
+# -- the engine ----------------------------------------------------------------------
+
+_busy: set = set()  # engines with ops in their queues
+
+
+class ShmEngine:
+    """One group's shared-memory engine: its window (made on first use) and op queue.
+
+    Every rank of the group makes the same calls, so all of them take the same path
+    for every op; the window is set up collectively by the first op that needs it.
+    """
+
+    def __init__(self, backend, mode: str):
+        self._backend = backend
+        self._group = backend.group
+        self.mode = mode
+        self.slot_bytes = SLOT_BYTES_OVERSUBSCRIBED if _wait.oversubscribed else SLOT_BYTES
+        self.nslots = SLOTS
+        self.one_shot_max = None  # bytes; ONE_SHOT_READ / local ranks unless set
+        sizes = AUTO_FROM_OVERSUBSCRIBED if _wait.oversubscribed else AUTO_FROM
+        for name, size in sizes.items():
+            setattr(self, name, 1 if mode == "force" else size)
+        self.all_gather_to = ALL_GATHER_TO if mode == "auto" and not _wait.oversubscribed \
+            else _NEVER
+        self._win = None
+        self._reason = None      # why the engine is unavailable, once known
+        self._failed = None      # an error that left a step half done
+        self._queue: deque[Task] = deque()
+        self._next_slot = 0
+        self._release: list[int] = []
+        self._reductions: dict = {}  # plan -> Reduction, for plans without a factor
+        # Threads may wait on ops of different groups at once, and a wait also runs the
+        # other engines' steps: one thread at a time runs an engine's steps.
+        self._lock = threading.Lock()
+
+    def gathers(self, nbytes: int) -> bool:
+        """True if an all-gather with ``nbytes`` of output runs here."""
+        return self.all_gather_from <= nbytes < self.all_gather_to
+
+    # -- set-up --------------------------------------------------------------------
+
+    def _takes(self, kind: str, nbytes: int) -> bool:
+        """True if an op of ``nbytes`` (``kind``: its ``*_from`` name) runs here."""
+        if kind == "all_gather_from":
+            return self.gathers(nbytes)
+        return nbytes >= getattr(self, kind)
+
+    def _setup(self, op: str) -> None:
+        """Make the window: the first op that may run here (``op``) does it, on every rank.
+
+        Like NCCL's lazily made communicators, that op waits for every rank of the group
+        to reach it, even when started with ``async_op=True``.  The window is made over a
+        duplicate of the group's communicator, started without blocking and waited for
+        under the group's timeout, so a rank whose peers never come gets DistTimeoutError
+        instead of a hang; the blocking calls that follow run once every rank is there.
+        Doing it when the op is called, not later in its steps, keeps an op the window
+        turns out not to take in its place among the group's MPI ops.
+        """
+        if self.nslots < 3:  # see the release marks of the algorithms
+            raise ValueError(f"the engine needs 3 or more slots, got {self.nslots}")
+        group = self._group
+        comm, req = group._comm.Idup()
+        wait_until(req.Test, group._timeout, op, group, nap=_nap,
+                   source="setting up the shared-memory engine")
+        try:
+            win, reason = open_window(comm, self.slot_bytes, self.nslots)
+        finally:
+            comm.Free()
+        if win is None:
+            self._reason = reason
+            for name in AUTO_FROM:
+                setattr(self, name, _NEVER)
+            return
+        self._win = win
+        self._release = [0] * self.nslots
+        if self.one_shot_max is None:
+            self.one_shot_max = ONE_SHOT_READ // win.local_size
+        if self.mode == "auto" and win.local_size < 2:
+            self._reason = "no two ranks of the group share a node"
+            for name in AUTO_FROM:
+                setattr(self, name, _NEVER)
+        elif win.num_nodes > 1:
+            # Across nodes only all_reduce runs here (hierarchically); the rest is MPI's.
+            all_reduce_from = 1 if self.mode == "force" else HIER_FROM
+            for name in AUTO_FROM:
+                setattr(self, name, _NEVER)
+            self.all_reduce_from = all_reduce_from
+
+    def shutdown(self) -> None:
+        """Free the window (every rank of the group calls it, when the group is destroyed).
+
+        MPI_Win_free waits for every rank of the node.  Where not every rank comes within
+        the group's timeout (10 s at most once the group broke on a timeout), the window
+        is left to MPI_Finalize instead of hanging the caller.
+        """
+        win, self._win = self._win, None
+        self._queue.clear()
+        _busy.discard(self)
+        if win is None:
+            return
+        wait = self._group._timeout
+        if getattr(self._group, "_error", None) is not None:  # peers may be gone
+            wait = min(wait, 10.0)
+        if win.meet(wait):
+            win.free()
+
+    def describe(self) -> str:
+        """One line for ``spmd info``: on/off, layout, thresholds, or why it is unavailable.
+        Sets the window up: every rank of the group must call it."""
+        if self._win is None and self._reason is None:
+            self._setup("spmd info")
+        if self._win is None or self.all_reduce_from >= _NEVER:
+            return f"unavailable, MPI is used: {self._reason}"
+        w = self._win
+        where = (f"{w.local_size} rank(s) per node" if w.num_nodes == 1 else
+                 f"{w.num_nodes} nodes x {w.local_size} ranks, hierarchical all_reduce")
+        return (f"{self.mode}: {where}; window {self.nslots} x {self.slot_bytes >> 10} KiB "
+                f"per rank; all_reduce from {self.all_reduce_from} B, one-shot up to "
+                f"{min(self.one_shot_max, self.slot_bytes)} B")
+
+    # -- driving ops -----------------------------------------------------------------
+
+    def _start(self, kind: str, nbytes: int, steps, fallback, op: str, outputs,
+               keep) -> Work:
+        """Queue an op: its ``steps`` (a generator), or run ``fallback()`` (the MPI
+        backend's op) if the window's set-up shows that the engine does not take it."""
+        if self._failed is not None:
+            raise GroupBrokenError(f"{op}: the shared-memory engine of group "
+                                   f"{self._group._name} failed earlier: {self._failed!r} "
+                                   f"[rank {self._group._rank}]")
+        if self._win is None and self._reason is None:
+            self._setup(op)
+            if not self._takes(kind, nbytes):
+                # The set-up raised the threshold (the group spans nodes) or found no window.
+                steps.close()
+                return fallback()
+        task = Task(self, steps)
+        self._queue.append(task)
+        _busy.add(self)
+        work = ShmWork(task, op, self._group, outputs, keep)
+        self.progress(task)
+        return work
+
+    def progress(self, task: Task) -> bool:
+        """Run queued steps until one must wait; True once ``task`` is done.
+
+        While ``task`` waits, the other groups' engines get their turn too, so a rank
+        waiting here does not stall peers that wait for it in another group's op (as
+        MPI progresses every request in any call).
+        """
+        if not self._advance() and len(_busy) > 1 and not task.done:
+            for engine in list(_busy):
+                if engine is not self:
+                    engine._advance()
+        return task.done
+
+    def _advance(self) -> bool:
+        """Run this engine's queued steps, oldest op first; False when one must wait (or
+        when another thread is running them)."""
+        if not self._lock.acquire(blocking=False):
+            return False
+        try:
+            return self._run_queue()
+        finally:
+            self._lock.release()
+
+    def _run_queue(self) -> bool:
+        queue = self._queue
+        while queue:
+            head = queue[0]
+            wait = head.wait
+            if wait is not None:
+                if type(wait) is int:
+                    if not self._win.reached(wait):
+                        return False
+                elif not wait.Test():
+                    if _wait.oversubscribed:
+                        _nap()  # as the window's waits do: let the peers have the core
+                    return False
+            try:
+                head.wait = next(head.steps)
+            except StopIteration:
+                head.done = True
+                queue.popleft()
+            except BaseException as exc:
+                # Peers may be waiting for a step this rank will never publish.
+                self._failed = exc
+                head.done = True
+                queue.popleft()
+                _busy.discard(self)
+                raise
+        _busy.discard(self)
+        return True
+
+    def _reduction(self, plan, op) -> Reduction:
+        if plan.premul:  # the factor is the op's: read it at every call
+            return Reduction(plan, op, self._group._size)
+        red = self._reductions.get(plan)
+        if red is None:
+            red = self._reductions[plan] = Reduction(plan, op, self._group._size)
+        return red
+
+    def _slot(self) -> tuple[int, int]:
+        """The next slot of the ring, and the step count after which it may be rewritten."""
+        k = self._next_slot % self.nslots
+        self._next_slot += 1
+        return k, self._release[k]
+
+    # -- ops (same arguments as the MPI backend's; arguments already validated) ------
+
+    def all_reduce(self, a, op):
+        backend = self._backend
+        plan = backend._plan(a.dtype, op, "all_reduce")
+        steps = self._reduce_steps(a, plan.view, self._reduction(plan, op), None)
+        return self._start("all_reduce_from", a.nbytes, steps,
+                           lambda: backend.all_reduce(a, op), "all_reduce", [a], a)
+
+    def reduce(self, a, root, op):
+        backend = self._backend
+        plan = backend._plan(a.dtype, op, "reduce")
+        steps = self._reduce_steps(a, plan.view, self._reduction(plan, op), root)
+        return self._start("reduce_from", a.nbytes, steps,
+                           lambda: backend.reduce(a, root, op), "reduce", [a], a)
+
+    def reduce_scatter_tensor(self, out, a, op):
+        backend = self._backend
+        plan = backend._plan(a.dtype, op, "reduce_scatter_tensor")
+        steps = self._reduce_scatter_steps(out, a, plan.view, self._reduction(plan, op))
+        return self._start("reduce_scatter_from", a.nbytes, steps,
+                           lambda: backend.reduce_scatter_tensor(out, a, op),
+                           "reduce_scatter_tensor", [out], (a, out))
+
+    def broadcast(self, a, root):
+        return self._start("broadcast_from", a.nbytes, self._broadcast_steps(a, root),
+                           lambda: self._backend.broadcast(a, root), "broadcast", [a], a)
+
+    def all_gather_into_tensor(self, out, a):
+        if out.flags.c_contiguous:
+            flat = out.reshape(-1)
+            steps = self._gather_steps(a, [flat[j * a.size:(j + 1) * a.size]
+                                           for j in range(self._group._size)])
+        else:
+            steps = self._gather_steps(a, None, out)
+        return self._start("all_gather_from", out.nbytes, steps,
+                           lambda: self._backend.all_gather_into_tensor(out, a),
+                           "all_gather_into_tensor", [out], (a, out))
+
+    def all_gather(self, outputs, a):
+        steps = self._gather_steps(a, list(outputs))
+        return self._start("all_gather_from", sum(o.nbytes for o in outputs), steps,
+                           lambda: self._backend.all_gather(outputs, a), "all_gather",
+                           list(outputs), (a, outputs))
+
+    # -- what each op does once the window is there ---------------------------------
+
+    def _reduce_steps(self, a, view, red: Reduction, root):
+        """all_reduce (``root`` None) or reduce: one-shot when it fits, else two-shot."""
+        arr = a if view is None else a.view(view)
+        if self._win.num_nodes == 1 and a.nbytes <= min(self.one_shot_max, self.slot_bytes):
+            yield from self._one_shot(arr, red, root)
+            return
+        flat = _flat(arr)
+        yield from self._two_shot(flat, red, root)
+        if not arr.flags.c_contiguous and (root is None or root == self._group._rank):
+            np.copyto(arr, flat.reshape(arr.shape))
+
+    def _reduce_scatter_steps(self, out, a, view, red: Reduction):
+        fin = _flat(a if view is None else a.view(view))
+        o = out if view is None else out.view(view)
+        fout = o.reshape(-1) if o.flags.c_contiguous else np.empty(o.size, o.dtype)
+        yield from self._reduce_scatter(fin, fout, red)
+        if not o.flags.c_contiguous:
+            np.copyto(o, fout.reshape(o.shape))
+
+    def _broadcast_steps(self, a, root):
+        staged = not a.flags.c_contiguous
+        flat = np.ascontiguousarray(a) if staged else a
+        yield from self._broadcast(flat.reshape(-1).view(_U8), root)
+        if staged and root != self._group._rank:
+            np.copyto(a, flat)
+
+    def _gather_steps(self, a, outs, whole=None):
+        """All-gather into ``outs`` (arrays, one per rank), or, when ``outs`` is None, into
+        ``whole`` (an output that is not contiguous) through a contiguous copy."""
+        if outs is None:
+            buf = np.empty(whole.size, whole.dtype)
+            n = whole.size // self._group._size
+            yield from self._gather_steps(a, [buf[j * n:(j + 1) * n]
+                                              for j in range(self._group._size)])
+            np.copyto(whole, buf.reshape(whole.shape))
+            return
+        flats = [o.reshape(-1) if o.flags.c_contiguous else np.empty(o.size, o.dtype)
+                 for o in outs]
+        yield from self._all_gather(_flat(a).view(_U8), [f.view(_U8) for f in flats])
+        for o, f in zip(outs, flats, strict=True):
+            if not o.flags.c_contiguous:
+                np.copyto(o, f.reshape(o.shape))
+
+    # -- algorithms: generators that yield what the next step waits for ---------------
+
+    # Every algorithm waits once per chunk.  A slot is free again once every peer has
+    # published the step after the one in which it last read the slot: its release mark
+    # is this rank's next publish (seq + 1), so freeing costs no step of its own.  With
+    # three or more slots, the chunk that reuses a slot comes after that publish.
+
+    def _one_shot(self, a, red: Reduction, root):
+        """Every rank (or only ``root``) reduces every rank's copy of ``a`` (one slot)."""
+        w = self._win
+        me, q = w.local_rank, w.local_size
+        k, free_after = self._slot()
+        yield free_after
+        dt, n = a.dtype, a.size
+        if a.flags.c_contiguous:
+            a = a.reshape(-1)
+            srcs = [w.view(i, k, dt, n) for i in range(q)]
+        else:
+            srcs = [w.view(i, k, dt, n).reshape(a.shape) for i in range(q)]
+        np.copyto(srcs[me], a)
+        yield w.publish()
+        if root is None or me == root:
+            if red.direct:
+                accumulate(red, a, srcs, None)
+            else:
+                acc, tmp = red.scratch(n, dt)
+                acc = a if acc is None else acc.reshape(a.shape)
+                accumulate(red, acc, srcs, None if tmp is None else tmp.reshape(a.shape))
+                finalize(red, acc, a)
+        self._release[k] = w.seq + 1
+
+    def _two_shot(self, flat, red: Reduction, root):
+        """Reduce-scatter through the slots (all-reduced across nodes by MPI), then every
+        rank (or only ``root``) copies the reduced parts out; software-pipelined, so one
+        wait covers chunk i's copy-in and chunk i-1's reduction:
+
+            copy-in(i) | finish(i-1) | publish, wait | copy-out(i-1) | reduce(i)
+        """
+        w = self._win
+        me, q, cross = w.local_rank, w.local_size, w.cross
+        dt = flat.dtype
+        per = self.slot_bytes // dt.itemsize
+        step = max(1, _ALIGN // dt.itemsize)
+        part = -(-per // (q * step)) * step
+        # Two accumulators: chunk i-1's may still be in MPI's hands while chunk i reduces.
+        acc0, tmp = red.scratch(part, dt)
+        acc1 = None if acc0 is None else np.empty_like(acc0)
+        copy_out = root is None or me == root
+        prev: Chunk | None = None  # chunk i-1, finished while chunk i is copied in
+        for c, lo in enumerate(range(0, flat.size, per)):
+            n = min(per, flat.size - lo)
+            cut = _cuts(n, q, step)
+            k, free_after = self._slot()
+            yield free_after
+            mine = w.view(me, k, dt, n)
+            for j in range(q):
+                if j != me:
+                    mine[cut[j]:cut[j + 1]] = flat[lo + cut[j]:lo + cut[j + 1]]
+            if prev is not None and cross is not None:
+                yield prev.request
+                finalize(red, prev.acc, prev.dst)
+            yield w.publish()
+            if prev is not None:
+                if copy_out:
+                    self._copy_out(flat, prev)
+                self._release[prev.slot] = w.seq + 1
+            s0, s1 = cut[me], cut[me + 1]
+            srcs = [flat[lo + s0:lo + s1] if i == me else w.view(i, k, dt, n)[s0:s1]
+                    for i in range(q)]
+            dst = mine[s0:s1]
+            acc = dst if acc0 is None else (acc1 if c & 1 else acc0)[:s1 - s0]
+            accumulate(red, acc, srcs, None if tmp is None else tmp[:s1 - s0])
+            req = None
+            if cross is not None:
+                req = cross.Iallreduce(MPI.IN_PLACE, acc, red.mpi_op)
+            else:
+                finalize(red, acc, dst)
+            prev = Chunk(lo, cut, k, acc, dst, req)
+        if prev is not None:
+            if cross is not None:
+                yield prev.request
+                finalize(red, prev.acc, prev.dst)
+            yield w.publish()
+            if copy_out:
+                self._copy_out(flat, prev)
+            self._release[prev.slot] = w.seq + 1
+
+    def _copy_out(self, flat, chunk: Chunk) -> None:
+        """Copy every rank's reduced part of a chunk from its slot into ``flat``."""
+        lo, cut, k = chunk.lo, chunk.cuts, chunk.slot
+        w = self._win
+        for j in range(w.local_size):
+            flat[lo + cut[j]:lo + cut[j + 1]] = w.view(j, k, flat.dtype, cut[-1])[cut[j]:cut[j + 1]]
+
+    def _reduce_scatter(self, fin, fout, red: Reduction):
+        """Chunk by chunk: each rank copies the blocks others own into its slot and
+        reduces its own block from every slot into ``fout``."""
+        w = self._win
+        me, q = w.local_rank, w.local_size
+        dt, m = fin.dtype, fout.size
+        per = max(1, self.slot_bytes // dt.itemsize // q)
+        # An output inside the input (in place) would be overwritten before it is read.
+        keep_own = np.may_share_memory(fin, fout)
+        acc_buf, tmp_buf = red.scratch(min(per, m), dt)
+        for lo in range(0, m, per):
+            n = min(per, m - lo)
+            k, free_after = self._slot()
+            yield free_after
+            mine = w.view(me, k, dt, q * n)
+            for j in range(q):
+                if j != me or keep_own:
+                    mine[j * n:(j + 1) * n] = fin[j * m + lo:j * m + lo + n]
+            yield w.publish()
+            srcs = [fin[me * m + lo:me * m + lo + n] if i == me and not keep_own
+                    else w.view(i, k, dt, q * n)[me * n:(me + 1) * n] for i in range(q)]
+            dst = fout[lo:lo + n]
+            acc = dst if acc_buf is None else acc_buf[:n]
+            accumulate(red, acc, srcs, None if tmp_buf is None else tmp_buf[:n])
+            finalize(red, acc, dst)
+            self._release[k] = w.seq + 1
+
+    def _broadcast(self, flat, root):
+        w = self._win
+        me, size = w.local_rank, self.slot_bytes
+        for lo in range(0, flat.size, size):
+            n = min(size, flat.size - lo)
+            k, free_after = self._slot()
+            yield free_after
+            if me == root:
+                w.slots[me][k][:n] = flat[lo:lo + n]
+            yield w.publish()
+            if me != root:
+                flat[lo:lo + n] = w.slots[root][k][:n]
+            self._release[k] = w.seq + 1
+
+    def _all_gather(self, fin, fouts: list):
+        """Rank j's bytes land in ``fouts[j]`` on every rank (sizes may differ by rank)."""
+        w = self._win
+        me, size = w.local_rank, self.slot_bytes
+        own = fouts[me]
+        copy_own = own.size > 0 and not _same_start(fin, own)  # in place: already there
+        longest = max(f.size for f in fouts)
+        for lo in range(0, longest, size):
+            k, free_after = self._slot()
+            yield free_after
+            n = max(0, min(size, fin.size - lo))
+            w.slots[me][k][:n] = fin[lo:lo + n]
+            ready = w.publish()
+            if copy_own:
+                own[lo:lo + n] = fin[lo:lo + n]
+            yield ready
+            for j, f in enumerate(fouts):
+                if j != me and f.size > lo:
+                    n = min(size, f.size - lo)
+                    f[lo:lo + n] = w.slots[j][k][:n]
+            self._release[k] = w.seq + 1

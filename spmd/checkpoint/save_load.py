@@ -1,0 +1,549 @@
+"""Sharded checkpoints over MPI-IO: one ``.npy`` file per array, readable by plain numpy.
+
+Every rank of a group calls :func:`~spmd.checkpoint.save` (and later :func:`~spmd.checkpoint.load`) with a dict whose
+leaves are :class:`~spmd.checkpoint.Shard` blocks of global arrays, plain arrays (replicated: the same
+array on every rank) or other values::
+
+    from spmd import checkpoint as ckpt
+    state = {"w": ckpt.Shard.split(w_local, dim=0),     # rows spread over the ranks
+             "b": b, "step": 1200, "config": {"lr": 3e-4}}
+    ckpt.save(state, "ckpt/step-1200")
+    w = np.load("ckpt/step-1200/w.npy", mmap_mode="r")  # anywhere: the whole array
+
+The directory holds ``<name>.npy`` per array (the standard header, C order: the file
+``numpy.save`` would write for the global array), ``index.json`` (names, dtypes,
+global shapes, values JSON can hold) and ``values.pkl`` for the values it cannot.
+Nested dicts that hold arrays are flattened with ``.`` (``{"model": {"w": ...}}`` is
+``model.w.npy``); a dict without arrays is one value.
+
+How it works: every rank describes its leaves, the descriptions are all-gathered and
+checked on every rank alike (same names, dtypes and global shapes everywhere; the
+Shards of an array cover it exactly), so a mistake raises the same error on every
+rank before any file is touched.  Rank 0 creates the files with their data's blocks
+allocated, so that, where the file system preallocates (ext4, xfs, tmpfs...), a full
+disk fails there, on every rank, before any data is written.
+Each array is then written with MPI-IO: strided blocks collectively
+(``MPI_File_write_at_all`` through subarray file views: blocks of any shape), blocks
+that are byte ranges of the file (row splits) with independent writes, ranks spread
+over the files (see ``_mpiio.write_blocks``); strided local arrays without a copy.
+The files go to a temporary directory next to the target, which is renamed to the
+target only after every rank has finished writing and the data is synced: a crash
+leaves at most a ``<path>.tmp-*`` directory, never a complete-looking checkpoint.
+:func:`~spmd.checkpoint.load` reads any block layout at any world size (resharding), whatever layout
+and world size saved it.
+
+Rules worth knowing:
+
+- Shards of one array must cover it without overlap; the one exception is blocks
+  that are *identical* in extent (replicas along a mesh dimension), of which the
+  lowest rank's is written.  Replicated plain arrays are written once, split over the
+  ranks.  Their contents are not compared across ranks.
+- Values (non-array leaves) are taken from group rank 0.  ``values.pkl`` is a pickle:
+  load checkpoints only from sources you trust.
+- bfloat16 (ml_dtypes) arrays are stored as ``numpy.save`` stores them, descr ``<V2``:
+  plain ``numpy.load`` returns 2-byte voids, ``.view(ml_dtypes.bfloat16)`` gives the
+  values back; ``load`` does that itself from the dtype in the index.
+- cupy arrays are staged through host memory.
+- Files are created with ``mode`` (0600 by default), the directory with the matching
+  search bits (0700).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import secrets
+import shutil
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import numpy as np
+from mpi4py import MPI
+
+from spmd.api.objects import all_gather_object
+from spmd.checkpoint import mpiio as _mpiio
+from spmd.checkpoint.plan import Reject, check_bounds, coverage, flatten, replicated_block
+from spmd.checkpoint.shard import Shard, is_array
+from spmd.core.arrays import SUPPORTED_DTYPES, bfloat16
+from spmd.core.errors import located
+from spmd.runtime.group import ProcessGroup, resolve
+
+__all__ = ["INDEX_FILE", "VALUES_FILE", "Shard", "load", "save"]
+
+INDEX_FILE = "index.json"
+VALUES_FILE = "values.pkl"
+_FORMAT = "spmd.checkpoint"
+_VERSION = 1
+
+# Tests set this to simulate a crash at a stage of save ("written", "renaming").
+_fault_hook: Callable[[str], None] | None = None
+
+
+def _fault(stage: str) -> None:
+    if _fault_hook is not None:
+        _fault_hook(stage)
+
+
+_KINDS = {"TypeError": TypeError, "ValueError": ValueError, "KeyError": ValueError,
+          "FileNotFoundError": FileNotFoundError, "FileExistsError": FileExistsError,
+          "OSError": OSError}
+
+
+def _raise_first(op: str, errors: list, pg: ProcessGroup) -> None:
+    """Raise, on every rank, the first problem any rank reported (in rank order)."""
+    for r, err in enumerate(errors):
+        if err is not None:
+            kind, msg = err
+            where = "" if pg.size() == 1 else f" (found on group rank {r})"
+            raise located(_KINDS.get(kind, RuntimeError), op, msg + where, pg)
+
+
+def _dtype_name(dt: np.dtype) -> str:
+    return dt.name
+
+
+def _dtype_of(name: str) -> np.dtype:
+    if name == "bfloat16":
+        if bfloat16 is None:
+            raise Reject(TypeError, "the checkpoint holds bfloat16 arrays: install ml_dtypes")
+        return bfloat16
+    return np.dtype(name)
+
+
+def _array_desc(name: str, leaf: Any, arg: str) -> dict:
+    """What the other ranks need to know about one array leaf."""
+    data = leaf.data if isinstance(leaf, Shard) else leaf
+    dt = np.dtype(data.dtype)
+    if dt not in SUPPORTED_DTYPES:
+        raise Reject(TypeError, f"{arg}[{name!r}] has dtype {dt}; expected one of "
+                      f"{', '.join(d.name for d in SUPPORTED_DTYPES)}")
+    if isinstance(leaf, Shard):
+        return {"kind": "shard", "dtype": _dtype_name(dt), "gshape": leaf.global_shape,
+                "start": leaf.offset, "shape": leaf.shape}
+    return {"kind": "array", "dtype": _dtype_name(dt), "gshape": tuple(data.shape)}
+
+
+def _host(a: Any) -> np.ndarray:
+    """A host array to write: numpy as it is, a GPU array copied to host memory."""
+    if isinstance(a, np.ndarray):
+        return a
+    import cupy
+
+    return cupy.asnumpy(cupy.asarray(a))
+
+
+def _dir_mode(mode: int) -> int:
+    """Search permission wherever read permission is given (0600 -> 0700, 0644 -> 0755)."""
+    return mode | ((mode & 0o444) >> 2)
+
+
+def _encode_value(name: str, value: Any) -> dict:
+    try:
+        text = json.dumps(value, allow_nan=False)
+        if json.loads(text) == value:
+            return {"kind": "value", "json": value}
+    except (TypeError, ValueError):
+        pass
+    return {"kind": "value", "pickle": True}
+
+
+# -- save --------------------------------------------------------------------------------
+
+
+def _local_save_plan(state: Any, path: str, mode: int, overwrite: bool, pg: ProcessGroup
+                     ) -> dict:
+    if isinstance(mode, bool) or not isinstance(mode, int) or not 0 <= mode <= 0o777:
+        raise Reject(ValueError, f"mode must be permission bits between 0 and 0o777, got "
+                     f"{mode!r}")
+    leaves = flatten(state, "state")
+    descs, values = {}, {}
+    for name, _, _, leaf in leaves:
+        if isinstance(leaf, Shard) or is_array(leaf):
+            descs[name] = _array_desc(name, leaf, "state")
+            if descs[name]["kind"] == "shard":
+                check_bounds(name, descs[name], "state")
+        else:
+            descs[name] = {"kind": "value"}
+            values[name] = leaf
+    plan: dict = {"descs": descs}
+    if pg.rank() == 0:
+        if os.path.exists(path) and not overwrite:
+            raise Reject(FileExistsError, f"path {path!r} exists (pass overwrite=True to "
+                          "replace it)")
+        parent = os.path.dirname(os.path.abspath(path))
+        if not os.path.isdir(parent):
+            raise Reject(FileNotFoundError, f"the directory {parent!r} for path does not exist")
+        encoded = {n: _encode_value(n, v) for n, v in values.items()}
+        pickled = {n: values[n] for n, e in encoded.items() if "pickle" in e}
+        try:
+            plan["pickle"] = pickle.dumps(pickled, protocol=pickle.HIGHEST_PROTOCOL) \
+                if pickled else None
+        except Exception as exc:  # noqa: BLE001 - any pickling failure is the user's value
+            raise Reject(TypeError, f"a value of state cannot be pickled or stored as JSON: "
+                          f"{exc}") from None
+        plan["values"] = encoded
+        plan["tmp"] = f"{os.path.abspath(path)}.tmp-{secrets.token_hex(6)}"
+    return plan
+
+
+def _agree(op: str, plans: list[dict], pg: ProcessGroup) -> dict:
+    """Check the gathered plans against each other; the index entries of the arrays."""
+    first = plans[0]["descs"]
+    entries: dict[str, dict] = {}
+    for r, plan in enumerate(plans):
+        d = plan["descs"]
+        if d.keys() != first.keys():
+            extra, missing = sorted(d.keys() - first.keys()), sorted(first.keys() - d.keys())
+            raise Reject(ValueError, f"state must have the same entries on every rank: group "
+                          f"rank {r} has extra {extra} and lacks {missing} compared with group "
+                          "rank 0")
+        for name, desc in d.items():
+            ref = first[name]
+            kind = "array" if desc["kind"] == "shard" else desc["kind"]
+            if kind != ("array" if ref["kind"] == "shard" else ref["kind"]):
+                raise Reject(TypeError, f"state[{name!r}] is a {desc['kind']} on group rank "
+                              f"{r} but a {ref['kind']} on group rank 0")
+            if desc["kind"] != "value" and (desc["dtype"], desc["gshape"], desc["kind"]) != (
+                    ref["dtype"], ref["gshape"], ref["kind"]):
+                raise Reject(ValueError, f"state[{name!r}] is a {desc['kind']} of dtype "
+                              f"{desc['dtype']} and global shape {desc['gshape']} on group rank "
+                              f"{r} but a {ref['kind']} of dtype {ref['dtype']} and global shape "
+                              f"{ref['gshape']} on group rank 0")
+    for name, ref in first.items():
+        if ref["kind"] == "value":
+            continue
+        entry = {"kind": "array", "file": name + ".npy", "dtype": ref["dtype"],
+                 "shape": list(ref["gshape"]), "sharded": ref["kind"] == "shard"}
+        if ref["kind"] == "shard":
+            blocks = [(r, p["descs"][name]["start"], p["descs"][name]["shape"])
+                      for r, p in enumerate(plans)]
+            entry["writers"] = coverage(name, blocks, tuple(ref["gshape"]))
+        entries[name] = entry
+    return entries
+
+
+def save(state: Mapping[str, Any], path: str | os.PathLike, group: Any = None, *,
+         mode: int = 0o600, overwrite: bool = False, sync: bool = True) -> None:
+    """Write ``state`` as a checkpoint directory at ``path``, collectively.
+
+    Every rank of ``group`` must call it with the same entries (see the module
+    docstring for what the leaves may be).  Nothing is written unless every rank's
+    state checks out; the directory appears at ``path`` only once complete.
+
+    Args:
+        state: dict of :class:`Shard`, arrays (replicated) and values.
+        path: the checkpoint directory to create (its parent must exist).
+        group: the group whose ranks hold the state (WORLD if None).
+        mode: permission bits of the files (the directory gets matching search bits).
+        overwrite: replace an existing checkpoint at ``path`` (else FileExistsError).
+        sync: flush the files to stable storage before the rename makes them visible,
+            and the rename itself after it (False: leave both to the kernel).
+
+    Raises:
+        TypeError: a leaf of unsupported type or dtype, or kinds that differ by rank.
+        ValueError: entries, dtypes or global shapes that differ by rank; Shards that
+            leave gaps, overlap or stick out of their global array; bad entry names.
+        FileExistsError: ``path`` exists and ``overwrite`` is False.
+        FileNotFoundError: the parent directory of ``path`` does not exist.
+        OSError: the files cannot be created (no room for the data: before any is
+            written, and the temporary directory is removed), written or renamed.
+
+    Every error is raised on every rank alike; those above OSError before any file is
+    created.
+    """
+    op = "checkpoint.save"
+    pg = resolve(group, op)
+    if pg is None:
+        raise ValueError(f"{op}: this rank is not a member of the group")
+    path = os.fspath(path)
+    try:
+        mine: Any = _local_save_plan(state, path, mode, overwrite, pg)
+    except Reject as rej:
+        mine = {"error": (rej.kind.__name__, rej.msg)}
+    plans: list = [None] * pg.size()
+    all_gather_object(plans, mine, group=pg)
+    _raise_first(op, [p.get("error") for p in plans], pg)
+    try:
+        entries = _agree(op, plans, pg)
+    except Reject as rej:
+        raise located(rej.kind, op, rej.msg, pg) from None
+    tmp = plans[0]["tmp"]
+    leaves = {name: leaf for name, _, _, leaf in flatten(state, "state")}
+
+    # Rank 0 makes the directory and every file with its header and its data's blocks
+    # allocated (where the file system preallocates, a full disk fails here, before any
+    # data moves); then all ranks write.
+    status = None
+    if pg.rank() == 0:
+        made = False
+        try:
+            os.mkdir(tmp, _dir_mode(mode))
+            made = True
+            os.chmod(tmp, _dir_mode(mode))
+            for entry in entries.values():
+                _mpiio.create_npy(os.path.join(tmp, entry["file"]), _dtype_of(entry["dtype"]),
+                                  tuple(entry["shape"]), mode)
+        except OSError as exc:
+            status = ("OSError", f"cannot create {tmp!r}: {exc}")
+            if made:  # nothing written yet; the blocks allocated would keep a full disk full
+                shutil.rmtree(tmp, ignore_errors=True)
+    _barrier_raise(op, status, pg)
+
+    writes = []
+    for name in sorted(entries):
+        entry = entries[name]
+        dt = _dtype_of(entry["dtype"])
+        gshape = tuple(entry["shape"])
+        leaf = leaves[name]
+        if entry["sharded"]:
+            block = entry["writers"].get(pg.rank())
+            data = _host(leaf.data) if block is not None else None
+            ranges = all(_mpiio.byte_range(gshape, tuple(start), tuple(shape))
+                         for start, shape in entry["writers"].values())
+        else:
+            block = replicated_block(gshape, pg.rank(), pg.size())
+            data = None
+            if block is not None:
+                sel = tuple(slice(s, s + n) for s, n in zip(*block))
+                data = _host(leaf[sel] if sel else leaf)
+            ranges = True  # whole rows on every rank: byte ranges by construction
+        writes.append(_mpiio.BlockWrite(
+            os.path.join(tmp, entry["file"]), len(_mpiio.npy_header(dt, gshape)), gshape,
+            dt.itemsize, None if block is None else tuple(block[0]), data, ranges))
+    status = None
+    try:
+        _mpiio.write_blocks(pg.comm, writes, sync=sync)
+    except (OSError, MPI.Exception) as exc:
+        status = ("OSError", f"cannot write into {tmp!r}: {exc}")
+    _barrier_raise(op, status, pg)
+    _fault("written")
+
+    status = None
+    if pg.rank() == 0:
+        try:
+            _write_index(tmp, entries, plans[0], mode, sync)
+        except OSError as exc:
+            status = ("OSError", f"cannot write the index in {tmp!r}: {exc}")
+    # Every rank is still there once the data and the index are written: a rank lost
+    # before this point leaves no checkpoint, whichever rank it was.
+    _barrier_raise(op, status, pg)
+    _fault("renaming")
+    status = None
+    if pg.rank() == 0:
+        try:
+            _commit(tmp, path, overwrite, sync)
+        except OSError as exc:
+            status = ("OSError", f"cannot rename {tmp!r} to {path!r}: {exc}")
+    _barrier_raise(op, status, pg)
+
+
+def _barrier_raise(op: str, status: tuple | None, pg: ProcessGroup) -> None:
+    """A barrier that also carries one rank's failure to every rank.  On the group's
+    communicator itself (an object collective), so it serves groups of any backend."""
+    statuses: list = [None] * pg.size()
+    all_gather_object(statuses, status, group=pg)
+    _raise_first(op, statuses, pg)
+
+
+def _write_file(path: str, data: bytes, mode: int, sync: bool) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
+    try:
+        os.fchmod(fd, mode)
+        os.write(fd, data)
+        if sync:
+            os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_index(tmp: str, entries: dict, plan0: dict, mode: int, sync: bool) -> None:
+    index: dict = {"format": _FORMAT, "version": _VERSION, "entries": {}}
+    for name, entry in entries.items():
+        index["entries"][name] = {k: v for k, v in entry.items() if k != "writers"}
+    index["entries"].update(plan0["values"])
+    if plan0["pickle"] is not None:
+        _write_file(os.path.join(tmp, VALUES_FILE), plan0["pickle"], mode, sync)
+    _write_file(os.path.join(tmp, INDEX_FILE),
+                json.dumps(index, indent=1, sort_keys=True).encode(), mode, sync)
+
+
+def _commit(tmp: str, path: str, overwrite: bool, sync: bool) -> None:
+    old = None
+    if overwrite and os.path.lexists(path):
+        old = f"{os.path.abspath(path)}.old-{secrets.token_hex(6)}"
+        os.rename(path, old)
+    os.rename(tmp, path)
+    if sync:
+        fd = os.open(os.path.dirname(os.path.abspath(path)), os.O_RDONLY)
+        try:
+            os.fsync(fd)  # the rename itself reaches the disk
+        finally:
+            os.close(fd)
+    if old is not None:
+        shutil.rmtree(old) if os.path.isdir(old) else os.remove(old)
+
+
+# -- load --------------------------------------------------------------------------------
+
+
+def _read_index(path: str) -> dict:
+    """Rank 0's reading of the checkpoint: the index, the headers, the pickled values."""
+    index_path = os.path.join(path, INDEX_FILE)
+    try:
+        with open(index_path, "rb") as f:
+            index = json.loads(f.read())
+    except FileNotFoundError:
+        raise Reject(FileNotFoundError, f"no checkpoint at {path!r} ({INDEX_FILE} is "
+                      "missing; an interrupted save leaves only a '.tmp-*' directory)") from None
+    except (OSError, ValueError) as exc:
+        raise Reject(ValueError, f"cannot read {index_path!r}: {exc}") from None
+    if not isinstance(index, dict) or index.get("format") != _FORMAT:
+        raise Reject(ValueError, f"{index_path!r} is not an spmd checkpoint index")
+    if index.get("version", 0) > _VERSION:
+        raise Reject(ValueError, f"{index_path!r} has format version {index['version']}; "
+                      f"this spmd reads up to {_VERSION}")
+    entries = index["entries"]
+    for entry in entries.values():
+        if entry["kind"] != "array":
+            continue
+        fname = os.path.join(path, entry["file"])
+        try:
+            descr, fortran, shape, offset = _mpiio.read_npy_header(fname)
+        except (OSError, ValueError) as exc:
+            raise Reject(ValueError, f"cannot read the header of {fname!r}: {exc}") from None
+        want = np.lib.format.dtype_to_descr(_dtype_of(entry["dtype"]))
+        # Compared as dtypes: numpy reads '<V2' (bfloat16) back as '|V2'.
+        if fortran or shape != tuple(entry["shape"]) or np.dtype(descr) != np.dtype(want):
+            raise Reject(ValueError, f"{fname!r} holds a {'Fortran' if fortran else 'C'}-order "
+                          f"{descr} array of shape {shape}; the index says C-order {want} "
+                          f"{tuple(entry['shape'])}")
+        entry["offset"] = offset
+    if any(e.get("pickle") for e in entries.values()):
+        try:
+            with open(os.path.join(path, VALUES_FILE), "rb") as f:
+                values = pickle.load(f)
+        except (OSError, pickle.UnpicklingError, EOFError) as exc:
+            raise Reject(ValueError, f"cannot read {VALUES_FILE} in {path!r}: {exc}") from None
+        for name, entry in entries.items():
+            if entry.get("pickle"):
+                entry["value"] = values[name]
+    return entries
+
+
+def _check_target(name: str, leaf: Any, entry: dict | None) -> str | None:
+    """The array entry this rank reads for ``name`` (None if it is a value)."""
+    if entry is None:
+        raise Reject(ValueError, f"target[{name!r}]: the checkpoint has no entry {name!r}")
+    is_arr = isinstance(leaf, Shard) or is_array(leaf)
+    if entry["kind"] == "value":
+        if is_arr:
+            raise Reject(TypeError, f"target[{name!r}] is an array but the checkpoint holds a "
+                          "value there")
+        return None
+    if not is_arr and leaf is not None:
+        raise Reject(TypeError, f"target[{name!r}] is a {type(leaf).__name__}, but the "
+                      "checkpoint holds an array there: pass a Shard, an array or None")
+    if leaf is None:
+        _dtype_of(entry["dtype"])
+        return name
+    data = leaf.data if isinstance(leaf, Shard) else leaf
+    gshape = leaf.global_shape if isinstance(leaf, Shard) else tuple(data.shape)
+    if np.dtype(data.dtype) != _dtype_of(entry["dtype"]):
+        raise Reject(TypeError, f"target[{name!r}] has dtype {np.dtype(data.dtype)}, the "
+                      f"checkpoint holds {entry['dtype']}")
+    if tuple(gshape) != tuple(entry["shape"]):
+        what = "global_shape" if isinstance(leaf, Shard) else "shape"
+        raise Reject(ValueError, f"target[{name!r}] has {what} {tuple(gshape)}, the "
+                      f"checkpoint holds {tuple(entry['shape'])}")
+    if isinstance(leaf, Shard):
+        check_bounds(name, {"start": leaf.offset, "shape": leaf.shape, "gshape": gshape},
+                      "target")
+    if isinstance(data, np.ndarray) and not data.flags.writeable:
+        raise Reject(ValueError, f"target[{name!r}] is a read-only array")
+    return name
+
+
+def load(target: dict[str, Any], path: str | os.PathLike, group: Any = None) -> dict[str, Any]:
+    """Fill ``target`` from the checkpoint at ``path``, collectively.
+
+    Every rank of ``group`` calls it; ranks may ask for different entries and any
+    block layout: a :class:`Shard` leaf is filled with its block of the saved array,
+    an array leaf with the whole array, a ``None`` leaf is replaced by the saved value
+    (a new numpy array for an array entry), and any other leaf by the saved value.
+
+    Args:
+        target: dict laid out like the saved state (nested dicts flattened the same way).
+        path: the checkpoint directory.
+        group: the group of the reading ranks (WORLD if None; any size).
+
+    Returns:
+        ``target``, its value leaves replaced by the saved values.
+
+    Raises:
+        FileNotFoundError: no checkpoint at ``path``.
+        ValueError: an entry the checkpoint lacks, a global shape that differs, a block
+            outside the array, a damaged checkpoint.
+        TypeError: a dtype that differs, an array where a value was saved or back.
+
+    Every error is raised on every rank alike, before any array is read.
+    """
+    op = "checkpoint.load"
+    pg = resolve(group, op)
+    if pg is None:
+        raise ValueError(f"{op}: this rank is not a member of the group")
+    path = os.fspath(path)
+    mine: dict = {}
+    try:
+        if not isinstance(target, Mapping):
+            raise Reject(TypeError, f"target must be a dict, got {type(target).__name__}")
+        if pg.rank() == 0:
+            mine["entries"] = _read_index(path)
+    except Reject as rej:
+        mine = {"error": (rej.kind.__name__, rej.msg)}
+    gathered: list = [None] * pg.size()
+    all_gather_object(gathered, mine, group=pg)
+    _raise_first(op, [g.get("error") for g in gathered], pg)
+    entries = gathered[0]["entries"]
+    try:
+        leaves = flatten(target, "target", entries)
+        reads = [name for name, _, _, leaf in leaves
+                 if _check_target(name, leaf, entries.get(name)) is not None]
+        status = {"error": None, "reads": reads}
+    except Reject as rej:
+        status = {"error": (rej.kind.__name__, rej.msg), "reads": []}
+    statuses: list = [None] * pg.size()
+    all_gather_object(statuses, status, group=pg)
+    _raise_first(op, [s["error"] for s in statuses], pg)
+    # Every rank takes part in the collective read of every array some rank wants.
+    wanted = sorted({n for s in statuses for n in s["reads"]})
+    reads = set(reads)
+
+    by_name = {name: (parent, key, leaf) for name, parent, key, leaf in leaves}
+    for name in wanted:
+        entry = entries[name]
+        dt = _dtype_of(entry["dtype"])
+        gshape = tuple(entry["shape"])
+        fname = os.path.join(path, entry["file"])
+        start = out = None
+        if name in reads:
+            parent, key, leaf = by_name[name]
+            if leaf is None:
+                leaf = parent[key] = np.empty(gshape, dt)
+            data = leaf.data if isinstance(leaf, Shard) else leaf
+            start = leaf.offset if isinstance(leaf, Shard) else (0,) * len(gshape)
+            out = data if isinstance(data, np.ndarray) else np.empty(data.shape, dt)
+        _mpiio.read_block(pg.comm, fname, entry["offset"], gshape, dt.itemsize, start, out)
+        if out is not None and out is not data:
+            data[...] = _device_like(data, out)
+    for name, parent, key, _leaf in leaves:
+        entry = entries[name]
+        if entry["kind"] == "value":
+            parent[key] = entry["value"] if entry.get("pickle") else entry["json"]
+    return target
+
+
+def _device_like(data: Any, host: np.ndarray) -> Any:
+    import cupy
+
+    return cupy.asarray(host)

@@ -1,0 +1,85 @@
+"""The one wait loop: every place that waits for other ranks polls through here.
+
+``wait_until`` polls a test until it passes, gives the core away between polls when
+ranks outnumber cores, and past the deadline raises the DistTimeoutError that the
+reliability layer (``spmd.runtime.watchdog``) composes: where the other ranks are, the group
+marked broken for a collective, the flight recorder dumped.  Without that layer (before
+init, or in a bare engine test) the error says what timed out and where.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+from typing import Any
+
+from spmd.core.errors import DistTimeoutError
+
+__all__ = ["wait_until", "timeout_error", "set_oversubscribed", "set_diagnosis"]
+
+_monotonic = time.monotonic
+_yield = os.sched_yield
+
+# True when this node runs more ranks than it has cores: waiting ranks give their core
+# away between polls instead of spinning on it.
+oversubscribed = False
+
+# diagnose(op, group, seq, kind, waited, source, work) -> message; set at init.
+_diagnose: Callable[..., str] | None = None
+
+
+def set_oversubscribed(flag: bool) -> None:
+    global oversubscribed
+    oversubscribed = bool(flag)
+
+
+def set_diagnosis(fn: Callable[..., str] | None) -> None:
+    """Install the function that turns a timeout into its diagnosis (None removes it)."""
+    global _diagnose
+    _diagnose = fn
+
+
+def timeout_error(op: str, group: Any, waited: float, *, seq: int | None = None,
+                  kind: str = "collective", source: str = "wait",
+                  work: Any = None) -> DistTimeoutError:
+    """The DistTimeoutError for ``op`` on ``group`` after ``waited`` seconds."""
+    plain = (f"{op}: did not complete within {waited:.1f} s "
+             f"[rank {group._rank}, group {group._name}]")
+    if _diagnose is None:
+        return DistTimeoutError(plain)
+    try:
+        return DistTimeoutError(_diagnose(op, group, seq, kind, waited, source, work))
+    except Exception as err:  # noqa: BLE001 - a failed diagnosis must not hide the timeout
+        return DistTimeoutError(f"{plain} (diagnosis failed: {type(err).__name__}: {err})")
+
+
+def wait_until(test: Callable[[], Any], seconds: float, op: str, group: Any, *,
+               seq: int | None = None, kind: str = "collective", source: str = "wait",
+               work: Any = None, nap: Callable[[], None] | None = None,
+               on_timeout: Callable[[], None] | None = None) -> None:
+    """Poll ``test()`` until it is true; raise DistTimeoutError after ``seconds``.
+
+    Args:
+        test: returns true when the wait is over (an MPI request's ``Test``...).
+        seconds: the deadline, from now.
+        op, group: what is waited for, for the message.
+        seq, kind, source, work: what the diagnosis reports (the op's sequence number,
+            "collective" or "p2p", which wait timed out, the Work if there is one).
+        nap: what to do between polls (default: yield the core when oversubscribed).
+        on_timeout: called before the error is raised (NCCL aborts its communicator).
+    """
+    start = _monotonic()
+    deadline = start + seconds
+    spins = 0
+    while not test():
+        spins += 1
+        if nap is not None:
+            nap()
+        elif oversubscribed:
+            _yield()
+        if not spins & 255 and _monotonic() > deadline:
+            if on_timeout is not None:
+                on_timeout()
+            raise timeout_error(op, group, _monotonic() - start, seq=seq, kind=kind,
+                                source=source, work=work)

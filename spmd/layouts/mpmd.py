@@ -1,0 +1,454 @@
+"""Several programs in one MPI job (MPMD): a group per program, and links between them.
+
+``mpiexec -n 2 python ocean.py : -n 2 python atmos.py`` (or ``srun --multi-prog``, or a
+SLURM hetjob) starts one MPI job whose WORLD holds every program's ranks.  Each rank
+calls :func:`~spmd.init_program` with its program's name and gets its program's group;
+:func:`~spmd.new_link` connects two programs with an MPI intercommunicator over which
+arrays and objects travel, addressed by rank *within the other program*.
+
+Program identity comes from the name the program passes, which works under every
+launcher.  Without a name, ``MPI_APPNUM`` is used where the launcher sets it (Hydra's
+``mpiexec a : b`` sets 0 and 1); ``srun --multi-prog`` and hetjobs never set it.
+
+GPU (cupy) arrays travel as the MPI engine moves them: MPI reads device memory where it
+is GPU-aware, else they are staged through pinned host memory (``spmd.backends.staging``);
+NCCL cannot serve a link, since its communicators never span two groups.  In debug mode
+(``SPMD_DEBUG=DETAIL``) the link broadcasts compare their fingerprint across every rank
+of both programs before anything moves.
+"""
+
+from __future__ import annotations
+
+import pickle
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+from mpi4py import MPI
+
+from spmd.api.p2p import check_tag
+from spmd.backends import checked as _checked
+from spmd.backends.staging import Staging, use_device_pointer
+from spmd.core import cuda as _gpu
+from spmd.core.arrays import array_in, array_out, contiguous, is_device_array, movable
+from spmd.core.errors import DistTimeoutError, located
+from spmd.core.optable import OPS
+from spmd.core.typing import Array, Timeout
+from spmd.core.work import Work
+from spmd.runtime.group import ProcessGroup, default_group, split_comm, timeout_seconds, world_state
+
+__all__ = ["Link", "Program", "get_program", "get_programs", "init_program", "new_link"]
+
+_U8 = np.dtype(np.uint8)
+_I64 = np.dtype(np.int64)
+_OBJECT_TAG, _RELAY_TAG = 1, 2  # on a link's private intercommunicator
+
+
+def _dumps(obj) -> np.ndarray:
+    return np.frombuffer(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL), _U8)
+
+
+@dataclass(frozen=True)
+class Program:
+    """One program of the job: its name, its index (programs are numbered by their
+    lowest world rank), the world ranks running it (in program-rank order) and the
+    ``MPI_APPNUM`` the launcher gave it (None if unset)."""
+
+    name: str
+    index: int
+    ranks: tuple[int, ...]
+    appnum: int | None = None
+
+    @property
+    def size(self) -> int:
+        return len(self.ranks)
+
+
+class _Job:
+    """What init_program found: the programs, this rank's one and its group."""
+
+    def __init__(self, world, programs, mine, group, peer_comm):
+        self.world = world
+        self.programs: list[Program] = programs
+        self.mine: Program = mine
+        self.group: ProcessGroup = group
+        self.peer_comm = peer_comm  # private to link set-up: leaders talk here only
+
+
+_job: _Job | None = None
+
+
+def _appnum() -> int | None:
+    value = MPI.COMM_WORLD.Get_attr(MPI.APPNUM)
+    return None if value is None else int(value)
+
+
+def init_program(name: str | None = None, *, timeout: Timeout | None = None,
+                 backend: str | None = None) -> ProcessGroup:
+    """Find the programs of this job and return the group of this rank's program.
+
+    Every rank of WORLD (of every program) must call it.  Ranks of one program must
+    pass the same name, and programs the launcher started separately different names;
+    ranks of one launched program may take several names (one script playing two roles).
+
+    Args:
+        name: this program's name, e.g. ``"ocean"``.  If None, the program is
+            ``f"app{MPI_APPNUM}"``, which needs a launcher that sets MPI_APPNUM.
+
+    Raises:
+        ValueError: on every rank, when some rank gave no name and has no MPI_APPNUM,
+            or names and MPI_APPNUM disagree.
+    """
+    global _job
+    op = "init_program"
+    world = default_group(op)
+    if name is not None and (not isinstance(name, str) or not name.strip()):
+        raise TypeError(f"{op}: name must be a non-empty str or None, got {name!r}")
+    rows = world._comm.allgather((name, _appnum()))
+    # Every rank sees the same rows, so every rank raises the same error.
+    unnamed = [r for r, (n, a) in enumerate(rows) if n is None and a is None]
+    if unnamed:
+        raise ValueError(f"{op}: ranks {unnamed} passed no program name and the launcher did "
+                         "not set MPI_APPNUM (srun --multi-prog and SLURM hetjobs never do); "
+                         "pass init_program(name=...) in every program")
+    names = [n if n is not None else f"app{a}" for n, a in rows]
+    # One launched program may play several roles (names); two launched programs may
+    # not share one name, the mark of a copied script.
+    by_name: dict[str, int] = {}
+    for n, (_, a) in zip(names, rows):
+        if a is not None and by_name.setdefault(n, a) != a:
+            raise ValueError(f"{op}: program name {n!r} is used by the programs started as "
+                             f"MPI_APPNUM {by_name[n]} and {a}; give each program its own name")
+    order = list(dict.fromkeys(names))  # by lowest world rank
+    programs = [Program(n, i, tuple(r for r, m in enumerate(names) if m == n),
+                        rows[names.index(n)][1]) for i, n in enumerate(order)]
+    mine = programs[order.index(names[world._rank])]
+    group = split_comm(world, mine.index, world._rank, lambda m: f"program:{mine.name}", timeout,
+                   backend, f"program_{mine.name}", op)
+    if _job is not None and _job.world is world and _job.peer_comm is not None:
+        _job.peer_comm.Free()
+    _job = _Job(world, programs, mine, group, world._comm.Dup())
+    return group
+
+
+def _current(op: str) -> _Job:
+    if _job is None or _job.world is not world_state.world:
+        raise RuntimeError(f"{op}: the programs are not known; call spmd.layouts.mpmd.init_program() "
+                           "on every rank first")
+    return _job
+
+
+def get_programs() -> list[Program]:
+    """Every program of the job, in index order (by lowest world rank)."""
+    return list(_current("get_programs").programs)
+
+
+def get_program(name: str | None = None) -> Program:
+    """The program called ``name``, or this rank's program if None.
+
+    Raises:
+        ValueError: no program has that name.
+    """
+    job = _current("get_program")
+    if name is None:
+        return job.mine
+    for p in job.programs:
+        if p.name == name:
+            return p
+    raise ValueError(f"get_program: no program named {name!r}; the programs are "
+                     f"{[p.name for p in job.programs]}")
+
+
+def new_link(peer: str, *, timeout: Timeout | None = None) -> Link:
+    """Connect this rank's program with program ``peer``.
+
+    Every rank of both programs must call it (each naming the other program), and two
+    programs create their links in the same order.
+
+    Raises:
+        ValueError: ``peer`` is this program or no program of the job.
+    """
+    op = "new_link"
+    job = _current(op)
+    remote = get_program(peer) if isinstance(peer, str) else None
+    if remote is None:
+        raise TypeError(f"{op}: peer must be a program name (str), got {type(peer).__name__}")
+    if remote.name == job.mine.name:
+        raise ValueError(f"{op}: peer {peer!r} is this rank's own program; a link joins two "
+                         f"different programs of {[p.name for p in job.programs]}")
+    seconds = job.group._timeout if timeout is None else timeout_seconds(timeout, op)
+    lo, hi = sorted((job.mine.index, remote.index))
+    tag = 1 + lo * len(job.programs) + hi  # the same on both sides, distinct per pair
+    comm = job.group._comm.Create_intercomm(0, job.peer_comm, remote.ranks[0], tag)
+    # spmd's own link traffic (objects, broadcast relays) never meets the user's.
+    return Link(comm, comm.Dup(), job.group._comm.Dup(), job.mine, remote, seconds)
+
+
+class _LinkGroup(ProcessGroup):
+    """The link's intercommunicator as a group, so its Works look like every other Work
+    to timeouts and observers.  Not registered: destroy_process_group() leaves it alone."""
+
+    def _global_rank(self, group_rank: int) -> int:
+        # Work.source_rank() reports a sender through this: on a link, a remote rank.
+        return group_rank
+
+
+class Link:
+    """A connection between two programs (an MPI intercommunicator).
+
+    ``dst`` and ``src`` are ranks in the *other* program; ``rank()`` is this rank's rank
+    in its own program.  Array methods take numpy and cupy arrays (and torch tensors)
+    and honour the link's timeout like every spmd wait.
+    """
+
+    def __init__(self, comm: MPI.Intercomm, lib: MPI.Intercomm, local_comm: MPI.Intracomm,
+                 local: Program, remote: Program, timeout: float):
+        self.local = local
+        self.remote = remote
+        self._pg = _LinkGroup(comm, local.ranks, f"link:{local.name}-{remote.name}", timeout,
+                              "mpi", "link")
+        self._lib = lib                # objects and broadcast relays
+        self._local_comm = local_comm  # this program's ranks, for fanning a broadcast out
+        self._remote_size = comm.Get_remote_size()
+        self._staging: Staging | None = None  # made at the first GPU array
+
+    def rank(self) -> int:
+        """This rank's rank in its own program."""
+        return self._pg._rank
+
+    def size(self) -> int:
+        """The size of this rank's program."""
+        return self._pg._size
+
+    def remote_size(self) -> int:
+        """The size of the other program."""
+        return self._remote_size
+
+    @property
+    def comm(self) -> MPI.Intercomm:
+        """The intercommunicator, for raw MPI (spmd's link traffic runs on it too)."""
+        return self._live("comm")
+
+    def _live(self, op: str) -> MPI.Intercomm:
+        if self._pg._comm is None:
+            raise RuntimeError(f"{op}: link {self._pg._name} was freed")
+        return self._pg._comm
+
+    def _peer(self, peer, op: str, arg: str, any_source: bool = False) -> int:
+        if peer is None and any_source:
+            return MPI.ANY_SOURCE
+        if isinstance(peer, bool) or not isinstance(peer, int):
+            raise located(TypeError, op, f"{arg} must be an int (a rank of program "
+                          f"{self.remote.name!r}), got {type(peer).__name__}", self._pg)
+        if not 0 <= peer < self._remote_size:
+            raise located(ValueError, op, f"{arg}={peer} is out of range [0, "
+                          f"{self._remote_size}) (the ranks of program {self.remote.name!r})",
+                          self._pg)
+        return peer
+
+    # -- arrays ------------------------------------------------------------------
+
+    def _stager(self, op: str) -> Staging:
+        if self._staging is None:
+            self._staging = Staging(_gpu.need_cupy(op, "a GPU array on a link", self._pg))
+        return self._staging
+
+    def _device_source(self, a, op: str, collective: bool):
+        """What MPI sends for device array ``a``: its memory, or a host copy."""
+        stager = self._stager(op)
+        if use_device_pointer(_gpu.mpi_gpu_support(), a, collective):
+            stager.sync()
+            return movable(a)
+        return stager.down(a)
+
+    def _device_target(self, a, op: str, collective: bool):
+        """(where MPI writes device array ``a``'s result, what copies it into ``a``)."""
+        stager = self._stager(op)
+        if use_device_pointer(_gpu.mpi_gpu_support(), a, collective):
+            stager.sync()
+            return a, None
+        h = stager.host_buffer(a)
+        return h, lambda: stager.up(a, h)
+
+    @staticmethod
+    def _host_target(a):
+        buf = a if a.flags.c_contiguous else np.empty(a.shape, a.dtype)
+        return buf, (None if buf is a else (lambda: np.copyto(a, buf)))
+
+    def _isend(self, tensor, dst, tag, op: str) -> Work:
+        comm = self._live(op)
+        peer = self._peer(dst, op, "dst")
+        a = array_in(tensor, op, "tensor", self._pg)
+        tag = check_tag(tag, op, self._pg)
+        if is_device_array(a):
+            buf = self._device_source(a, op, collective=False)
+        else:
+            buf = movable(contiguous(a))
+        return Work([comm.Isend(buf, peer, tag)], op, self._pg, [a], keep=(a, buf))
+
+    def _irecv(self, tensor, src, tag, op: str) -> Work:
+        comm = self._live(op)
+        peer = self._peer(src, op, "src", any_source=True)
+        a = array_out(tensor, op, "tensor", self._pg)
+        tag = check_tag(tag, op, self._pg)
+        if is_device_array(a):
+            buf, finish = self._device_target(a, op, collective=False)
+        else:
+            buf, finish = self._host_target(a)
+        status = MPI.Status()
+        req = comm.Irecv(movable(buf), peer, tag)
+        return Work([req], op, self._pg, [a], finish=finish, keep=(a, buf), status=status)
+
+    def isend(self, tensor: Array, dst: int, tag: int = 0) -> Work:
+        """Start sending ``tensor`` to rank ``dst`` of the other program; return a Work."""
+        return self._isend(tensor, dst, tag, "Link.isend")
+
+    def irecv(self, tensor: Array, src: int | None = None, tag: int = 0) -> Work:
+        """Start receiving into ``tensor`` from rank ``src`` of the other program (any if
+        None); ``work.source_rank()`` then gives the sender's rank in its program."""
+        return self._irecv(tensor, src, tag, "Link.irecv")
+
+    def send(self, tensor: Array, dst: int, tag: int = 0) -> None:
+        """Send ``tensor`` to rank ``dst`` of the other program."""
+        self._isend(tensor, dst, tag, "Link.send").wait()
+
+    def recv(self, tensor: Array, src: int | None = None, tag: int = 0) -> int:
+        """Receive into ``tensor``; return the sender's rank in the other program."""
+        return self._irecv(tensor, src, tag, "Link.recv").source_rank()
+
+    def _source(self, src, src_program, op: str) -> bool:
+        """Check a broadcast's source; True if it is in this rank's program."""
+        if src_program not in (self.local.name, self.remote.name):
+            first, second = sorted((self.local, self.remote), key=lambda p: p.index)
+            raise located(ValueError, op, f"src_program must be {first.name!r} or "
+                          f"{second.name!r}, got {src_program!r}", self._pg)
+        sending = src_program == self.local.name
+        size = self._pg._size if sending else self._remote_size
+        if isinstance(src, bool) or not isinstance(src, int) or not 0 <= src < size:
+            raise located(ValueError, op, f"src must be a rank of program {src_program!r} "
+                          f"in [0, {size}), got {src!r}", self._pg)
+        return sending
+
+    def _wait(self, req, op: str, keep=None, status=None) -> Work:
+        work = Work([req], op, self._pg, None, keep=keep, status=status)
+        work.wait()
+        return work
+
+    # Broadcasts go source -> rank 0 of the other program -> its ranks, not through an
+    # intercommunicator Ibcast (MPICH 5.0 delivers zeros there when the root is not 0).
+
+    def broadcast(self, tensor: Array, src: int, src_program: str) -> None:
+        """Copy ``tensor`` of rank ``src`` of ``src_program`` into every rank of the other
+        program.
+
+        Every rank of both programs calls it with the same ``src`` and ``src_program``
+        (and, in debug mode, a tensor of the same dtype and shape); ranks of the sending
+        program other than ``src`` return at once and keep their ``tensor`` as is.
+        """
+        op = "Link.broadcast"
+        self._live(op)
+        sending = self._source(src, src_program, op)
+        if sending and self._pg._rank != src:
+            if _checked.active:
+                self._check(op, array_in(tensor, op, "tensor", self._pg), src, src_program)
+            return
+        a = (array_in if sending else array_out)(tensor, op, "tensor", self._pg)
+        if _checked.active:
+            self._check(op, a, src, src_program)
+        if sending:
+            buf = self._device_source(a, op, False) if is_device_array(a) \
+                else movable(contiguous(a))
+            self._wait(self._lib.Isend(buf, 0, _RELAY_TAG), op, (a, buf))
+            return
+        # The relay ends in a nonblocking collective (Ibcast) on this program's ranks.
+        buf, finish = self._device_target(a, op, True) if is_device_array(a) \
+            else self._host_target(a)
+        if self._pg._rank == 0:
+            self._wait(self._lib.Irecv(movable(buf), src, _RELAY_TAG), op, buf)
+        self._wait(self._local_comm.Ibcast(movable(buf), 0), op, buf)
+        if finish is not None:
+            finish()
+        return
+
+    def _check(self, op: str, *args) -> None:
+        """Debug mode: compare this call across every rank of both programs."""
+        fingerprint = OPS[op].fingerprint
+        assert fingerprint is not None, f"{op} has no fingerprint in the op table"
+        fields, _ = fingerprint(self._pg, *args)
+        _checked.check_link_call(self._pg, self._local_comm, self.remote.ranks, op, fields)
+
+    # -- objects -----------------------------------------------------------------
+
+    def send_object(self, obj: object, dst: int) -> None:
+        """Send a picklable object to rank ``dst`` of the other program."""
+        op = "Link.send_object"
+        self._live(op)
+        peer = self._peer(dst, op, "dst")
+        data = _dumps(obj)
+        self._wait(self._lib.Isend(data, peer, _OBJECT_TAG), op, data)
+
+    def _recv_bytes(self, source: int, tag: int, op: str) -> tuple[np.ndarray, int]:
+        status = MPI.Status()
+        start = time.monotonic()
+        while True:  # a matched probe pairs the size with its own message
+            msg = self._lib.Improbe(source, tag, status)
+            if msg is not None:
+                break
+            if time.monotonic() - start > self._pg._timeout:
+                raise DistTimeoutError(f"{op}: nothing arrived within {self._pg._timeout:.1f} s "
+                                       f"[rank {self._pg._rank}, group {self._pg._name}]")
+            time.sleep(0)
+        data = np.empty(status.Get_count(MPI.BYTE), _U8)
+        self._wait(msg.Irecv(data), op, data)
+        return data, status.Get_source()
+
+    def recv_object(self, src: int | None = None) -> Any:
+        """Receive an object sent by :meth:`send_object` (from any rank if ``src`` is None).
+
+        Unpickling runs code the sender chose: link only programs you trust.
+        """
+        op = "Link.recv_object"
+        self._live(op)
+        peer = self._peer(src, op, "src", any_source=True)
+        data, _ = self._recv_bytes(peer, _OBJECT_TAG, op)
+        return pickle.loads(memoryview(data))
+
+    def broadcast_object(self, obj: object, src: int, src_program: str) -> Any:
+        """Every rank of the other program gets rank ``src`` of ``src_program``'s ``obj``.
+
+        Every rank of both programs calls it with the same ``src`` and ``src_program``.
+
+        Returns:
+            The object on the receiving program; ``obj`` itself on the sending one.
+        """
+        op = "Link.broadcast_object"
+        self._live(op)
+        sending = self._source(src, src_program, op)
+        if _checked.active:
+            self._check(op, src, src_program)
+        if sending:
+            if self._pg._rank == src:
+                data = _dumps(obj)
+                self._wait(self._lib.Isend(data, 0, _RELAY_TAG), op, data)
+            return obj
+        size = np.zeros(1, _I64)
+        if self._pg._rank == 0:
+            data, _ = self._recv_bytes(src, _RELAY_TAG, op)
+            size[0] = data.size
+        self._wait(self._local_comm.Ibcast(size, 0), op, size)
+        if self._pg._rank != 0:
+            data = np.empty(int(size[0]), _U8)
+        self._wait(self._local_comm.Ibcast(data, 0), op, data)
+        return pickle.loads(memoryview(data))
+
+    def free(self) -> None:
+        """Free the link's communicators.  Every rank of both programs must call it."""
+        if self._pg._comm is not None:
+            self._lib.Free()
+            self._local_comm.Free()
+        self._pg._free()
+
+    def __repr__(self) -> str:
+        return (f"<Link {self.local.name}({self._pg._size}) <-> {self.remote.name}"
+                f"({self._remote_size}) rank={self._pg._rank}>")

@@ -1,0 +1,422 @@
+"""Process groups: MPI communicators split from the world, and rank translation."""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Sequence
+from datetime import timedelta
+from typing import TypeAlias
+
+from mpi4py import MPI
+
+from spmd.backends.checked import free_check_comm
+from spmd.backends.host import HostBackend
+from spmd.backends.mpi import fastcall
+from spmd.backends.registry import Backend, make_backend
+from spmd.core.context import GroupContext
+from spmd.core.typing import Timeout
+from spmd.store import Store
+
+__all__ = [
+    "ProcessGroup",
+    "GroupMember",
+    "new_group",
+    "new_subgroups",
+    "new_subgroups_by_enumeration",
+    "split_group",
+    "get_group_rank",
+    "get_global_rank",
+    "get_process_group_ranks",
+    "GroupArg",
+]
+
+DEFAULT_TIMEOUT = timedelta(minutes=30)  # torch's default for non-NCCL backends
+
+
+class ProcessGroup(GroupContext):
+    """A set of ranks that communicate together, backed by one MPI communicator.
+
+    Groups are made by :func:`spmd.init_process_group` (the default group, WORLD),
+    :func:`new_group`, :func:`new_subgroups`, :func:`split_group` and the mesh helpers.
+    ``rank()`` and ``size()`` are this process's rank in the group and the group's
+    size; ``ranks`` lists the members' global ranks in group-rank order; ``comm`` is
+    the group's private mpi4py communicator for users who need raw MPI (spmd's own
+    traffic runs on it, so match collectives with care).
+    """
+
+    def __init__(self, comm: MPI.Intracomm, ranks: Sequence[int], name: str,
+                 timeout: float, backend: str, desc: str | None = None,
+                 store: Store | None = None):
+        super().__init__(comm, ranks, name, timeout, backend, desc, store)
+        self._backends: dict = {}
+
+    def rank(self) -> int:
+        """This process's rank in the group."""
+        return self._rank
+
+    def size(self) -> int:
+        """The number of ranks in the group."""
+        return self._size
+
+    @property
+    def ranks(self) -> list[int]:
+        """Global ranks of the members, in group-rank order."""
+        return list(self._ranks)
+
+    @property
+    def name(self) -> str:
+        return self._name
+
+    group_name = name
+
+    @property
+    def group_desc(self) -> str:
+        return self._desc
+
+    @property
+    def comm(self) -> MPI.Intracomm:
+        """The group's mpi4py communicator (a private one, not the user's COMM_WORLD)."""
+        self._check_alive("comm")
+        return self._comm
+
+    @property
+    def timeout(self) -> timedelta:
+        return timedelta(seconds=self._timeout)
+
+    def _backend_for(self, device: str):
+        backend = self._backends.get(device)
+        if backend is None:
+            backend = make_backend(self, device)
+        return backend
+
+    def _free(self) -> None:
+        for backend in self._backends.values():
+            backend.shutdown()
+        self._backends.clear()
+        free_check_comm(self)  # debug mode's, also where no engine was made (objects)
+        if self._comm is not None:
+            self._comm.Free()
+            self._comm = None  # type: ignore[assignment]  # destroyed (see GroupContext)
+
+    def __repr__(self) -> str:
+        return f"<ProcessGroup {self._name} rank={self._rank} size={self._size}>"
+
+
+class _NonGroupMember:
+    """What group constructors return on ranks outside the group (torch's sentinel)."""
+
+    _name = "NON_GROUP_MEMBER"
+
+    def __repr__(self) -> str:
+        return "GroupMember.NON_GROUP_MEMBER"
+
+    def __bool__(self) -> bool:
+        return False
+
+
+# What a ``group`` argument takes: a ProcessGroup, None for the default group, or the
+# sentinel non-members get from the group constructors (the op then returns None).
+GroupArg: TypeAlias = ProcessGroup | _NonGroupMember | None
+
+
+class GroupMember:
+    """``GroupMember.WORLD`` is the default group (None before init);
+    ``GroupMember.NON_GROUP_MEMBER`` is what non-members get from group constructors."""
+
+    WORLD: ProcessGroup | None = None
+    NON_GROUP_MEMBER = _NonGroupMember()
+
+
+class WorldState:
+    """The groups init_process_group and the group constructors made, in one place."""
+
+    def __init__(self) -> None:
+        self.world: ProcessGroup | None = None
+        self.groups: list[ProcessGroup] = []
+        self.store: Store | None = None
+        self.node_rank = 0
+        self.node_size = 1
+
+
+world_state = WorldState()
+NON_GROUP_MEMBER = GroupMember.NON_GROUP_MEMBER
+
+# The compiled call path finds the default group through world_state and takes plain
+# groups (not subclasses) whose host backend is the plain one.
+fastcall.bind(ProcessGroup, HostBackend, world_state)
+
+
+def __getattr__(name: str):
+    # ``spmd.runtime.group.WORLD`` follows init/destroy, like torch's ``dist.group.WORLD``.
+    if name == "WORLD":
+        return world_state.world
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def _not_initialized(op: str) -> RuntimeError:
+    return RuntimeError(f"{op}: the default process group is not initialized; "
+                        "call spmd.init_process_group() first")
+
+
+def default_group(op: str) -> ProcessGroup:
+    pg = world_state.world
+    if pg is None:
+        raise _not_initialized(op)
+    return pg
+
+
+def resolve(group: GroupArg, op: str) -> ProcessGroup | None:
+    """The group an op runs on: the default one for None; None for a non-member.
+
+    A rank that is not a member of ``group`` gets a warning and the op returns None
+    without communicating, as torch does.
+    """
+    if group is None:
+        pg = world_state.world
+        if pg is None:
+            raise _not_initialized(op)
+        if pg._error is not None:
+            pg._check_alive(op)
+        return pg
+    if type(group) is ProcessGroup:
+        if group._comm is None or group._error is not None:
+            group._check_alive(op)
+        return group
+    if group is GroupMember.NON_GROUP_MEMBER:
+        if world_state.world is None:
+            raise _not_initialized(op)
+        warnings.warn(f"Running {op} on global rank {world_state.world._rank} which does not "
+                      "belong to the given group.", stacklevel=3)
+        return None
+    if isinstance(group, ProcessGroup):
+        if group._comm is None or group._error is not None:
+            group._check_alive(op)
+        return group
+    raise TypeError(f"{op}: group must be a ProcessGroup or None, got {type(group).__name__}")
+
+
+def timeout_seconds(timeout, op: str) -> float:
+    if timeout is None:
+        return world_state.world._timeout
+    if isinstance(timeout, timedelta):
+        seconds = timeout.total_seconds()
+    elif isinstance(timeout, (int, float)) and not isinstance(timeout, bool):
+        seconds = float(timeout)
+    else:
+        raise TypeError(f"{op}: timeout must be a timedelta, got {type(timeout).__name__}")
+    if seconds <= 0:
+        raise ValueError(f"{op}: timeout must be positive, got {timeout}")
+    return seconds
+
+
+def backend_name_of(backend, op: str) -> str:
+    if backend is None:
+        return world_state.world._backend_name
+    Backend(backend)  # validates the spelling
+    return str(backend).lower()
+
+
+def _ranks_name(ranks: Sequence[int]) -> str:
+    if len(ranks) <= 8:
+        return "ranks[" + ",".join(map(str, ranks)) + "]"
+    return f"ranks[{ranks[0]},{ranks[1]},...,{ranks[-1]}]({len(ranks)})"
+
+
+def register_group(comm, ranks, name, timeout, backend, desc) -> ProcessGroup:
+    pg = ProcessGroup(comm, ranks, name, timeout, backend, desc, world_state.store)
+    world_state.groups.append(pg)
+    return pg
+
+
+def _check_rank_list(ranks, world_size: int, op: str, arg: str = "ranks") -> list[int]:
+    if not isinstance(ranks, (list, tuple, range)):
+        raise TypeError(f"{op}: {arg} must be a list of ints, got {type(ranks).__name__}")
+    out = []
+    for r in ranks:
+        if isinstance(r, bool) or not isinstance(r, int):
+            raise TypeError(f"{op}: {arg} must hold ints, got {type(r).__name__}")
+        if not 0 <= r < world_size:
+            raise ValueError(f"{op}: rank {r} in {arg} is out of range [0, {world_size})")
+        out.append(int(r))
+    if len(set(out)) != len(out):
+        raise ValueError(f"{op}: {arg} has duplicates: {list(ranks)}")
+    return out
+
+
+def new_group(ranks: Sequence[int] | None = None, timeout: Timeout | None = None,
+              backend: str | None = None, pg_options: object = None,
+              use_local_synchronization: bool = False, group_desc: str | None = None,
+              device_id: object = None, sort_ranks: bool = True,
+              ) -> ProcessGroup | _NonGroupMember:
+    """Create a group of the given global ranks (all ranks if None).
+
+    Only the members need to call it (it uses ``MPI_Comm_create_group``); when every
+    rank calls it, non-members get ``GroupMember.NON_GROUP_MEMBER`` back without
+    communicating.  Members must create their groups in the same order and pass the
+    same ``ranks``.  Group ranks follow the sorted global ranks, as in torch, or the
+    order of ``ranks`` with ``sort_ranks=False``.
+
+    Raises:
+        ValueError: a rank is out of range or listed twice.
+    """
+    world = default_group("new_group")
+    seconds = timeout_seconds(timeout, "new_group")
+    name = backend_name_of(backend, "new_group")
+    if ranks is None:
+        ranks = list(range(world._size))
+    members = _check_rank_list(ranks, world._size, "new_group")
+    if sort_ranks:
+        members.sort()
+    if world._rank not in members:
+        return GroupMember.NON_GROUP_MEMBER
+    mpi_group = world._comm.Get_group().Incl(members)
+    # The tag keeps concurrent creations of different groups on one rank apart.
+    tag = hash(tuple(members)) % 32768
+    try:
+        comm = world._comm.Create_group(mpi_group, tag)
+    finally:
+        mpi_group.Free()
+    label = group_desc or _ranks_name(members)
+    return register_group(comm, members, label, seconds, name, group_desc)
+
+
+def split_comm(parent: ProcessGroup, color: int, key: int, name_of, timeout, backend, desc, op):
+    """One ``Comm.Split`` of ``parent``: every member of parent must call it."""
+    comm = parent._comm.Split(color, key)
+    pg = None
+    if comm != MPI.COMM_NULL:
+        members = [parent._ranks[r] for r in comm.allgather(parent._rank)]
+        pg = register_group(comm, members, name_of(members), timeout_seconds(timeout, op),
+                       backend_name_of(backend, op), desc)
+    for backend in list(parent._backends.values()):  # e.g. NCCL's commSplit, collective
+        backend.on_split(pg, color, key)            # over the parent
+    return pg
+
+
+def new_subgroups(group_size: int | None = None, group: GroupArg = None,
+                  timeout: Timeout | None = None, backend: str | None = None,
+                  pg_options: object = None, group_desc: str | None = None,
+                  ) -> tuple[ProcessGroup, list[ProcessGroup | _NonGroupMember]]:
+    """Split a group (WORLD by default) into subgroups of ``group_size`` consecutive ranks.
+
+    Every rank of ``group`` must call it.  ``group_size`` defaults to the number of
+    ranks on this node.  Built with one ``Comm.Split``.
+
+    Returns:
+        (this rank's subgroup, list of all subgroups); entries of subgroups this rank
+        is not in are ``GroupMember.NON_GROUP_MEMBER``.
+    """
+    parent = resolve(group, "new_subgroups") if group is not None else default_group("new_subgroups")
+    if group_size is None:
+        group_size = world_state.node_size
+    if isinstance(group_size, bool) or not isinstance(group_size, int):
+        raise TypeError(f"new_subgroups: group_size must be an int, got {type(group_size).__name__}")
+    if group_size <= 0 or parent._size % group_size:
+        raise ValueError(f"new_subgroups: group_size ({group_size}) must be positive and divide "
+                         f"the group size ({parent._size}) [group {parent._name}]")
+    count = parent._size // group_size
+    ranks_lists = [list(parent._ranks[i * group_size:(i + 1) * group_size]) for i in range(count)]
+    mine = parent._rank // group_size
+    label = group_desc or "subgroup"
+    pg = split_comm(parent, mine, parent._rank, lambda m: f"{label}:{mine}", timeout, backend,
+                group_desc, "new_subgroups")
+    subgroups = [pg if i == mine else GroupMember.NON_GROUP_MEMBER for i in range(len(ranks_lists))]
+    return pg, subgroups
+
+
+def new_subgroups_by_enumeration(ranks_per_subgroup_list: Sequence[Sequence[int]],
+                                 timeout: Timeout | None = None, backend: str | None = None,
+                                 pg_options: object = None, group_desc: str | None = None,
+                                 ) -> tuple[ProcessGroup | None,
+                                            list[ProcessGroup | _NonGroupMember]]:
+    """Create one subgroup per list of global ranks; the lists must not overlap.
+
+    Every rank must call it.  Built with one ``Comm.Split`` of WORLD.
+
+    Returns:
+        (this rank's subgroup or None, list of all subgroups).
+    """
+    world = default_group("new_subgroups_by_enumeration")
+    if not isinstance(ranks_per_subgroup_list, (list, tuple)) or not ranks_per_subgroup_list:
+        raise ValueError("new_subgroups_by_enumeration: ranks_per_subgroup_list must be a "
+                         "non-empty list of lists of ranks")
+    owner: dict[int, int] = {}
+    for i, ranks in enumerate(ranks_per_subgroup_list):
+        for r in _check_rank_list(ranks, world._size, "new_subgroups_by_enumeration",
+                                  f"ranks_per_subgroup_list[{i}]"):
+            if r in owner:
+                raise ValueError(f"new_subgroups_by_enumeration: rank {r} is in subgroups "
+                                 f"{owner[r]} and {i}; subgroups must not overlap")
+            owner[r] = i
+    mine = owner.get(world._rank, MPI.UNDEFINED)
+    label = group_desc or "subgroup"
+    pg = split_comm(world, mine, world._rank, lambda m: f"{label}:{mine}", timeout, backend,
+                group_desc, "new_subgroups_by_enumeration")
+    subgroups = [pg if i == mine else GroupMember.NON_GROUP_MEMBER
+                 for i in range(len(ranks_per_subgroup_list))]
+    return pg, subgroups
+
+
+def split_group(parent_pg: GroupArg = None, split_ranks: Sequence[Sequence[int]] | None = None,
+                timeout: Timeout | None = None, pg_options: object = None,
+                group_desc: str | None = None, backend: str | None = None,
+                ) -> ProcessGroup | None:
+    """Split ``parent_pg`` (WORLD by default) into disjoint groups of its group ranks.
+
+    Every rank of the parent must call it with the same ``split_ranks`` (lists of group
+    ranks in the parent).  Built with one ``Comm.Split``.
+
+    Returns:
+        The group this rank belongs to, or None if it is in no split.
+    """
+    parent = resolve(parent_pg, "split_group") if parent_pg is not None else default_group("split_group")
+    if parent is None:
+        return None
+    if not isinstance(split_ranks, (list, tuple)) or not split_ranks:
+        raise ValueError("split_group: split_ranks must be a non-empty list of lists of group ranks")
+    owner: dict[int, int] = {}
+    for i, ranks in enumerate(split_ranks):
+        for r in _check_rank_list(ranks, parent._size, "split_group", f"split_ranks[{i}]"):
+            if r in owner:
+                raise ValueError(f"split_group: group rank {r} is in splits {owner[r]} and {i}; "
+                                 "splits must not overlap")
+            owner[r] = i
+    mine = owner.get(parent._rank, MPI.UNDEFINED)
+    return split_comm(parent, mine, parent._rank, lambda m: group_desc or _ranks_name(m), timeout,
+                  backend, group_desc, "split_group")
+
+
+def get_process_group_ranks(group: GroupArg) -> list[int]:
+    """Global ranks of the members of ``group``, in group-rank order."""
+    pg = resolve(group, "get_process_group_ranks")
+    if pg is None:
+        return []
+    return list(pg._ranks)
+
+
+def get_group_rank(group: GroupArg, global_rank: int) -> int:
+    """Translate a global rank to its rank in ``group``.
+
+    Raises:
+        ValueError: ``global_rank`` is not a member of ``group``.
+    """
+    pg = resolve(group, "get_group_rank") if group is not None else default_group("get_group_rank")
+    r = pg._group_rank(global_rank) if pg is not None else -1
+    if r < 0:
+        raise ValueError(f"get_group_rank: global rank {global_rank} is not part of group "
+                         f"{getattr(group, '_name', group)}")
+    return r
+
+
+def get_global_rank(group: GroupArg, group_rank: int) -> int:
+    """Translate a rank in ``group`` to its global rank.
+
+    Raises:
+        ValueError: ``group_rank`` is out of range for ``group``.
+    """
+    pg = resolve(group, "get_global_rank") if group is not None else default_group("get_global_rank")
+    if pg is None or not 0 <= group_rank < pg._size:
+        size = pg._size if pg is not None else 0
+        raise ValueError(f"get_global_rank: group rank {group_rank} is out of range [0, {size}) "
+                         f"for group {getattr(group, '_name', group)}")
+    return pg._ranks[group_rank]

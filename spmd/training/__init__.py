@@ -1,0 +1,1 @@
+"""Training utilities on top of the API: DistributedDataParallel's bucketed gradient all-reduce."""
