@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Bring up a local SLURM test cluster on THIS machine (Debian/Ubuntu; no
-# systemd needed) so that the batch scripts in slurm/ and tests/slurm/ can run
+# systemd needed) so that the batch scripts in slurm/ and tests/jobs/test_slurm_scripts.py can run
 # for real. Not for production: no accounting, no cgroups, no limits.
 #
 #   sudo bash slurm/setup_local_cluster.sh      # install + configure + start

@@ -1,4 +1,4 @@
-"""Helpers for tests/test_store.py that run in other processes.
+"""Helpers for tests/unit/test_store.py that run in other processes.
 
 The worker functions are started by multiprocessing (spawn), so they must live in
 an importable module.  Run as a script, ``python _store_helpers.py master HOST``

@@ -1,9 +1,23 @@
-"""Shared fixtures.  MPI tests run as ``mpiexec -n N python -m pytest --with-mpi``;
-every rank runs the same tests and asserts the same things."""
+"""Shared fixtures, and the kinds of test by folder.
+
+The folder says how a test runs:
+
+* ``unit/``    in one process, no MPI job (logic, tables, stores, signatures);
+* ``mpi/``     on every rank of ``mpiexec -n N`` (tests/mpi_pytest.py), once per world size;
+* ``engines/`` the same, and again with each engine forced or off (the data path: what
+  the engine that takes an op changes);
+* ``gpu/``     the same, on GPU arrays (a GPU, or spmd.testing.device_double on CPU);
+* ``jobs/``    in one process that starts jobs of its own (mpiexec, srun, spawn, torchrun).
+
+Tests in mpi/, engines/ and gpu/ get the ``mpi`` marker here; every rank runs the same
+tests and asserts the same things.
+"""
 
 from __future__ import annotations
 
 import os
+import pathlib
+import sys
 from datetime import timedelta
 
 import numpy as np
@@ -13,6 +27,25 @@ try:
     import ml_dtypes
 except ImportError:  # pragma: no cover
     ml_dtypes = None
+
+
+TESTS = pathlib.Path(__file__).resolve().parent
+MPI_KINDS = ("mpi", "engines", "gpu")
+# The helpers beside this file and the programs tests start import each other by name.
+for _path in (str(TESTS), str(TESTS / "programs")):
+    if _path not in sys.path:
+        sys.path.insert(0, _path)
+
+
+@pytest.hookimpl(tryfirst=True)  # before ``-m`` selects by marker
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        kind = pathlib.Path(str(item.path)).resolve().relative_to(TESTS).parts[0]
+        if kind in MPI_KINDS:
+            item.add_marker(pytest.mark.mpi)
+        elif item.get_closest_marker("mpi") is not None:
+            raise pytest.UsageError(f"{item.nodeid} is marked mpi but lives in tests/{kind}/: "
+                                    f"MPI tests go in tests/{{{','.join(MPI_KINDS)}}}/")
 
 
 # SPMD_TEST_DEVICE=double: the GPU tests run on spmd.testing.device_double (CuPy, CUDA

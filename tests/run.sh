@@ -1,11 +1,17 @@
 #!/usr/bin/env bash
-# Run the whole test suite: the MPI tests at world sizes 1, 2, 3 and 4, then the tests
-# that start their own jobs (examples, torch differential test, stores, SLURM scripts).
+# Run the whole test suite, each kind of test where its result can differ
+# (tests/conftest.py says what the folders hold):
+#   tests/mpi/ and tests/engines/   under mpiexec at world sizes 1, 2, 3 and 4
+#   tests/gpu/                      the same, on the device double (CuPy, CUDA, NCCL on CPU)
+#   tests/engines/                  again with the shared-memory engine forced on, off,
+#                                   and the compiled call path off
+#   torch's own distributed suite   on the spmd backend, as itself, as gloo and as mpi
+#   tests/unit/ and tests/jobs/     in one process (jobs/ start their own jobs)
 # Every job runs under a wall-clock limit; the script fails if any part fails.
 #
 #   tests/run.sh               all of it
 #   SIZES="2 4" tests/run.sh   other world sizes for the MPI part (SHM_SIZES and
-#                              SHM_OFF_SIZES: those run with the engine forced on, off;
+#                              SHM_OFF_SIZES: the engine runs forced on, off;
 #                              PYTHON_PATH_SIZES: with the compiled call path off;
 #                              DOUBLE_SIZES: the GPU tests on the device double)
 #
@@ -34,8 +40,7 @@ esac
 
 failed=()
 summary=()
-PATHS=(tests/)
-mpi_run() {  # mpi_run NAME N [VAR=VALUE...]: the MPI-marked tests of PATHS at world size N
+mpi_run() {  # mpi_run NAME N [VAR=VALUE...]: the MPI tests of PATHS at world size N
     local name=$1 n=$2
     shift 2
     echo "=== MPI tests at world size $n${*:+ ($*)} ==="
@@ -51,19 +56,20 @@ mpi_run() {  # mpi_run NAME N [VAR=VALUE...]: the MPI-marked tests of PATHS at w
     summary+=("$name: exit $rc")
 }
 
+PATHS=(tests/mpi tests/engines)
 for n in $SIZES; do
     mpi_run "mpi n=$n" "$n"
 done
 # The GPU tests (collectives on cupy arrays through staging and NCCL, the NCCL engine,
 # its watchdog and diagnoses) on spmd.testing.device_double: CuPy, CUDA streams and
 # events and NCCL stood in for on CPU, so their logic is checked where there is no GPU.
-PATHS=(tests/test_gpu_*.py)
+PATHS=(tests/gpu)
 for n in ${DOUBLE_SIZES:-1 2 3 4}; do
     mpi_run "gpu double n=$n" "$n" SPMD_TEST_DEVICE=double
 done
-PATHS=(tests/)
-# The same suite with the shared-memory engine taking every op it can, at every size
-# (small messages included), then with it off.
+# The data path again with the shared-memory engine taking every op it can, at every
+# size (small messages included), then with it off.
+PATHS=(tests/engines)
 for n in $SHM_SIZES; do
     mpi_run "mpi n=$n shm=force" "$n" SPMD_SHM=force
 done
@@ -100,7 +106,7 @@ else
 fi
 
 echo "=== tests that launch their own jobs ==="
-timeout -k 10 "$LIMIT" "$PYTHON" -m pytest -q -p no:cacheprovider -m "not mpi" -rs tests/
+timeout -k 10 "$LIMIT" "$PYTHON" -m pytest -q -p no:cacheprovider -m "not mpi" -rs tests/unit tests/jobs
 rc=$?
 [ $rc -ne 0 ] && failed+=("plain pytest (exit $rc)")
 summary+=("plain: exit $rc")

@@ -43,7 +43,7 @@ if [ -n "${OUT:-}" ]; then LOGS=$OUT/gpu-check; else LOGS=$(mktemp -d "${TMPDIR:
 mkdir -p "$LOGS"
 export OMP_NUM_THREADS=1 PYTHONUNBUFFERED=1 NCCL_DEBUG=${NCCL_DEBUG:-WARN}
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"   # spmd from this checkout
-SUITE=(tests/test_gpu_collectives.py tests/test_gpu_nccl.py tests/test_gpu_host.py tests/test_gpu_mpmd.py)
+SUITE=(tests/gpu/test_gpu_collectives.py tests/gpu/test_gpu_nccl.py tests/gpu/test_gpu_host.py tests/gpu/test_gpu_mpmd.py)
 
 summary=()   # one line per step, printed at the end
 short=()     # the same, compressed into the last line
@@ -157,7 +157,7 @@ for n in $NCCL_SIZES; do
         "${MPIRUN[@]}" -n "$n" bash -c \
         'NCCL_HOSTID=spmd-rank${PMI_RANK:-${OMPI_COMM_WORLD_RANK:-0}} exec "$@"' hostid \
         "$PYTHON" tests/mpi_pytest.py "$LOGS/ranks_nccl_n$n" -q -p no:cacheprovider -rs -m mpi \
-        -k nccl tests/test_gpu_collectives.py tests/test_gpu_nccl.py
+        -k nccl tests/gpu/test_gpu_collectives.py tests/gpu/test_gpu_nccl.py
     rc=$?
     note "NCCL -n $n with NCCL_HOSTID per rank: exit $rc; $(outcome "$LOGS/nccl_hostid_n$n.log")"
     short+=("nccl n$n $(outcome "$LOGS/nccl_hostid_n$n.log" | sed 's/ in .*//')")

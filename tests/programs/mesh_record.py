@@ -10,7 +10,7 @@ mesh array and every flattened submesh's group ranks; then meshes made by ``_unf
 ``_concatenate`` of submeshes in every order: their mesh, coordinate, groups, whether
 their root is the original mesh, and which calls are refused.  Group identity is
 recorded too: every group gets a number in the order it is first seen, so two meshes
-sharing a group (or not) show the same numbers in both outputs.  tests/test_mesh.py
+sharing a group (or not) show the same numbers in both outputs.  tests/mpi/test_mesh.py
 compares the two outputs line by line.
 """
 

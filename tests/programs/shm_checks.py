@@ -1,4 +1,4 @@
-"""Checks of the shared-memory engine, shared by tests/test_shm.py (under pytest-mpi)
+"""Checks of the shared-memory engine, shared by tests/engines/test_shm.py (under pytest-mpi)
 and tests/programs/shm_hier.py (pseudo-node jobs).
 
 Every check runs on every rank of the group and asserts the same things: results

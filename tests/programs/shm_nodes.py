@@ -1,4 +1,4 @@
-"""The shared-memory engine across (pseudo-)nodes: run by tests/test_shm_nodes.py with
+"""The shared-memory engine across (pseudo-)nodes: run by tests/jobs/test_shm_nodes.py with
 SPMD_PSEUDO_NODE_SIZE=k under mpiexec -n N (N a multiple of k), with the repository
 and tests/ on PYTHONPATH.
 

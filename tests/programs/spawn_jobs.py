@@ -1,6 +1,6 @@
 """spmd.spawn from a plain ``python`` script, as a notebook would use it: the functions
 below are defined in ``__main__``.  ``python spawn_jobs.py MODE`` prints one JSON line
-per check (``{"check": ..., ...}``) for tests/test_spawn.py to assert on."""
+per check (``{"check": ..., ...}``) for tests/jobs/test_spawn.py to assert on."""
 
 import json
 import os

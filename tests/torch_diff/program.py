@@ -4,7 +4,7 @@
     mpiexec -n N python program.py --impl spmd --out DIR
 
 Every rank runs the same deterministic sequence (written once, through a small
-adapter) and saves every result it sees to ``DIR/rank{R}.npz``; tests/test_torch_diff.py
+adapter) and saves every result it sees to ``DIR/rank{R}.npz``; tests/jobs/test_torch_diff.py
 checks that both implementations saved the same arrays, bit for bit.  Inputs are
 small integers, so every result is exact.
 

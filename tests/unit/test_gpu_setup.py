@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 # A 'cupy' that leaves a mark when something tries to import it, then fails to import.
 FAKE_CUPY = """
@@ -80,7 +80,7 @@ def test_mpi_pytest_runs_without_pytest_mpi(tmp_path):
     """A bare GPU machine may lack pytest-mpi: the mpi-marked tests run all the same
     (pytest-mpi's --with-mpi would be an unknown option there)."""
     proc = _run([sys.executable, "-c", BLOCK_PYTEST_MPI, str(tmp_path), "-q",
-                 "-p", "no:cacheprovider", "-m", "mpi", "tests/test_world.py"],
+                 "-p", "no:cacheprovider", "-m", "mpi", "tests/mpi/test_world.py"],
                 {"PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1", "PYTHONPATH": str(ROOT)}, timeout=120)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert " passed" in proc.stdout and "failed" not in proc.stdout

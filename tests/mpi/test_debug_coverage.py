@@ -2,7 +2,7 @@
 collectives and persistent plans compare their fingerprint across the group, so
 mismatched calls end in CollectiveMismatchError on every rank (and the group stays in
 step), while matched calls still give the numpy reference's results.  With debug mode
-off they never reach the check.  MPMD links are covered in tests/test_mpmd.py."""
+off they never reach the check.  MPMD links are covered in tests/mpi/test_mpmd.py."""
 
 import re
 

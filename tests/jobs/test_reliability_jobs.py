@@ -157,7 +157,7 @@ def test_soak_mixed_ops_over_several_groups_stays_flat():
 
 def _readme_lines(start: str) -> list[str]:
     """The README's pasted output lines that start with ``start``."""
-    with open(os.path.join(os.path.dirname(__file__), "..", "README.md")) as f:
+    with open(os.path.join(os.path.dirname(__file__), "..", "..", "README.md")) as f:
         return [ln for ln in f.read().splitlines() if ln.startswith(start)]
 
 

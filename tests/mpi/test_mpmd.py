@@ -5,16 +5,12 @@ real two-program jobs run from plain tests: two different scripts in one mpiexec
 (tests/programs/mpmd_left.py : mpmd_right.py), the ocean/atmosphere example and debug
 mode over a link (tests/programs/mpmd_debug.py).  GPU arrays on links: the choice
 between device pointer and host staging is tested here with numpy arrays through the
-same code (a host stand-in for the CUDA copies); tests/test_gpu_mpmd.py runs cupy."""
+same code (a host stand-in for the CUDA copies); tests/gpu/test_gpu_mpmd.py runs cupy."""
 
-import re
-import sys
 
 import numpy as np
 import pytest
-from _launch import mpiexec_prefix, run
 
-from spmd.backends.staging import use_device_pointer
 from spmd.core import cuda as _gpu
 from spmd.layouts import mpmd
 
@@ -210,39 +206,9 @@ def test_link_debug_mode_mismatch_raises_on_both_programs(dist, programs, detail
     link.free()
 
 
-@pytest.mark.timeout(200)
-@pytest.mark.parametrize("left, right", [(1, 1), (2, 2), (1, 3)])
-def test_link_debug_mode_two_programs(left, right):
-    prog = "tests/programs/mpmd_debug.py"
-    cmd = list(mpiexec_prefix())
-    for i, (n, name) in enumerate(((left, "left"), (right, "right"))):
-        cmd += ([":"] if i else []) + ["-n", str(n), sys.executable, prog, name]
-    proc = run(cmd, timeout=120, SPMD_DEBUG="DETAIL")
-    assert proc.returncode == 0, proc.stdout[-4000:]
-    for w in range(left + right):
-        for case in ("shape", "src_program", "op"):
-            line = re.search(rf"^rank {w} {case}: (.*)$", proc.stdout, re.MULTILINE)
-            assert line and "called link operation #" in line.group(1) and \
-                f"different arguments: {case}: " in line.group(1), (w, case, proc.stdout)
-        assert re.search(rf"^rank {w} matched: OK$", proc.stdout, re.MULTILINE), proc.stdout
-
-
 # -- GPU arrays on links: the path, with numpy through the same code -------------------
 
 A = _gpu.GpuAwareness
-
-
-@pytest.mark.parametrize("support, contiguous, collective, direct", [
-    (A(True, "MPICH aware", True), True, False, True),
-    (A(True, "MPICH aware", True), True, True, True),
-    (A(True, "Open MPI aware", False), True, False, True),    # its Isend/Irecv read GPUs
-    (A(True, "Open MPI aware", False), True, True, False),    # its Ibcast does not
-    (A(False, "not aware", False), True, False, False),
-    (A(True, "MPICH aware", True), False, False, False),      # a strided view: staged
-])
-def test_link_gpu_path_decision(support, contiguous, collective, direct):
-    a = np.zeros((3, 4))
-    assert use_device_pointer(support, a if contiguous else a[:, ::2], collective) == direct
 
 
 class HostStaging:
@@ -322,32 +288,3 @@ def test_functions_need_init_program(dist):
         dist.get_programs()
 
 
-def _mpmd(*parts, timeout=120):
-    """mpiexec -n a prog1 args : -n b prog2 args (Hydra and Open MPI syntax)."""
-    cmd = list(mpiexec_prefix())
-    for i, (n, *args) in enumerate(parts):
-        cmd += ([":"] if i else []) + ["-n", str(n), sys.executable, *args]
-    return run(cmd, timeout=timeout)
-
-
-@pytest.mark.timeout(200)
-@pytest.mark.parametrize("left, right", [(1, 1), (2, 3)])
-def test_two_scripts_in_one_job(left, right):
-    proc = _mpmd((left, "tests/programs/mpmd_left.py"), (right, "tests/programs/mpmd_right.py"))
-    assert proc.returncode == 0, proc.stdout[-4000:]
-    got = sorted(re.findall(r"^(left|right) (\d+)/(\d+) mpmd OK$", proc.stdout, re.MULTILINE))
-    assert got == sorted([("left", str(r), str(left)) for r in range(left)]
-                         + [("right", str(r), str(right)) for r in range(right)]), proc.stdout
-
-
-@pytest.mark.timeout(200)
-@pytest.mark.parametrize("ocean, atmos", [(2, 2), (1, 3), (3, 2)])
-def test_ocean_atmosphere_example(ocean, atmos):
-    proc = _mpmd((ocean, "examples/mpmd_ocean.py"), (atmos, "examples/mpmd_atmos.py"))
-    assert proc.returncode == 0, proc.stdout[-4000:]
-    for prog, n in (("ocean", ocean), ("atmos", atmos)):
-        ranks = sorted(int(r) for r in re.findall(
-            rf"^{prog} rank (\d+)/{n} coupled OK", proc.stdout, re.MULTILINE))
-        assert ranks == list(range(n)), proc.stdout
-    assert re.search(rf"^programs: ocean ranks \[{', '.join(map(str, range(ocean)))}\]",
-                     proc.stdout, re.MULTILINE), proc.stdout

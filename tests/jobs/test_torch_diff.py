@@ -19,9 +19,9 @@ import numpy as np
 import pytest
 from _launch import clean_env, mpiexec, next_to_python
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
-PROGRAM = os.path.join(HERE, "torch_diff", "program.py")
+TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(TESTS)
+PROGRAM = os.path.join(TESTS, "torch_diff", "program.py")
 RUN_TIMEOUT = 180  # seconds, per launch
 
 torch = pytest.importorskip("torch", reason="torch is not installed: nothing to compare against")

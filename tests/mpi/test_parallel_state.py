@@ -3,16 +3,10 @@ Megatron-LM's RankGenerator, embedding groups and virtual pipeline stages, gette
 errors; at 8, 12 and 16 ranks a separate job checks every group of every layout helper
 (tests/programs/layouts.py)."""
 
-import os
-import re
-import sys
 
+import layout_ref as ref
 import numpy as np
 import pytest
-
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "programs"))
-import layout_ref as ref
-from _launch import mpiexec, run
 from conftest import TEST_TIMEOUT
 
 KINDS = {
@@ -222,29 +216,3 @@ def test_embedding_groups_and_virtual_pipeline(dist):
     assert not ps.model_parallel_is_initialized()
 
 
-def _layouts(n, k, *args):
-    proc = run(mpiexec(n, sys.executable, "tests/programs/layouts.py", *args), timeout=540,
-               SPMD_PSEUDO_NODE_SIZE=str(k))
-    assert proc.returncode == 0, proc.stdout[-5000:]
-    lines = re.findall(rf"^rank (\d+)/{n} layouts OK: (\d+) mesh, (\d+) parallel_state "
-                       r"\((\d+) configurations\), (\d+) topology", proc.stdout, re.MULTILINE)
-    assert sorted(int(r[0]) for r in lines) == list(range(n)), proc.stdout[-5000:]
-    mesh, pstate, configs, topo = map(int, lines[0][1:])
-    # 14 group kinds and the two embedding kinds per configuration
-    assert configs > 0 and pstate == 16 * configs
-    assert (mesh > 0 and topo > 0) or "--ps-only" in args
-
-
-@pytest.mark.timeout(600)
-def test_every_group_at_8_ranks():
-    _layouts(8, 3, "--all")  # every accepted configuration; pseudo-nodes [0-2] [3-5] [6-7]
-
-
-@pytest.mark.timeout(600)
-def test_every_group_at_12_ranks():
-    _layouts(12, 5)  # a selection of configurations; pseudo-nodes [0-4] [5-9] [10-11]
-
-
-@pytest.mark.timeout(600)
-def test_every_parallel_state_group_at_16_ranks():
-    _layouts(16, 4, "--ps-only", "3")  # every third configuration of the selection

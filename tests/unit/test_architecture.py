@@ -10,7 +10,7 @@ from __future__ import annotations
 import ast
 import pathlib
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent / "spmd"
+ROOT = pathlib.Path(__file__).resolve().parents[2] / "spmd"
 
 # The packages of each layer, bottom up.  A module takes the layer of its package.
 LAYERS = {
@@ -89,7 +89,7 @@ def _layer(mod: str) -> int | None:
 
 def test_every_module_has_a_layer():
     missing = sorted(m for m in _modules() if _layer(m) is None)
-    assert not missing, f"modules without a layer in tests/test_architecture.py: {missing}"
+    assert not missing, f"modules without a layer in tests/unit/test_architecture.py: {missing}"
 
 
 def test_every_module_lives_in_a_package_of_its_concept():

@@ -20,7 +20,7 @@ from datetime import timedelta
 
 import pytest
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # tests/
 ROOT = os.path.dirname(HERE)
 for _p in (HERE, ROOT):  # for the spawned workers too (they inherit sys.path)
     if _p not in sys.path:

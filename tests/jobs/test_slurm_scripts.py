@@ -3,7 +3,7 @@
 Run with plain pytest, NOT under mpiexec (the jobs start their own MPI ranks)::
 
     sudo bash slurm/setup_local_cluster.sh     # local cluster (2 emulated nodes)
-    python -m pytest tests/slurm -v
+    python -m pytest tests/jobs/test_slurm_scripts.py -v
 
 Without ``sbatch`` on PATH, or when no SLURM node is up, the job tests skip and
 say why. Each job is submitted from the repository root (the scripts ``cd

@@ -12,8 +12,6 @@ import sys
 import numpy as np
 import pytest
 from _launch import mpiexec, run
-
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "programs"))
 from ckpt_job import global_arrays
 
 PROGRAM = "tests/programs/ckpt_job.py"

@@ -1,0 +1,25 @@
+"""The compiled call path is built wherever a C compiler is (its MPI behaviour:
+tests/engines/test_fastcall.py)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sysconfig
+
+import pytest
+
+from spmd.backends.mpi import fastcall
+
+
+def test_the_extension_is_built_where_a_compiler_is():
+    """pip builds spmd.backends.mpi._fastcall where a C compiler and Python's headers are present; a
+    missing build would silently leave only the Python path tested."""
+    headers = os.path.exists(os.path.join(sysconfig.get_paths()["include"], "Python.h"))
+    compiler = shutil.which(sysconfig.get_config_var("CC").split()[0] or "cc")
+    if not (headers and compiler):
+        pytest.skip("no C compiler or no Python headers: the Python path is the only one")
+    import spmd.backends.mpi._fastcall as _fastcall  # noqa: F401 - the import is the check
+
+    if os.environ.get("SPMD_FASTCALL", "1") != "0":
+        assert fastcall.compiled is not None, fastcall.reason
