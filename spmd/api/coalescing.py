@@ -27,6 +27,7 @@ from typing import Any
 import numpy as np
 
 from spmd.core.errors import located
+from spmd.core.ops import ReduceOp
 from spmd.core.packing import (
     DEFAULT_BUCKET_BYTES,
     Packed,
@@ -112,7 +113,7 @@ class CoalescingManager:
         self.works: list[Work] = []
         self._ops: list[tuple] = []
         self._kind: str | None = None
-        self._op = None
+        self._op: ReduceOp | None = None  # the batch's reduction (all_reduce, reduce_scatter)
         self._issued = False
 
     @property
@@ -128,14 +129,15 @@ class CoalescingManager:
         for w in self.works:
             w.wait(timeout)
 
-    def _record(self, kind: str, out, inp, op) -> _Pending:
+    def _record(self, kind: str, out, inp, op: ReduceOp | None) -> _Pending:
         if self._kind is None:
             self._kind, self._op = kind, op
         elif kind != self._kind:
             raise located(ValueError, kind, f"cannot join a coalescing_manager() batch of "
                           f"{self._kind}: all ops of a block must be the same collective",
                           self.group)
-        elif op is not None and (op.name != self._op.name or op.factor is not self._op.factor):
+        elif op is not None and (self._op is None or op.name != self._op.name
+                                 or op.factor is not self._op.factor):
             raise located(ValueError, kind, f"{op!r} cannot join a batch reduced with "
                           f"{self._op!r}: all ops of a block must use the same ReduceOp",
                           self.group)

@@ -64,6 +64,15 @@ _c_all_to_all_single = function("all_to_all_single")
 _c_barrier = function("barrier")
 
 
+def array_device(a) -> str:
+    """The device of an array the argument checks returned (never None for one)."""
+    if type(a) is _ndarray:
+        return "cpu"
+    dev = device_of(a)
+    assert dev is not None  # the checks return arrays only
+    return dev
+
+
 def _done(work: Work, async_op: bool) -> Work | None:
     if async_op:
         return work
@@ -158,7 +167,7 @@ def broadcast(tensor: Array, src: int | None = None, group: GroupArg = None,
         if type(host) is HostBackend and host.blocking.broadcast(tensor, root):
             return None
     a = array_out(tensor, "broadcast", "tensor", pg)
-    work = pg._backend_for("cpu" if type(a) is _ndarray else device_of(a)).broadcast(a, root)
+    work = pg._backend_for("cpu" if type(a) is _ndarray else array_device(a)).broadcast(a, root)
     if async_op:
         return work
     work.wait()
@@ -178,7 +187,7 @@ def all_reduce(tensor: Array, op: ReduceOp = _SUM, group: GroupArg = None,
         if type(host) is HostBackend and host.blocking.all_reduce(tensor, op):
             return None
     a = array_out(tensor, "all_reduce", "tensor", pg)
-    work = pg._backend_for("cpu" if type(a) is _ndarray else device_of(a)).all_reduce(a, op)
+    work = pg._backend_for("cpu" if type(a) is _ndarray else array_device(a)).all_reduce(a, op)
     if async_op:
         return work
     work.wait()
@@ -223,7 +232,7 @@ def reduce(tensor: Array, dst: int | None = None, op: ReduceOp = _SUM, group: Gr
         if type(host) is HostBackend and host.blocking.reduce(tensor, root, op, pg._rank == root):
             return None
     a = (array_out if pg._rank == root else array_in)(tensor, "reduce", "tensor", pg)
-    work = pg._backend_for("cpu" if type(a) is _ndarray else device_of(a)).reduce(a, root, op)
+    work = pg._backend_for("cpu" if type(a) is _ndarray else array_device(a)).reduce(a, root, op)
     if async_op:
         return work
     work.wait()

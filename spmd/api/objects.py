@@ -49,7 +49,7 @@ def _dumps(obj) -> np.ndarray:
 
 
 def _loads(buf: np.ndarray):
-    return pickle.loads(memoryview(buf))
+    return pickle.loads(buf.data)
 
 
 # One MPI call carries at most _LIMIT bytes in all (counts and displacements are C ints
@@ -97,9 +97,10 @@ def _gather_bytes(pg, op: str, data: np.ndarray, sizes: list[int], root: int | N
             req = pg._comm.Igatherv(piece, rspec, root)
         _wait(pg, op, req, (piece, tmp))
         if gets and nrounds > 1:
+            assert out is not None and tmp is not None  # both are made where gets
             for r, (c, d) in enumerate(zip(counts, displs)):
                 out[offsets[r] + k * per:offsets[r] + k * per + c] = tmp[d:d + c]
-    if not gets:
+    if out is None:  # not gets
         return None
     return [out[o:o + s] for o, s in zip(offsets, sizes)]
 
@@ -161,6 +162,7 @@ def gather_object(obj: object, object_gather_list: list[Any] | None = None,
     # every rank learns every size: all of them need the number of rounds
     bufs = _gather_bytes(pg, op, data, _all_sizes(pg, op, data), root)
     if is_root:
+        assert object_gather_list is not None  # _check_list raised otherwise
         for i, buf in enumerate(bufs):
             object_gather_list[i] = _loads(buf)
     return None
@@ -182,9 +184,9 @@ def broadcast_object_list(object_list: list[Any], src: int | None = None, group:
         _checked.check_op(pg, op, object_list, root)
     is_root = pg._rank == root
     data = _dumps(object_list) if is_root else None
-    size = np.array([data.size if is_root else 0], _I64)
+    size = np.array([data.size if data is not None else 0], _I64)
     _wait(pg, op, pg._comm.Ibcast(size, root), size)
-    if not is_root:
+    if data is None:  # not the root
         data = np.empty(int(size[0]), _U8)
     _wait(pg, op, [pg._comm.Ibcast(p, root) for p in _pieces(data)], data)
     if is_root:
@@ -218,6 +220,7 @@ def scatter_object_list(scatter_object_output_list: list[Any],
     if _checked.active:
         _checked.check_op(pg, op, root)
     if is_root:
+        assert scatter_object_input_list is not None  # _check_list raised otherwise
         pieces = [_dumps(o) for o in scatter_object_input_list]
         sizes = np.array([p.size for p in pieces], _I64)
         sbuf = np.concatenate(pieces)
@@ -226,14 +229,14 @@ def scatter_object_list(scatter_object_output_list: list[Any],
         sbuf = None
     # every rank learns every size: all of them need the number of rounds
     _wait(pg, op, pg._comm.Ibcast(sizes, root), sizes)
-    sizes = [int(x) for x in sizes]
-    nrounds, per = _rounds(sizes)
-    _, offsets = _displs(sizes)
-    rbuf = np.empty(sizes[pg._rank], _U8)
+    nbytes = [int(x) for x in sizes]
+    nrounds, per = _rounds(nbytes)
+    _, offsets = _displs(nbytes)
+    rbuf = np.empty(nbytes[pg._rank], _U8)
     for k in range(nrounds):
-        counts, displs = _displs([min(per, max(0, s - k * per)) for s in sizes])
+        counts, displs = _displs([min(per, max(0, s - k * per)) for s in nbytes])
         sspec = None
-        if is_root:
+        if sbuf is not None:  # the root
             send = sbuf if nrounds == 1 else np.concatenate(
                 [sbuf[o + k * per:o + k * per + c] for o, c in zip(offsets, counts)])
             sspec = [send, (counts, displs)]

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import Literal, overload
 
 from mpi4py import MPI
 
-from spmd.api.collectives import group_rank_of
+from spmd.api.collectives import array_device, group_rank_of
 from spmd.backends.host import HostBackend
 from spmd.backends.mpi.fastcall import function
-from spmd.core.arrays import _ndarray, array_in, array_out, device_of
+from spmd.core.arrays import _ndarray, array_in, array_out
 from spmd.core.errors import located
 from spmd.core.typing import Array
 from spmd.core.work import Work
@@ -17,8 +18,15 @@ from spmd.runtime.group import GroupArg, resolve
 
 __all__ = ["send", "recv", "isend", "irecv", "P2POp", "batch_isend_irecv"]
 
+
+def _tag_ub() -> int:
+    ub = MPI.COMM_WORLD.Get_attr(MPI.TAG_UB)
+    assert ub is not None  # MPI defines TAG_UB on every communicator
+    return ub
+
+
 # The largest tag is kept for spmd's own object messages (send_object_list).
-OBJECT_TAG = MPI.COMM_WORLD.Get_attr(MPI.TAG_UB)
+OBJECT_TAG = _tag_ub()
 
 
 # The compiled call path (None when it is off); False: a call it does not take.
@@ -32,6 +40,15 @@ def check_tag(tag, op: str, pg) -> int:
     if not 0 <= tag < OBJECT_TAG:
         raise located(ValueError, op, f"tag={tag} is out of range [0, {OBJECT_TAG})", pg)
     return tag
+
+
+@overload
+def peer_rank(pg, op: str, peer, group_peer, arg: str,
+              any_source: Literal[False] = False) -> int: ...
+
+
+@overload
+def peer_rank(pg, op: str, peer, group_peer, arg: str, any_source: bool) -> int | None: ...
 
 
 def peer_rank(pg, op: str, peer, group_peer, arg: str, any_source: bool = False) -> int | None:
@@ -57,7 +74,7 @@ def isend(tensor: Array, dst: int | None = None, group: GroupArg = None, tag: in
         return None
     peer = peer_rank(pg, "isend", dst, group_dst, "dst")
     a = array_in(tensor, "isend", "tensor", pg)
-    return pg._backend_for(device_of(a)).send(a, peer, check_tag(tag, "isend", pg))
+    return pg._backend_for(array_device(a)).send(a, peer, check_tag(tag, "isend", pg))
 
 
 def irecv(tensor: Array, src: int | None = None, group: GroupArg = None, tag: int = 0,
@@ -69,7 +86,7 @@ def irecv(tensor: Array, src: int | None = None, group: GroupArg = None, tag: in
         return None
     peer = peer_rank(pg, "irecv", src, group_src, "src", any_source=True)
     a = array_out(tensor, "irecv", "tensor", pg)
-    return pg._backend_for(device_of(a)).recv(a, peer, check_tag(tag, "irecv", pg))
+    return pg._backend_for(array_device(a)).recv(a, peer, check_tag(tag, "irecv", pg))
 
 
 def send(tensor: Array, dst: int | None = None, group: GroupArg = None, tag: int = 0,
@@ -87,7 +104,7 @@ def send(tensor: Array, dst: int | None = None, group: GroupArg = None, tag: int
         if type(host) is HostBackend and host.blocking.send(tensor, peer, tag):
             return None
     a = array_in(tensor, "send", "tensor", pg)
-    pg._backend_for(device_of(a)).send(a, peer, tag).wait()
+    pg._backend_for(array_device(a)).send(a, peer, tag).wait()
     return None
 
 
@@ -112,7 +129,7 @@ def recv(tensor: Array, src: int | None = None, group: GroupArg = None, tag: int
         if type(host) is HostBackend and host.blocking.recv(tensor, peer, tag):
             return pg._global_rank(peer)
     a = array_out(tensor, "recv", "tensor", pg)
-    work = pg._backend_for(device_of(a)).recv(a, peer, tag)
+    work = pg._backend_for(array_device(a)).recv(a, peer, tag)
     return work.source_rank()
 
 
@@ -166,7 +183,7 @@ def batch_isend_irecv(p2p_op_list: Sequence[P2POp]) -> list[Work | None]:
     for i, item in enumerate(started):
         if item is not None:
             pg, sending, a, peer, tag = item
-            backend = pg._backend_for(device_of(a))
+            backend = pg._backend_for(array_device(a))
             batches.setdefault(id(backend), (backend, []))[1].append((i, sending, a, peer, tag))
     for backend, items in batches.values():
         for item, work in zip(items, backend.batch_p2p([it[1:] for it in items])):

@@ -118,6 +118,7 @@ class Plan:
         if pg._size > 1:
             ok = pg._comm.allreduce(ok, op=MPI.LAND)
         if ok:
+            assert native_init is not None  # ok is False on every rank without it
             try:
                 self._req = native_init()
             except NotImplementedError:  # mpi4py built against an MPI without them
@@ -138,24 +139,30 @@ class Plan:
                           "start is in flight; wait for its Work first", self.group)
         if _checked.active:
             self._check("start")
+        work: Work | None
         if self._req is None:
-            self._work = self._fallback()
+            work = self._fallback()
+            assert work is not None  # the plan's group holds this rank: a Work, not None
         elif type(self._req) is not list:
             self._req.Start()
-            self._work = Work([self._req], self.name, self.group, self._outputs, finish=self._finish, keep=self._keep)
-        elif type(self._req) is list:
+            work = Work([self._req], self.name, self.group, self._outputs, finish=self._finish,
+                        keep=self._keep)
+        else:
             if self._prepare is not None:
                 self._prepare()
             _startall(self._req)
-            self._work = Work([_AllOf(self._req)], self.name, self.group, self._outputs,
-                              finish=self._finish, keep=self._keep)
-        return self._work
+            work = Work([_AllOf(self._req)], self.name, self.group, self._outputs,
+                        finish=self._finish, keep=self._keep)
+        self._work = work
+        return work
 
     def _check(self, call: str) -> None:
         """Debug mode: every rank makes (starts) the same plan here, or all raise
         CollectiveMismatchError."""
         op = f"persistent.{self.name}"
-        fields, pairs = OPS[op].fingerprint(self.group, *self._args)
+        fingerprint = OPS[op].fingerprint
+        assert fingerprint is not None  # every persistent op has one (spmd.core.optable)
+        fields, pairs = fingerprint(self.group, *self._args)
         _checked.check_call(self.group, op, {"call": call, "plan": self._number, **fields},
                             pairs)
 
