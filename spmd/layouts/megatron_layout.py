@@ -60,7 +60,9 @@ def layout_mesh(order: list[str], sizes: dict[str, int], drop: str, names: dict[
 
 
 def flat_group(mesh: DeviceMesh, tokens: list[str], name: str) -> ProcessGroup:
-    dims = [n for n in mesh.mesh_dim_names if n in tokens]  # in mesh order
+    names = mesh.mesh_dim_names
+    assert names is not None  # layout meshes are named
+    dims = [n for n in names if n in tokens]  # in mesh order
     return mesh[tuple(dims)].flatten(name).get_group()
 
 

@@ -32,6 +32,7 @@ from spmd.layouts.mesh_args import (
 from spmd.runtime.group import (
     GroupMember,
     ProcessGroup,
+    _NonGroupMember,
     backend_name_of,
     default_group,
     register_group,
@@ -123,7 +124,7 @@ class DeviceMesh:
         self._device_type = device_type
         self._full = full
         self._rank_map = full.ravel()
-        self._root = None
+        self._root: DeviceMesh | None = None
         self._layout = lay.row_major(full.shape)  # per dimension: modes over the rank map
         self._names = names
         hit = np.flatnonzero(self._rank_map == rank)
@@ -493,7 +494,7 @@ class DeviceMesh:
                              f"({len(groups)})")
         names = check_names(mesh_dim_names, full.ndim, op)
         coord = _locate(full, world._rank)
-        checked = []
+        checked: list[ProcessGroup | _NonGroupMember] = []
         for d, g in enumerate(groups):
             if coord is None:
                 checked.append(GroupMember.NON_GROUP_MEMBER)
@@ -532,7 +533,9 @@ def _default_or_init() -> ProcessGroup:
         from spmd.runtime.world import init_process_group
 
         init_process_group()
-    return world_state.world
+    world = world_state.world
+    assert world is not None  # init_process_group() made it
+    return world
 
 
 def init_device_mesh(device_type: str, mesh_shape: int | Sequence[int], *,

@@ -3,6 +3,9 @@ communication, with the same message on every rank."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import overload
+
 import numpy as np
 
 from spmd.runtime.group import backend_name_of
@@ -21,6 +24,14 @@ def check_device_type(device_type, op: str) -> str:
                 if device_type.split(":")[0] in DEVICES else "")
         raise ValueError(f"{op}: device_type must be one of {DEVICES}, got {device_type!r}{hint}")
     return device_type
+
+
+@overload
+def check_names(names: None, ndim: int, op: str) -> None: ...
+
+
+@overload
+def check_names(names: Sequence[str], ndim: int, op: str) -> tuple[str, ...]: ...
 
 
 def check_names(names, ndim: int, op: str) -> tuple[str, ...] | None:

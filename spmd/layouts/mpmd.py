@@ -22,7 +22,7 @@ from __future__ import annotations
 import pickle
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 from mpi4py import MPI
@@ -206,8 +206,11 @@ class Link:
                  local: Program, remote: Program, timeout: float):
         self.local = local
         self.remote = remote
-        self._pg = _LinkGroup(comm, local.ranks, f"link:{local.name}-{remote.name}", timeout,
-                              "mpi", "link")
+        # ProcessGroup is typed for intracommunicators; what Works, waits and free() call
+        # on the link's group (Isend/Irecv, sizes, Free) an intercommunicator has as well.
+        self._pg = _LinkGroup(cast(MPI.Intracomm, comm), local.ranks,
+                              f"link:{local.name}-{remote.name}", timeout, "mpi", "link")
+        self._comm = comm              # the same communicator, as what it is
         self._lib = lib                # objects and broadcast relays
         self._local_comm = local_comm  # this program's ranks, for fanning a broadcast out
         self._remote_size = comm.Get_remote_size()
@@ -233,7 +236,7 @@ class Link:
     def _live(self, op: str) -> MPI.Intercomm:
         if self._pg._comm is None:
             raise RuntimeError(f"{op}: link {self._pg._name} was freed")
-        return self._pg._comm
+        return self._comm
 
     def _peer(self, peer, op: str, arg: str, any_source: bool = False) -> int:
         if peer is None and any_source:
@@ -412,7 +415,7 @@ class Link:
         self._live(op)
         peer = self._peer(src, op, "src", any_source=True)
         data, _ = self._recv_bytes(peer, _OBJECT_TAG, op)
-        return pickle.loads(memoryview(data))
+        return pickle.loads(data.data)
 
     def broadcast_object(self, obj: object, src: int, src_program: str) -> Any:
         """Every rank of the other program gets rank ``src`` of ``src_program``'s ``obj``.
@@ -440,7 +443,7 @@ class Link:
         if self._pg._rank != 0:
             data = np.empty(int(size[0]), _U8)
         self._wait(self._local_comm.Ibcast(data, 0), op, data)
-        return pickle.loads(memoryview(data))
+        return pickle.loads(data.data)
 
     def free(self) -> None:
         """Free the link's communicators.  Every rank of both programs must call it."""

@@ -24,7 +24,7 @@ from datetime import timedelta
 
 from spmd.layouts import megatron_layout as ml
 from spmd.layouts.mesh import DeviceMesh
-from spmd.runtime.group import GroupMember, ProcessGroup, new_subgroups_by_enumeration
+from spmd.runtime.group import ProcessGroup, new_subgroups_by_enumeration
 from spmd.runtime.group import world_state as _world_state
 
 RanksFn = Callable[[list[int]], list[int]]  # pipeline ranks -> embedding ranks
@@ -196,7 +196,7 @@ def initialize_model_parallel(tensor_model_parallel_size: int = 1,
     # Every check is done: from here on every rank splits.
     decoder = ml.layout_mesh(full_order, decoder_sizes, "ep", {}, timeout)
     expert_names = {"tp": "etp", "dp": "edp"}
-    groups = {
+    groups: dict[str, ProcessGroup | None] = {
         "tp": decoder.get_group("tp"),
         "pp": decoder.get_group("pp"),
         "dp": decoder.get_group("dp"),
@@ -241,12 +241,13 @@ def destroy_model_parallel() -> None:
     if not model_parallel_is_initialized():
         _layout = None
         return
+    assert _layout is not None  # model_parallel_is_initialized() says so
     from spmd.runtime.world import destroy_process_group
 
     seen: set[int] = set()
     for pg in _layout.groups.values():
-        if pg is None or pg is _layout.world or pg is GroupMember.NON_GROUP_MEMBER \
-                or id(pg) in seen:
+        # None where this rank has no such group (also skips a non-member sentinel)
+        if not isinstance(pg, ProcessGroup) or pg is _layout.world or id(pg) in seen:
             continue
         seen.add(id(pg))
         if pg._comm is not None:
@@ -260,6 +261,7 @@ def _group(token: str, op: str, check_initialized: bool = True):
             return None
         raise RuntimeError(f"{op}: model parallel groups are not initialized; call "
                            "spmd.layouts.parallel_state.initialize_model_parallel() first")
+    assert _layout is not None  # model_parallel_is_initialized() says so
     return _layout.groups[token]
 
 
@@ -320,7 +322,7 @@ def get_pipeline_model_parallel_prev_rank() -> int:
     return pg.ranks[(pg.rank() - 1) % pg.size()]
 
 
-def _vp_stage_is(want: int, ignore_virtual: bool, vp_stage, op: str) -> bool:
+def _vp_stage_is(want: int | None, ignore_virtual: bool, vp_stage, op: str) -> bool:
     """False if a virtual pipeline is on, asked about, and ``vp_stage`` is not ``want``."""
     if ignore_virtual or _vp_world_size is None:
         return True
@@ -379,8 +381,11 @@ def set_virtual_pipeline_model_parallel_world_size(world_size: int | None) -> No
 def _embedding_group(token: str, what: str, op: str, check_initialized: bool):
     pg = _group(token, op, check_initialized)
     if pg is None and check_initialized:
+        assert _layout is not None  # _group raised if it were not initialized
+        pipeline = _layout.groups["pp"]
+        assert pipeline is not None  # every rank is in a pipeline group
         raise RuntimeError(f"{op}: global rank {_layout.world._rank} is in no {what} group "
-                           f"(its pipeline: {_layout.groups['pp'].ranks})")
+                           f"(its pipeline: {pipeline.ranks})")
     return pg
 
 
@@ -401,9 +406,12 @@ def is_rank_in_embedding_group(ignore_virtual: bool = True, vp_stage: int | None
     """True if this rank holds word embeddings; unless ``ignore_virtual``, only for the
     model chunk that does (the first chunk on the first listed rank, the last chunk on
     the last listed rank)."""
-    if not model_parallel_is_initialized() or _layout.embedding["embd"] is None:
+    if not model_parallel_is_initialized():
         return False
+    assert _layout is not None  # model_parallel_is_initialized() says so
     ranks, me = _layout.embedding["embd"], _layout.world._rank
+    if ranks is None:
+        return False
     if ignore_virtual or me not in (ranks[0], ranks[-1]):
         return True
     if me == ranks[0]:
@@ -413,7 +421,10 @@ def is_rank_in_embedding_group(ignore_virtual: bool = True, vp_stage: int | None
 
 def is_rank_in_position_embedding_group() -> bool:
     """True if this rank holds position embeddings."""
-    return model_parallel_is_initialized() and _layout.embedding["pos-embd"] is not None
+    if not model_parallel_is_initialized():
+        return False
+    assert _layout is not None  # model_parallel_is_initialized() says so
+    return _layout.embedding["pos-embd"] is not None
 
 
 # -- data and context parallel -----------------------------------------------------
