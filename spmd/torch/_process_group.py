@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import sys
 from datetime import timedelta
+from typing import TYPE_CHECKING, cast
 
 import torch
 import torch.distributed as dist
@@ -36,6 +37,9 @@ from spmd.torch._sharded_tensor import answer_device_without_shards
 from spmd.torch._store import ensure_spmd, owns_world, release_world
 from spmd.torch._tensors import host_in, host_out, reduce_op, same_storage
 from spmd.torch._work import SpmdWork
+
+if TYPE_CHECKING:
+    from torch.distributed.distributed_c10d import GroupName  # for the annotation only
 
 __all__ = ["SpmdProcessGroup", "create"]
 
@@ -79,7 +83,9 @@ class SpmdProcessGroup(dist.ProcessGroup):
 
     def __init__(self, group: spmd.ProcessGroup, rank: int, size: int,
                  timeout: timedelta | None, owns: str):
-        super().__init__(rank, size)
+        # torch's stub lists only the (store, rank, size) constructor; c10d also has the
+        # (rank, size) one, for process groups without a store.
+        super().__init__(rank, size)  # type: ignore[call-arg]
         self._spmd = group
         self._owns = owns  # "world": destroy spmd with it; "group": free its group; ""
         self._timeout = timeout
@@ -132,8 +138,8 @@ class SpmdProcessGroup(dist.ProcessGroup):
     _set_group_desc = setGroupDesc
 
     @property
-    def group_name(self) -> str:
-        return self._name
+    def group_name(self) -> GroupName:
+        return cast("GroupName", self._name)  # torch's NewType of str
 
     @property
     def group_desc(self) -> str:
@@ -477,11 +483,14 @@ def create(opts, pg_options) -> SpmdProcessGroup:
                 "and leave RANK/WORLD_SIZE unset or equal to MPI's")
         owns = "world" if not owned_before or owns_world() else ""
         _keep_excepthook_output()
+        assert world is not None  # ensure_spmd() initialised spmd
         return SpmdProcessGroup(world, me, n, timeout, owns)
     if max(ranks) >= n:
         raise RuntimeError(f"spmd backend: group of global ranks {ranks} but the MPI job has "
                            f"{n} ranks [rank {me}]")
     group = spmd.new_group(ranks, timeout=timeout, sort_ranks=False)
+    # torch makes a backend only on the group's members, which get a ProcessGroup
+    assert isinstance(group, spmd.ProcessGroup)
     if group.rank() != opts.group_rank:
         raise RuntimeError(f"spmd backend: group rank {group.rank()} from MPI but "
                            f"{opts.group_rank} from torch for ranks {ranks} [rank {me}]")

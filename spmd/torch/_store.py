@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import socket
 from datetime import timedelta
+from typing import Any
 
 import spmd
 
@@ -62,10 +63,10 @@ def mpi_rendezvous(rank: int, world_size: int, timeout: timedelta | None):
         raise ValueError(f"init_process_group: rank={rank} but MPI says this is rank {me} "
                          f"(of {n})")
     seconds = timeout if timeout is not None else timedelta(minutes=30)
-    hosts = [None] * n
+    hosts: list[Any] = [None] * n  # every rank's host name, once gathered
     spmd.all_gather_object(hosts, socket.gethostname())
-    address = [None]
-    store = None
+    address: list[Any] = [None]  # rank 0's (host, port)
+    store: dist.TCPStore | None = None
     if me == 0:
         host = _host(hosts)
         store = dist.TCPStore(host, 0, n, True, seconds, wait_for_workers=False)

@@ -13,7 +13,9 @@ from __future__ import annotations
 import atexit
 import threading
 import time
+from collections.abc import Sequence
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -45,10 +47,14 @@ class SpmdWork(dist.Work):
     value is the op's output tensors.
     """
 
+    # The spmd Work of a receive from any source, which tells the sender (set by the
+    # process group's recv_anysource; absent on every other Work).
+    _src_work: spmd.Work | None
+
     def __init__(self, works: list, outputs, op: str, group, finish=None,
                  timeout: float | None = None):
         super().__init__()
-        self._works = works
+        self._works: Sequence[Any] = works  # emptied (a tuple) once done
         self._outputs = outputs
         self._op = op
         self._group = group       # the spmd ProcessGroup
@@ -57,7 +63,7 @@ class SpmdWork(dist.Work):
         self._lock = threading.Lock()
         self._done = False
         self._exc: BaseException | None = None
-        self._future = None
+        self._future: torch.futures.Future[Any] | None = None
 
     def _run_finish(self) -> None:
         finish, self._finish = self._finish, None
@@ -172,7 +178,7 @@ class SpmdWork(dist.Work):
         """A future completed with the output tensors when the operation completes,
         also when nobody waits on this Work (a poller thread watches it)."""
         if self._future is None:
-            fut = torch.futures.Future(devices=self._devices())
+            fut: torch.futures.Future[Any] = torch.futures.Future(devices=self._devices())
             with self._lock:
                 self._future = fut
             if self._done:
