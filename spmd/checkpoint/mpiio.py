@@ -32,7 +32,7 @@ import io
 import math
 import os
 from collections.abc import Callable
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 from mpi4py import MPI
@@ -110,8 +110,9 @@ def create_npy(path: str, dtype: np.dtype, shape: tuple[int, ...], mode: int) ->
     return len(header)
 
 
-def read_npy_header(path: str) -> tuple[str, bool, tuple[int, ...], int]:
-    """``(descr, fortran_order, shape, data offset)`` of a .npy file's header."""
+def read_npy_header(path: str) -> tuple[str | list[Any], bool, tuple[int, ...], int]:
+    """``(descr, fortran_order, shape, data offset)`` of a .npy file's header (descr is a
+    list for structured dtypes)."""
     with open(path, "rb") as f:
         version = np.lib.format.read_magic(f)
         if version == (1, 0):
@@ -154,7 +155,11 @@ def _view(fh: MPI.File, offset: int, itemsize: int, gshape: tuple[int, ...],
           start: tuple[int, ...] | None, shape: tuple[int, ...] | None,
           types: _Types) -> MPI.Datatype:
     etype = types.keep(MPI.BYTE.Create_contiguous(itemsize)).Commit()
-    if start is None or math.prod(shape) == 0:
+    if start is None:
+        fh.Set_view(offset, etype, etype)
+        return etype
+    assert shape is not None  # a rank with a block passes its shape with its start
+    if math.prod(shape) == 0:
         fh.Set_view(offset, etype, etype)
         return etype
     if not gshape:  # a 0-d array is one element
@@ -271,6 +276,7 @@ def _write_side_by_side(comm: MPI.Intracomm, writes: list[BlockWrite], sync: boo
             w = writes[i]
             if w.block is None or w.block.size == 0:
                 continue
+            assert w.start is not None  # a rank with a block has its start
             first = int(np.ravel_multi_index(w.start, w.gshape)) if w.gshape else 0
             etype = types.keep(MPI.BYTE.Create_contiguous(w.itemsize)).Commit()
             try:

@@ -55,8 +55,8 @@ import os
 import pickle
 import secrets
 import shutil
-from collections.abc import Callable, Mapping
-from typing import Any
+from collections.abc import Callable, Mapping, MutableMapping
+from typing import Any, cast
 
 import numpy as np
 from mpi4py import MPI
@@ -505,6 +505,7 @@ def load(target: dict[str, Any], path: str | os.PathLike, group: Any = None) -> 
     all_gather_object(gathered, mine, group=pg)
     _raise_first(op, [g.get("error") for g in gathered], pg)
     entries = gathered[0]["entries"]
+    status: dict[str, Any]
     try:
         leaves = flatten(target, "target", entries)
         reads = [name for name, _, _, leaf in leaves
@@ -517,7 +518,7 @@ def load(target: dict[str, Any], path: str | os.PathLike, group: Any = None) -> 
     _raise_first(op, [s["error"] for s in statuses], pg)
     # Every rank takes part in the collective read of every array some rank wants.
     wanted = sorted({n for s in statuses for n in s["reads"]})
-    reads = set(reads)
+    my_reads = set(reads)
 
     by_name = {name: (parent, key, leaf) for name, parent, key, leaf in leaves}
     for name in wanted:
@@ -526,10 +527,11 @@ def load(target: dict[str, Any], path: str | os.PathLike, group: Any = None) -> 
         gshape = tuple(entry["shape"])
         fname = os.path.join(path, entry["file"])
         start = out = None
-        if name in reads:
+        if name in my_reads:
             parent, key, leaf = by_name[name]
             if leaf is None:
-                leaf = parent[key] = np.empty(gshape, dt)
+                # load writes into the target's dicts (a read-only Mapping fails here)
+                leaf = cast(MutableMapping, parent)[key] = np.empty(gshape, dt)
             data = leaf.data if isinstance(leaf, Shard) else leaf
             start = leaf.offset if isinstance(leaf, Shard) else (0,) * len(gshape)
             out = data if isinstance(data, np.ndarray) else np.empty(data.shape, dt)
@@ -539,7 +541,8 @@ def load(target: dict[str, Any], path: str | os.PathLike, group: Any = None) -> 
     for name, parent, key, _leaf in leaves:
         entry = entries[name]
         if entry["kind"] == "value":
-            parent[key] = entry["value"] if entry.get("pickle") else entry["json"]
+            value = entry["value"] if entry.get("pickle") else entry["json"]
+            cast(MutableMapping, parent)[key] = value
     return target
 
 

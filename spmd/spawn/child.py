@@ -85,7 +85,9 @@ class _Listener(threading.Thread):
     def __init__(self, parent: MPI.Intercomm, parent_pid: int):
         super().__init__(name="spmd-spawn-listener", daemon=True)
         self.parent, self.parent_pid = parent, parent_pid
-        self.main_ident = threading.main_thread().ident
+        main_ident = threading.main_thread().ident
+        assert main_ident is not None  # the main thread is running
+        self.main_ident = main_ident
         self.stopped = threading.Event()
         self.done = threading.Event()
 

@@ -60,7 +60,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from datetime import timedelta
-from typing import Any
+from typing import Any, overload
 
 from mpi4py import MPI
 
@@ -227,8 +227,15 @@ def _serialize(fn: Callable, args: tuple) -> tuple[bytes, str | None]:
         raise TypeError(f"spawn: cannot pickle fn={fn!r} and its args: {type(exc).__name__}: "
                         f"{exc} (lambdas and local functions need cloudpickle: pip install "
                         "cloudpickle)") from exc
-    needs_main = main_file and b"__main__" in payload
-    return payload, os.path.abspath(main_file) if needs_main else None
+    return payload, os.path.abspath(main_file) if main_file and b"__main__" in payload else None
+
+
+@overload
+def _seconds(timeout: None, name: str) -> None: ...
+
+
+@overload
+def _seconds(timeout: float | timedelta, name: str) -> float: ...
 
 
 def _seconds(timeout, name: str) -> float | None:
@@ -249,7 +256,8 @@ class ProcessContext:
 
     def __init__(self, comm: MPI.Intercomm, nprocs: int, deadline: float | None,
                  job_file: str | None):
-        self._comm, self.nprocs, self._deadline = comm, nprocs, deadline
+        self._comm: MPI.Intercomm | None = comm  # None once the job has ended
+        self.nprocs, self._deadline = nprocs, deadline
         self._job_file = job_file
         self._pids: dict[int, int] = {}
         self._hosts: dict[int, str] = {}
@@ -333,10 +341,12 @@ class ProcessContext:
 
     def _drain(self) -> bool:
         """Handle every message that has arrived; True if there was one."""
+        comm = self._comm
+        assert comm is not None  # messages are drained only until the job ends
         got = False
         while True:
-            msg = self._comm.improbe(source=MPI.ANY_SOURCE, tag=MPI.ANY_TAG,
-                                     status=(status := MPI.Status()))
+            msg = comm.improbe(source=MPI.ANY_SOURCE, tag=MPI.ANY_TAG,
+                               status=(status := MPI.Status()))
             if msg is None:
                 return got
             got = True
@@ -412,8 +422,10 @@ class ProcessContext:
         """Finish: STOP the ranks still running, disconnect, make sure none is left."""
         if failure is not None:
             self._fail(failure)
+        comm = self._comm
+        assert comm is not None  # the job ends once
         live = [r for r in range(self.nprocs) if r not in self._replied]
-        requests = [self._comm.isend(None, dest=r, tag=STOP) for r in live]
+        requests = [comm.isend(None, dest=r, tag=STOP) for r in live]
         # STOPped ranks reply "stopped" and disconnect, as finished ranks do.
         limit = time.monotonic() + _GRACE
         while len(self._replied) < self.nprocs and time.monotonic() < limit \
@@ -424,12 +436,12 @@ class ProcessContext:
                 time.sleep(0.005)
         clean = len(self._replied) == self.nprocs and _launcher.pm_alive()
         if clean:
-            clean = _disconnect(self._comm, _GRACE)
+            clean = _disconnect(comm, _GRACE)
         if not clean:
             for req in requests + self._sends:
                 if not req.Test():
                     req.Cancel()
-            self._comm.Free()  # local; Disconnect would wait for ranks that are gone
+            comm.Free()  # local; Disconnect would wait for ranks that are gone
         self._comm, self._sends = None, []
         self._reap(_GRACE if clean else 0.0)
         if self._job_file:

@@ -343,23 +343,23 @@ def measure(comm, impls: dict, cfg) -> dict[str, np.ndarray]:
     about ``cfg.budget`` seconds in all, within ``[cfg.min_iters, cfg.max_iters]``.
     """
     names = list(impls)
-    first = []
+    first_times: list[float] = []
     for name in names:  # one call each tells how many more warm-up calls are affordable
         comm.Barrier()
         t0 = _pc()
         impls[name]()
-        first.append(_pc() - t0)
-    first = _agreed_max(comm, first)
+        first_times.append(_pc() - t0)
+    first = _agreed_max(comm, first_times)
     extra = int(max(0, min(cfg.warmup - 1, 0.25 * cfg.budget / max(first.sum(), 1e-9))))
-    est = []
+    est_times: list[float] = []
     for i, name in enumerate(names):
         fn = impls[name]
         comm.Barrier()
         t0 = _pc()
         for _ in range(extra):
             fn()
-        est.append((_pc() - t0) / extra if extra else first[i])
-    est = _agreed_max(comm, est)
+        est_times.append((_pc() - t0) / extra if extra else first[i])
+    est = _agreed_max(comm, est_times)
     iters = int(min(cfg.max_iters, max(cfg.min_iters, cfg.budget / max(est.sum(), 1e-9))))
     rounds = max(1, min(cfg.rounds, iters))
     per_round = -(-iters // rounds)
@@ -470,7 +470,9 @@ def run(args) -> dict | None:
     own_init = not spmd.is_initialized()
     if own_init:
         spmd.init_process_group()
-    comm = spmd.GroupMember.WORLD.comm
+    world = spmd.GroupMember.WORLD
+    assert world is not None  # initialised above
+    comm = world.comm
     rank, n = comm.Get_rank(), comm.Get_size()
     cfg = _Config(args, n)
     with_spmd = "torch-spmd" in cfg.impls

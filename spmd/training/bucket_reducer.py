@@ -81,6 +81,7 @@ class _Bucket:
 
             self.buf = cupy.empty(sum(x.size for x in arrays), wire)
         if self.views:
+            assert self.buf is not None  # views were turned off where there is no buffer
             # DDP's gradient_as_bucket_view: the gradients live in the bucket buffer.
             views, pos = [], 0
             for x in arrays:
@@ -191,8 +192,10 @@ class BucketReducer:
                     raise located(ValueError, op, f"grads[{i}] is read-only; gradients are "
                                   "reduced in place", pg)
                 if g.size:
+                    # numpy 2 moved byte_bounds; the stubs are numpy 2's, the fallback is
+                    # for numpy 1.x
                     lo, hi = np.lib.array_utils.byte_bounds(g) if hasattr(
-                        np.lib, "array_utils") else np.byte_bounds(g)
+                        np.lib, "array_utils") else np.byte_bounds(g)  # type: ignore[attr-defined]
                     bounds.append((lo, hi, i))
         # Two gradients sharing memory would be reduced twice.
         bounds.sort()
@@ -311,6 +314,7 @@ class BucketReducer:
                           self._pg)
         try:
             for b in self._buckets:
+                assert b.work is not None  # every bucket was started (checked above)
                 b.work.wait()
                 if b.buf is not None and not b.views:
                     pos = 0
