@@ -13,14 +13,17 @@ from __future__ import annotations
 import importlib
 import os
 import sys
+import types
 import warnings
+from collections.abc import Callable, Iterator
+from typing import Any
 from urllib.parse import parse_qs, urlparse
 
 __all__ = ["BACKEND", "register"]
 
 BACKEND = "spmd"
 _DEVICES = ["cpu", "cuda"]  # a list: torch iterates a string character by character
-_torch_env_handler = None
+_torch_env_handler: Callable[..., Iterator[Any]] | None = None  # torch's env://, set by register()
 
 
 def _create(opts, pg_options):
@@ -36,7 +39,7 @@ def _requested_backend() -> str:
     The env:// rendezvous does not know which backend it serves; only a job that asks
     for spmd gets the MPI rendezvous, so other backends keep torch's behaviour.
     """
-    frame = sys._getframe(1)
+    frame: types.FrameType | None = sys._getframe(1)
     for _ in range(8):
         if frame is None:
             break
@@ -61,6 +64,7 @@ def _env_rendezvous(url: str, timeout=None, **kwargs):
         size = int(query["world_size"][0]) if "world_size" in query else -1
         yield mpi_rendezvous(rank, size, timeout)
         raise RuntimeError("Unable to perform re-rendezvous using the spmd MPI rendezvous")
+    assert _torch_env_handler is not None, "register() keeps torch's env:// handler first"
     if timeout is None:
         yield from _torch_env_handler(url, **kwargs)
     else:
