@@ -55,6 +55,7 @@ nitpicky = True
 nitpick_ignore_regex = [
     (r"py:.*", r"(?!spmd\.)[A-Za-z_]\w*\.[\w.]+"),
     (r"py:.*", r"spmd\.(\w+\.)*_\w+(\.\w+)*"),
+    (r"py:class", r"GroupName"),  # torch's, imported for annotations only (spmd.torch)
 ]
 
 
