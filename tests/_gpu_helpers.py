@@ -108,3 +108,38 @@ class mpi_mode:
             os.environ.pop(_gpu.AWARE_ENV, None)
         else:
             os.environ[_gpu.AWARE_ENV] = self.old
+
+
+class FakeCudaArray:
+    """Exposes ``__cuda_array_interface__`` (never dereferenced: checks fail first)."""
+
+    def __init__(self, shape=(4,), typestr="<f4"):
+        self.__cuda_array_interface__ = {"shape": shape, "typestr": typestr,
+                                         "data": (0xDEAD0000, False), "version": 3}
+
+
+class FakeDLPack:
+    def __init__(self, device_type):
+        self.device_type = device_type
+
+    def __dlpack_device__(self):
+        return (self.device_type, 0)
+
+    def __dlpack__(self, stream=None):  # pragma: no cover - never imported
+        raise AssertionError("not to be imported")
+
+
+class FakeNccl:
+    """What spmd reads of ``cupy.cuda.nccl``: version functions and constant names."""
+
+    NCCL_SUM, NCCL_PROD, NCCL_MIN, NCCL_MAX, NCCL_AVG = range(5)
+    NCCL_FLOAT32, NCCL_BFLOAT16, NCCL_INT32, NCCL_UINT8, NCCL_FLOAT16 = range(10, 15)
+
+    def __init__(self, runtime, build=None, split=True):
+        self._runtime, self._build = runtime, build
+        self.NcclCommunicator = type("NcclCommunicator", (), {"commSplit": None} if split else {})
+        if build is not None:
+            self.get_build_version = lambda: self._build
+
+    def get_version(self):
+        return self._runtime

@@ -1,14 +1,13 @@
-"""The parts of GPU support that need no GPU, tested for real on every machine: backend
-strings and selection, register_backend with a user backend that runs, GPU-aware MPI
-detection (library strings, the environment override, MPIX_Query_cuda_support through
-ctypes on the MPI library loaded here), NCCL dtype/op tables and unique ids, device
-detection of raw arguments, mixed host/device arguments (the NCCL engine itself runs on
-the device double: tests/gpu/test_gpu_nccl_double.py)."""
+"""GPU support on every rank of a job, without a GPU: mixed host/device arguments,
+user backends from register_backend, the default backends per device, ``spmd info``,
+NCCL's reduction plans and which ops GPU-aware MPI takes directly (the decisions alone:
+tests/unit/test_gpu_host_decisions.py)."""
 
 import collections
 
 import numpy as np
 import pytest
+from _gpu_helpers import FakeCudaArray, FakeDLPack, FakeNccl
 from conftest import TEST_TIMEOUT, all_dtypes
 
 import spmd
@@ -17,24 +16,6 @@ from spmd.core import cuda as _gpu
 
 DTYPES = all_dtypes()
 
-
-class FakeCudaArray:
-    """Exposes ``__cuda_array_interface__`` (never dereferenced: checks fail first)."""
-
-    def __init__(self, shape=(4,), typestr="<f4"):
-        self.__cuda_array_interface__ = {"shape": shape, "typestr": typestr,
-                                         "data": (0xDEAD0000, False), "version": 3}
-
-
-class FakeDLPack:
-    def __init__(self, device_type):
-        self.device_type = device_type
-
-    def __dlpack_device__(self):
-        return (self.device_type, 0)
-
-    def __dlpack__(self, stream=None):  # pragma: no cover - never imported
-        raise AssertionError("not to be imported")
 
 
 # -- GPU-aware MPI detection ----------------------------------------------------------
@@ -180,22 +161,6 @@ def test_spmd_info_reports_gpu_facts(dist):
 
 
 # -- NCCL versions: split, AVG/bfloat16, broadcast counts ------------------------------------
-
-class FakeNccl:
-    """What spmd reads of ``cupy.cuda.nccl``: version functions and constant names."""
-
-    NCCL_SUM, NCCL_PROD, NCCL_MIN, NCCL_MAX, NCCL_AVG = range(5)
-    NCCL_FLOAT32, NCCL_BFLOAT16, NCCL_INT32, NCCL_UINT8, NCCL_FLOAT16 = range(10, 15)
-
-    def __init__(self, runtime, build=None, split=True):
-        self._runtime, self._build = runtime, build
-        self.NcclCommunicator = type("NcclCommunicator", (), {"commSplit": None} if split else {})
-        if build is not None:
-            self.get_build_version = lambda: self._build
-
-    def get_version(self):
-        return self._runtime
-
 
 @pytest.mark.mpi
 def test_nccl_split_waits_for_the_parent_stream(dist):

@@ -9,6 +9,7 @@ import os
 
 import numpy as np
 import pytest
+from _gpu_helpers import FakeCudaArray, FakeDLPack, FakeNccl
 from conftest import all_dtypes
 from mpi4py import MPI
 
@@ -22,24 +23,6 @@ from spmd.core.arrays import device_of
 
 DTYPES = all_dtypes()
 
-
-class FakeCudaArray:
-    """Exposes ``__cuda_array_interface__`` (never dereferenced: checks fail first)."""
-
-    def __init__(self, shape=(4,), typestr="<f4"):
-        self.__cuda_array_interface__ = {"shape": shape, "typestr": typestr,
-                                         "data": (0xDEAD0000, False), "version": 3}
-
-
-class FakeDLPack:
-    def __init__(self, device_type):
-        self.device_type = device_type
-
-    def __dlpack_device__(self):
-        return (self.device_type, 0)
-
-    def __dlpack__(self, stream=None):  # pragma: no cover - never imported
-        raise AssertionError("not to be imported")
 
 
 # -- GPU-aware MPI detection ----------------------------------------------------------
@@ -268,22 +251,6 @@ def test_barrier_device_choice():
 
 
 # -- NCCL versions: split, AVG/bfloat16, broadcast counts ------------------------------------
-
-class FakeNccl:
-    """What spmd reads of ``cupy.cuda.nccl``: version functions and constant names."""
-
-    NCCL_SUM, NCCL_PROD, NCCL_MIN, NCCL_MAX, NCCL_AVG = range(5)
-    NCCL_FLOAT32, NCCL_BFLOAT16, NCCL_INT32, NCCL_UINT8, NCCL_FLOAT16 = range(10, 15)
-
-    def __init__(self, runtime, build=None, split=True):
-        self._runtime, self._build = runtime, build
-        self.NcclCommunicator = type("NcclCommunicator", (), {"commSplit": None} if split else {})
-        if build is not None:
-            self.get_build_version = lambda: self._build
-
-    def get_version(self):
-        return self._runtime
-
 
 @pytest.mark.parametrize("runtime, build, split, expected", [
     (21805, 21805, True, True),
