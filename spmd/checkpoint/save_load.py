@@ -25,7 +25,7 @@ disk fails there, on every rank, before any data is written.
 Each array is then written with MPI-IO: strided blocks collectively
 (``MPI_File_write_at_all`` through subarray file views: blocks of any shape), blocks
 that are byte ranges of the file (row splits) with independent writes, ranks spread
-over the files (see ``_mpiio.write_blocks``); strided local arrays without a copy.
+over the files (see ``spmd.checkpoint.mpiio.write_blocks``); strided local arrays without a copy.
 The files go to a temporary directory next to the target, which is renamed to the
 target only after every rank has finished writing and the data is synced: a crash
 leaves at most a ``<path>.tmp-*`` directory, never a complete-looking checkpoint.
@@ -62,7 +62,15 @@ import numpy as np
 from mpi4py import MPI
 
 from spmd.api.objects import all_gather_object
-from spmd.checkpoint import mpiio as _mpiio
+from spmd.checkpoint.mpiio import (
+    BlockWrite,
+    byte_range,
+    create_npy,
+    npy_header,
+    read_block,
+    read_npy_header,
+    write_blocks,
+)
 from spmd.checkpoint.plan import Reject, check_bounds, coverage, flatten, replicated_block
 from spmd.checkpoint.shard import Shard, is_array
 from spmd.core.arrays import SUPPORTED_DTYPES, bfloat16
@@ -282,7 +290,7 @@ def save(state: Mapping[str, Any], path: str | os.PathLike, group: Any = None, *
             made = True
             os.chmod(tmp, _dir_mode(mode))
             for entry in entries.values():
-                _mpiio.create_npy(os.path.join(tmp, entry["file"]), _dtype_of(entry["dtype"]),
+                create_npy(os.path.join(tmp, entry["file"]), _dtype_of(entry["dtype"]),
                                   tuple(entry["shape"]), mode)
         except OSError as exc:
             status = ("OSError", f"cannot create {tmp!r}: {exc}")
@@ -299,7 +307,7 @@ def save(state: Mapping[str, Any], path: str | os.PathLike, group: Any = None, *
         if entry["sharded"]:
             block = entry["writers"].get(pg.rank())
             data = _host(leaf.data) if block is not None else None
-            ranges = all(_mpiio.byte_range(gshape, tuple(start), tuple(shape))
+            ranges = all(byte_range(gshape, tuple(start), tuple(shape))
                          for start, shape in entry["writers"].values())
         else:
             block = replicated_block(gshape, pg.rank(), pg.size())
@@ -308,12 +316,12 @@ def save(state: Mapping[str, Any], path: str | os.PathLike, group: Any = None, *
                 sel = tuple(slice(s, s + n) for s, n in zip(*block))
                 data = _host(leaf[sel] if sel else leaf)
             ranges = True  # whole rows on every rank: byte ranges by construction
-        writes.append(_mpiio.BlockWrite(
-            os.path.join(tmp, entry["file"]), len(_mpiio.npy_header(dt, gshape)), gshape,
+        writes.append(BlockWrite(
+            os.path.join(tmp, entry["file"]), len(npy_header(dt, gshape)), gshape,
             dt.itemsize, None if block is None else tuple(block[0]), data, ranges))
     status = None
     try:
-        _mpiio.write_blocks(pg.comm, writes, sync=sync)
+        write_blocks(pg.comm, writes, sync=sync)
     except (OSError, MPI.Exception) as exc:
         status = ("OSError", f"cannot write into {tmp!r}: {exc}")
     _barrier_raise(op, status, pg)
@@ -409,7 +417,7 @@ def _read_index(path: str) -> dict:
             continue
         fname = os.path.join(path, entry["file"])
         try:
-            descr, fortran, shape, offset = _mpiio.read_npy_header(fname)
+            descr, fortran, shape, offset = read_npy_header(fname)
         except (OSError, ValueError) as exc:
             raise Reject(ValueError, f"cannot read the header of {fname!r}: {exc}") from None
         want = np.lib.format.dtype_to_descr(_dtype_of(entry["dtype"]))
@@ -535,7 +543,7 @@ def load(target: dict[str, Any], path: str | os.PathLike, group: Any = None) -> 
             data = leaf.data if isinstance(leaf, Shard) else leaf
             start = leaf.offset if isinstance(leaf, Shard) else (0,) * len(gshape)
             out = data if isinstance(data, np.ndarray) else np.empty(data.shape, dt)
-        _mpiio.read_block(pg.comm, fname, entry["offset"], gshape, dt.itemsize, start, out)
+        read_block(pg.comm, fname, entry["offset"], gshape, dt.itemsize, start, out)
         if out is not None and out is not data:
             data[...] = _device_like(data, out)
     for name, parent, key, _leaf in leaves:

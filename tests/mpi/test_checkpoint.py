@@ -270,7 +270,7 @@ def test_write_failure_on_the_last_rank_reaches_every_rank(dist, where, monkeypa
         if rank == n - 1:
             raise OSError("simulated: the disk went away")
 
-    monkeypatch.setattr(_mpiio, "write_blocks", write_blocks)
+    monkeypatch.setattr(save_load, "write_blocks", write_blocks)
     path = os.path.join(where, "c")
     where_found = "" if n == 1 else rf" \(found on group rank {n - 1}\)"
     with pytest.raises(OSError, match=r"checkpoint.save: cannot write into .*simulated: the "
@@ -357,7 +357,7 @@ def test_no_space_refused_before_any_write(dist, where, monkeypatch):
     the disk full) is gone."""
     monkeypatch.setattr(_mpiio, "_fallocate", refusing_fallocate(errno.ENOSPC, allow=1))
     written = []
-    monkeypatch.setattr(_mpiio, "write_blocks", lambda *a, **k: written.append(a))
+    monkeypatch.setattr(save_load, "write_blocks", lambda *a, **k: written.append(a))
     rank, n = dist.get_rank(), dist.get_world_size()
     lo, hi = rows(8, rank, n)
     state = {"a": ckpt.Shard.split(np.ones((hi - lo, 3))), "b": np.arange(5.0)}

@@ -55,12 +55,7 @@ def _edges(mods: dict[str, pathlib.Path]) -> dict[str, set[str]]:
                     base = base.rpartition(".")[0]
                 full = (f"{base}.{node.module}" if node.module else base) if node.level \
                     else (node.module or "")
-                # "from pkg import sub" imports the module pkg.sub (and runs pkg's
-                # __init__, as any import of pkg.sub does): the edge goes to pkg.sub.
-                subs = [f"{full}.{a.name}" for a in node.names]
-                targets = [s for s in subs if s in mods]
-                if len(targets) < len(subs):
-                    targets.append(full)
+                targets = [full] + [f"{full}.{a.name}" for a in node.names]
             else:
                 continue
             for t in targets:
