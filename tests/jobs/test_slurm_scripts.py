@@ -30,7 +30,10 @@ REPO = Path(__file__).resolve().parents[2]
 SLURM_DIR = REPO / "slurm"
 JOB_TIMEOUT = float(os.environ.get("SPMD_SLURM_JOB_TIMEOUT", "120"))
 CMD_TIMEOUT = 30  # for sinfo/sbatch/squeue/scontrol themselves
-UP_STATES = {"idle", "mix", "mixed", "alloc", "allocated", "comp", "completing"}
+# "plnd"/"planned": idle, but held by the backfill scheduler for a pending job; both nodes
+# stay so for up to bf_interval after a hetjob, so a run started right after one saw them.
+UP_STATES = {"idle", "mix", "mixed", "alloc", "allocated", "comp", "completing", "plnd",
+             "planned"}
 
 def _timeout_marks():
     """Give job tests room beyond JOB_TIMEOUT under pytest-timeout (pyproject: 120 s)."""
