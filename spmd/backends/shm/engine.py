@@ -60,8 +60,8 @@ from spmd.backends.shm.thresholds import (
     shm_mode,
     status,
 )
+from spmd.backends.shm.window import NodeWindow, open_window
 from spmd.backends.shm.window import nap as _nap
-from spmd.backends.shm.window import open_window
 from spmd.core import wait as _wait
 from spmd.core.errors import GroupBrokenError
 from spmd.core.wait import wait_until
@@ -116,21 +116,30 @@ class ShmEngine:
     for every op; the window is set up collectively by the first op that needs it.
     """
 
+    # Thresholds (bytes, the names of AUTO_FROM): an op of this size or more runs here.
+    # Set per mode at construction, raised to NEVER by a set-up that finds the engine
+    # cannot help.
+    all_reduce_from: int
+    reduce_from: int
+    reduce_scatter_from: int
+    broadcast_from: int
+    all_gather_from: int
+
     def __init__(self, backend, mode: str):
         self._backend = backend
         self._group = backend.group
         self.mode = mode
         self.slot_bytes = SLOT_BYTES_OVERSUBSCRIBED if _wait.oversubscribed else SLOT_BYTES
         self.nslots = SLOTS
-        self.one_shot_max = None  # bytes; ONE_SHOT_READ / local ranks unless set
+        self.one_shot_max: int | None = None  # bytes; ONE_SHOT_READ / local ranks unless set
         sizes = AUTO_FROM_OVERSUBSCRIBED if _wait.oversubscribed else AUTO_FROM
         for name, size in sizes.items():
             setattr(self, name, 1 if mode == "force" else size)
         self.all_gather_to = ALL_GATHER_TO if mode == "auto" and not _wait.oversubscribed \
             else _NEVER
-        self._win = None
-        self._reason = None      # why the engine is unavailable, once known
-        self._failed = None      # an error that left a step half done
+        self._win: NodeWindow | None = None
+        self._reason: str | None = None          # why the engine is unavailable, once known
+        self._failed: BaseException | None = None  # an error that left a step half done
         self._queue: deque[Task] = deque()
         self._next_slot = 0
         self._release: list[int] = []
@@ -218,6 +227,7 @@ class ShmEngine:
         if self._win is None or self.all_reduce_from >= _NEVER:
             return f"unavailable, MPI is used: {self._reason}"
         w = self._win
+        assert self.one_shot_max is not None  # the set-up that made the window set it
         where = (f"{w.local_size} rank(s) per node" if w.num_nodes == 1 else
                  f"{w.num_nodes} nodes x {w.local_size} ranks, hierarchical all_reduce")
         return (f"{self.mode}: {where}; window {self.nslots} x {self.slot_bytes >> 10} KiB "
@@ -277,7 +287,9 @@ class ShmEngine:
             wait = head.wait
             if wait is not None:
                 if type(wait) is int:
-                    if not self._win.reached(wait):
+                    win = self._win
+                    assert win is not None  # int waits come from steps on the window
+                    if not win.reached(wait):
                         return False
                 elif not wait.Test():
                     if _wait.oversubscribed:
@@ -297,6 +309,12 @@ class ShmEngine:
                 raise
         _busy.discard(self)
         return True
+
+    def _window(self) -> NodeWindow:
+        """The window, for the steps of ops: they run only once the set-up has made it."""
+        win = self._win
+        assert win is not None, "the shared-memory engine's steps run without its window"
+        return win
 
     def _reduction(self, plan, op) -> Reduction:
         if plan.premul:  # the factor is the op's: read it at every call
@@ -362,7 +380,9 @@ class ShmEngine:
     def _reduce_steps(self, a, view, red: Reduction, root):
         """all_reduce (``root`` None) or reduce: one-shot when it fits, else two-shot."""
         arr = a if view is None else a.view(view)
-        if self._win.num_nodes == 1 and a.nbytes <= min(self.one_shot_max, self.slot_bytes):
+        one_shot_max = self.one_shot_max
+        assert one_shot_max is not None  # set with the window, before any op's steps run
+        if self._window().num_nodes == 1 and a.nbytes <= min(one_shot_max, self.slot_bytes):
             yield from self._one_shot(arr, red, root)
             return
         flat = _flat(arr)
@@ -411,7 +431,7 @@ class ShmEngine:
 
     def _one_shot(self, a, red: Reduction, root):
         """Every rank (or only ``root``) reduces every rank's copy of ``a`` (one slot)."""
-        w = self._win
+        w = self._window()
         me, q = w.local_rank, w.local_size
         k, free_after = self._slot()
         yield free_after
@@ -440,7 +460,7 @@ class ShmEngine:
 
             copy-in(i) | finish(i-1) | publish, wait | copy-out(i-1) | reduce(i)
         """
-        w = self._win
+        w = self._window()
         me, q, cross = w.local_rank, w.local_size, w.cross
         dt = flat.dtype
         per = self.slot_bytes // dt.itemsize
@@ -448,7 +468,7 @@ class ShmEngine:
         part = -(-per // (q * step)) * step
         # Two accumulators: chunk i-1's may still be in MPI's hands while chunk i reduces.
         acc0, tmp = red.scratch(part, dt)
-        acc1 = None if acc0 is None else np.empty_like(acc0)
+        accs = None if acc0 is None else (acc0, np.empty_like(acc0))  # even, odd chunks
         copy_out = root is None or me == root
         prev: Chunk | None = None  # chunk i-1, finished while chunk i is copied in
         for c, lo in enumerate(range(0, flat.size, per)):
@@ -472,7 +492,7 @@ class ShmEngine:
             srcs = [flat[lo + s0:lo + s1] if i == me else w.view(i, k, dt, n)[s0:s1]
                     for i in range(q)]
             dst = mine[s0:s1]
-            acc = dst if acc0 is None else (acc1 if c & 1 else acc0)[:s1 - s0]
+            acc = dst if accs is None else accs[c & 1][:s1 - s0]
             accumulate(red, acc, srcs, None if tmp is None else tmp[:s1 - s0])
             req = None
             if cross is not None:
@@ -492,14 +512,14 @@ class ShmEngine:
     def _copy_out(self, flat, chunk: Chunk) -> None:
         """Copy every rank's reduced part of a chunk from its slot into ``flat``."""
         lo, cut, k = chunk.lo, chunk.cuts, chunk.slot
-        w = self._win
+        w = self._window()
         for j in range(w.local_size):
             flat[lo + cut[j]:lo + cut[j + 1]] = w.view(j, k, flat.dtype, cut[-1])[cut[j]:cut[j + 1]]
 
     def _reduce_scatter(self, fin, fout, red: Reduction):
         """Chunk by chunk: each rank copies the blocks others own into its slot and
         reduces its own block from every slot into ``fout``."""
-        w = self._win
+        w = self._window()
         me, q = w.local_rank, w.local_size
         dt, m = fin.dtype, fout.size
         per = max(1, self.slot_bytes // dt.itemsize // q)
@@ -524,7 +544,7 @@ class ShmEngine:
             self._release[k] = w.seq + 1
 
     def _broadcast(self, flat, root):
-        w = self._win
+        w = self._window()
         me, size = w.local_rank, self.slot_bytes
         for lo in range(0, flat.size, size):
             n = min(size, flat.size - lo)
@@ -539,7 +559,7 @@ class ShmEngine:
 
     def _all_gather(self, fin, fouts: list):
         """Rank j's bytes land in ``fouts[j]`` on every rank (sizes may differ by rank)."""
-        w = self._win
+        w = self._window()
         me, size = w.local_rank, self.slot_bytes
         own = fouts[me]
         copy_own = own.size > 0 and not _same_start(fin, own)  # in place: already there

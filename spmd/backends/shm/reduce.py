@@ -61,6 +61,7 @@ def accumulate(red: Reduction, acc, srcs: list, tmp) -> None:
         np.multiply(acc, f, out=acc, casting="unsafe")
     for s in srcs[1:]:
         if red.upcast is None:
+            assert f is not None  # no upcast and no factor returned above
             np.multiply(s, f, out=tmp, casting="unsafe")
         else:
             # Widen first: a float16 product must be rounded in float32, as MPI's path does.

@@ -180,6 +180,7 @@ def open_window(comm: MPI.Intracomm, slot_bytes: int, slots: int) -> tuple[NodeW
             win.Free()
         node.Free()
         return None, reason
+    assert win is not None  # no rank had a reason: this one allocated its segment
     win.Lock_all(MPI.MODE_NOCHECK)
     cross = comm.Split(local_rank, comm.Get_rank()) if len(node_sizes) > 1 else None
     return NodeWindow(node, cross, win, local_size, len(node_sizes), slot_bytes, slots), ""
