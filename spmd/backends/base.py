@@ -5,15 +5,28 @@ an engine checks only what depends on it (which dtypes and reduce ops it support
 and does so before it starts any communication.  Roots and peers are group ranks.
 An engine is given its group's context (``spmd.core.context.GroupContext``: communicator,
 identity, timeout) and nothing else of the group layer.
+
+Every op of ``spmd.core.optable.ENGINE_OPS`` is declared below as a method of
+:class:`DeviceBackend`, with the arguments its table entry names (tests/test_engine_interface.py
+keeps the two alike); an engine overrides the ones it runs.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, NoReturn, TypeAlias
 
 from spmd.core.optable import ENGINE_OPS, OPS
 
-__all__ = ["DeviceBackend", "install_op_methods"]
+if TYPE_CHECKING:
+    from spmd.core.ops import ReduceOp
+    from spmd.core.work import Work
+
+__all__ = ["DeviceArray", "DeviceBackend", "install_op_methods"]
+
+# An array as engines get it: a numpy array on host engines, a cupy array on GPU ones
+# (CuPy ships no type information, so the two cannot be named together).
+DeviceArray: TypeAlias = Any
 
 
 class DeviceBackend:
@@ -42,25 +55,93 @@ class DeviceBackend:
         return [self.send(a, peer, tag) if sending else self.recv(a, peer, tag)
                 for sending, a, peer, tag in ops]
 
+    def _missing(self, name: str) -> NoReturn:
+        raise NotImplementedError(f"{name}: the {self.name} backend does not implement it "
+                                  f"[rank {self.group._rank}, group {self.group._name}]")
 
-def install_op_methods(cls: type, make: Any, doc: str) -> None:
+    # -- the ops of the op table (spmd.core.optable.ENGINE_OPS), in its order ----------
+
+    def broadcast(self, tensor: DeviceArray, root: int) -> Work:
+        """Start ``broadcast(tensor, root)``; return its Work."""
+        self._missing("broadcast")
+
+    def all_reduce(self, tensor: DeviceArray, op: ReduceOp) -> Work:
+        """Start ``all_reduce(tensor, op)``; return its Work."""
+        self._missing("all_reduce")
+
+    def all_reduce_coalesced(self, tensors: list[DeviceArray], op: ReduceOp) -> Work:
+        """Start ``all_reduce_coalesced(tensors, op)``; return its Work."""
+        self._missing("all_reduce_coalesced")
+
+    def reduce(self, tensor: DeviceArray, root: int, op: ReduceOp) -> Work:
+        """Start ``reduce(tensor, root, op)``; return its Work."""
+        self._missing("reduce")
+
+    def all_gather(self, outputs: list[DeviceArray], tensor: DeviceArray) -> Work:
+        """Start ``all_gather(outputs, tensor)``; return its Work."""
+        self._missing("all_gather")
+
+    def all_gather_into_tensor(self, output: DeviceArray, tensor: DeviceArray) -> Work:
+        """Start ``all_gather_into_tensor(output, tensor)``; return its Work."""
+        self._missing("all_gather_into_tensor")
+
+    def all_gather_coalesced(self, output_lists: list[list[DeviceArray]],
+                             inputs: list[DeviceArray]) -> Work:
+        """Start ``all_gather_coalesced(output_lists, inputs)``; return its Work."""
+        self._missing("all_gather_coalesced")
+
+    def gather(self, tensor: DeviceArray, outputs: list[DeviceArray] | None, root: int) -> Work:
+        """Start ``gather(tensor, outputs, root)``; return its Work (``outputs``: None on
+        ranks other than ``root``)."""
+        self._missing("gather")
+
+    def scatter(self, tensor: DeviceArray, inputs: list[DeviceArray] | None, root: int) -> Work:
+        """Start ``scatter(tensor, inputs, root)``; return its Work (``inputs``: None on
+        ranks other than ``root``)."""
+        self._missing("scatter")
+
+    def reduce_scatter(self, output: DeviceArray, inputs: list[DeviceArray],
+                       op: ReduceOp) -> Work:
+        """Start ``reduce_scatter(output, inputs, op)``; return its Work."""
+        self._missing("reduce_scatter")
+
+    def reduce_scatter_tensor(self, output: DeviceArray, tensor: DeviceArray,
+                              op: ReduceOp) -> Work:
+        """Start ``reduce_scatter_tensor(output, tensor, op)``; return its Work."""
+        self._missing("reduce_scatter_tensor")
+
+    def all_to_all(self, outputs: list[DeviceArray], inputs: list[DeviceArray]) -> Work:
+        """Start ``all_to_all(outputs, inputs)``; return its Work."""
+        self._missing("all_to_all")
+
+    def all_to_all_single(self, output: DeviceArray, tensor: DeviceArray,
+                          output_counts: list[int] | None,
+                          input_counts: list[int] | None) -> Work:
+        """Start ``all_to_all_single(output, tensor, output_counts, input_counts)``; return
+        its Work (counts: elements per rank, None for equal parts)."""
+        self._missing("all_to_all_single")
+
+    def barrier(self) -> Work:
+        """Start ``barrier()``; return its Work."""
+        self._missing("barrier")
+
+    def send(self, tensor: DeviceArray, peer: int, tag: int) -> Work:
+        """Start ``send(tensor, peer, tag)``; return its Work."""
+        self._missing("send")
+
+    def recv(self, tensor: DeviceArray, peer: int | None, tag: int) -> Work:
+        """Start ``recv(tensor, peer, tag)``; return its Work (``peer`` None: any source,
+        where the engine supports it)."""
+        self._missing("recv")
+
+
+def install_op_methods(cls: type, make: Callable[[str], Callable[..., Any]], doc: str) -> None:
     """Give ``cls`` one method per engine op: ``make(name)`` returns its function,
     renamed after the op so tracebacks say the op; ``doc`` is formatted with ``name``
-    and ``params``."""
+    and ``params``.  For wrappers of any engine (debug mode's ``CheckedBackend``)."""
     for name in ENGINE_OPS:
-        method = make(name)
+        method: Any = make(name)
         method.__name__ = method.__qualname__ = name
         method.__code__ = method.__code__.replace(co_name=name)
         method.__doc__ = doc.format(name=name, params=", ".join(OPS[name].params))
         setattr(cls, name, method)
-
-
-def _missing(name: str):
-    def method(self, *args):
-        raise NotImplementedError(f"{name}: the {self.name} backend does not implement it "
-                                  f"[rank {self.group._rank}, group {self.group._name}]")
-
-    return method
-
-
-install_op_methods(DeviceBackend, _missing, "Start ``{name}({params})``; return its Work.")

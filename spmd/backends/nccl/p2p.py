@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import weakref
+from typing import Any
 
 import numpy as np
 
@@ -15,6 +16,8 @@ __all__ = ["NcclPointToPoint"]
 class NcclPointToPoint:
     """send, recv and batches of them for ``NCCLBackend`` (which mixes this class in:
     it provides ``_cp``, ``_nccl``, ``_grouped``, ``_work``, ``_launch``, ``_inflight``)."""
+
+    group: Any  # the engine's group (DeviceBackend's)
 
     def _p2p_body(self, ops):
         cp, u8 = self._cp, self._nccl.NCCL_UINT8
