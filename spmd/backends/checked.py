@@ -22,6 +22,8 @@ import os
 import sys
 import time
 import weakref
+from types import FrameType
+from typing import Any
 
 import numpy as np
 from mpi4py import MPI
@@ -49,7 +51,7 @@ _SPMD_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def call_site() -> str:
     """``file:line`` of the innermost frame outside spmd."""
-    f = sys._getframe(1)
+    f: FrameType | None = sys._getframe(1)
     while f is not None and f.f_code.co_filename.startswith(_SPMD_DIR):
         f = f.f_back
     if f is None:
@@ -111,7 +113,7 @@ def compare(records: list[dict], pg) -> list[str]:
             break  # different collectives: their other fields cannot be compared
     if problems:
         return problems
-    pairs = [r.get("pairs") for r in records]
+    pairs: list[Any] = [r.get("pairs") for r in records]  # decoded JSON
     if all(isinstance(p, dict) and isinstance(p.get("send"), list) for p in pairs):
         for i, p in enumerate(pairs):
             for j, count in enumerate(p["send"]):

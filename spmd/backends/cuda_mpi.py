@@ -96,7 +96,8 @@ class CudaMPIBackend(DeviceBackend):
         """Pinned host copies of device arrays (None stays None), after one stream sync."""
         cp = self.cp
         stream = cp.cuda.get_current_stream()
-        out, keep = [], []
+        out: list[np.ndarray | None] = []
+        keep = []  # contiguous device sources, alive until the copies are done
         for a in arrays:
             if a is None:
                 out.append(None)

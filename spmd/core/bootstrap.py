@@ -35,14 +35,16 @@ def _key(pg, name: str) -> str:
 
 
 def broadcast_value(pg, store, name: str, value: bytes | None, root: int = 0) -> bytes:
-    """Every member gets group rank ``root``'s ``value`` (bytes).  Through a store, the
-    last member to read it deletes the key."""
+    """Every member gets group rank ``root``'s ``value`` (bytes; other ranks may pass
+    None).  Through a store, the last member to read it deletes the key."""
     if store is None:
         return pg._comm.bcast(value, root)
     if pg._size == 1:
+        assert value is not None  # the only rank is the root
         return value
     key = _key(pg, name)
     if pg._rank == root:
+        assert value is not None, f"{name}: the root rank must give the value"
         store.set(key, value)
         return value
     got = store.get(key)

@@ -176,14 +176,14 @@ def device_index(device_id) -> int | None:
         if kind != "cuda" or (index and not index.isdigit()):
             raise ValueError(f"device_id must be 'cuda' or 'cuda:N', got {device_id!r}")
         return int(index) if index else None
-    kind = getattr(device_id, "type", None)
-    if kind is not None:  # torch.device
-        if kind != "cuda":
+    device_type = getattr(device_id, "type", None)
+    if device_type is not None:  # torch.device
+        if device_type != "cuda":
             raise ValueError(f"device_id must be a CUDA device, got {device_id!r}")
         return device_id.index
-    index = getattr(device_id, "id", None)  # cupy.cuda.Device
-    if isinstance(index, int):
-        return index
+    device_number = getattr(device_id, "id", None)  # cupy.cuda.Device
+    if isinstance(device_number, int):
+        return device_number
     raise ValueError(f"device_id must be an int, 'cuda:N', a torch.device or a "
                      f"cupy.cuda.Device, got {type(device_id).__name__}")
 

@@ -16,6 +16,7 @@ except ImportError:  # pragma: no cover - depends on the environment
 # dtype -> (family, dtype MPI moves it as).  MPI has no bool, float16 or bfloat16 it
 # is guaranteed to know, so those travel as unsigned integers of the same width.
 FAMILY: dict[np.dtype, str] = {np.dtype(np.bool_): "bool"}
+_t: type[np.generic]
 for _t in (np.int8, np.int16, np.int32, np.int64):
     FAMILY[np.dtype(_t)] = "int"
 for _t in (np.uint8, np.uint16, np.uint32, np.uint64):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
+from typing import cast
 
 from mpi4py import MPI
 
@@ -39,18 +40,26 @@ def split_node(comm: MPI.Intracomm) -> MPI.Intracomm:
     ``SPMD_PSEUDO_NODE_SIZE=k``, COMM_WORLD ranks ``i*k .. i*k+k-1`` form pseudo-node
     ``i`` (within a real node).  The caller frees the result.
     """
-    host = comm.Split_type(MPI.COMM_TYPE_SHARED, comm.Get_rank())
+    host = _host_comm(comm)
     node = _pseudo_split(comm, host)
     if node is not host:
         host.Free()
     return node
 
 
+# mpi4py's stubs say Split_type and Split return a Comm; on an Intracomm they return an
+# Intracomm (and the callers use it as one).
+
+def _host_comm(comm: MPI.Intracomm) -> MPI.Intracomm:
+    """The ranks of ``comm`` on this host (the caller frees it)."""
+    return cast(MPI.Intracomm, comm.Split_type(MPI.COMM_TYPE_SHARED, comm.Get_rank()))
+
+
 def _pseudo_split(comm: MPI.Intracomm, host: MPI.Intracomm) -> MPI.Intracomm:
     k = pseudo_node_size()
     if k is None:
         return host
-    return host.Split(MPI.COMM_WORLD.Get_rank() // k, comm.Get_rank())
+    return cast(MPI.Intracomm, host.Split(MPI.COMM_WORLD.Get_rank() // k, comm.Get_rank()))
 
 
 def node_layout(comm: MPI.Intracomm) -> tuple[int, int, int]:
@@ -60,7 +69,7 @@ def node_layout(comm: MPI.Intracomm) -> tuple[int, int, int]:
     ``SPMD_PSEUDO_NODE_SIZE``); the host count is the real one, for telling whether
     ranks outnumber cores.  Every rank of ``comm`` must call it.
     """
-    host = comm.Split_type(MPI.COMM_TYPE_SHARED, comm.Get_rank())
+    host = _host_comm(comm)
     node = _pseudo_split(comm, host)
     try:
         return node.Get_rank(), node.Get_size(), host.Get_size()

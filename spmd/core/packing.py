@@ -150,6 +150,7 @@ def pack_buckets(arrays: list, dtype: np.dtype, in_place: bool = True, limit: in
         if hi - lo == 1 and in_place and run[0].dtype == dtype and run[0].flags.c_contiguous:
             out.append(Packed(None, run[0]))
         elif direct and hi - lo >= _MANY:
+            assert addrs is not None  # taken above for direct packing
             layout = _BYTE.Create_hindexed(sizes[lo:hi], addrs[lo:hi]).Commit()
             buf = np.empty(total // dtype.itemsize, dtype)
             try:

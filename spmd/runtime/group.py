@@ -197,7 +197,9 @@ def resolve(group: GroupArg, op: str) -> ProcessGroup | None:
 
 def timeout_seconds(timeout, op: str) -> float:
     if timeout is None:
-        return world_state.world._timeout
+        world = world_state.world
+        assert world is not None  # the callers found the default group first
+        return world._timeout
     if isinstance(timeout, timedelta):
         seconds = timeout.total_seconds()
     elif isinstance(timeout, (int, float)) and not isinstance(timeout, bool):
@@ -211,7 +213,9 @@ def timeout_seconds(timeout, op: str) -> float:
 
 def backend_name_of(backend, op: str) -> str:
     if backend is None:
-        return world_state.world._backend_name
+        world = world_state.world
+        assert world is not None  # the callers found the default group first
+        return world._backend_name
     Backend(backend)  # validates the spelling
     return str(backend).lower()
 
@@ -307,6 +311,8 @@ def new_subgroups(group_size: int | None = None, group: GroupArg = None,
         is not in are ``GroupMember.NON_GROUP_MEMBER``.
     """
     parent = resolve(group, "new_subgroups") if group is not None else default_group("new_subgroups")
+    if parent is None:
+        raise ValueError(f"new_subgroups: this rank is not a member of group {group!r}")
     if group_size is None:
         group_size = world_state.node_size
     if isinstance(group_size, bool) or not isinstance(group_size, int):

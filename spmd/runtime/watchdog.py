@@ -34,6 +34,9 @@ import sysconfig
 import threading
 import time
 import traceback
+from collections.abc import Callable
+from types import FrameType, TracebackType
+from typing import Any
 
 from mpi4py import MPI
 
@@ -54,6 +57,9 @@ __all__ = ["Config", "config", "diagnose", "reports", "start", "stop"]
 _monotonic = time.monotonic
 
 
+ExceptHook = Callable[[type[BaseException], BaseException, TracebackType | None], Any]
+
+
 class _Runtime:
     """What start() creates."""
 
@@ -61,7 +67,7 @@ class _Runtime:
         self.config = Config()
         self.channel: Channel | None = None
         self.watchdog: _Watchdog | None = None
-        self.prev_hook = None
+        self.prev_hook: ExceptHook | None = None
         self.dumped_at = -1e9      # when a peer's request last made this rank dump
         self.rank = MPI.COMM_WORLD.Get_rank()
         self.size = MPI.COMM_WORLD.Get_size()
@@ -160,14 +166,21 @@ def frame_location(frame) -> str:
     return f"in spmd.{inside}, called from {where}" if inside else f"at {where}"
 
 
+def _frame_of(frames: dict[int, FrameType], thread: threading.Thread) -> FrameType | None:
+    """``thread``'s frame in ``frames`` (``sys._current_frames()``); None for a thread
+    that has no ident yet (started, not yet running) or no frame any more."""
+    ident = thread.ident
+    return None if ident is None else frames.get(ident)
+
+
 def where() -> str:
     """Where this process is: its main thread, and other threads inside spmd calls."""
     frames = sys._current_frames()
     main = threading.main_thread()
-    frame = frames.get(main.ident)
+    frame = _frame_of(frames, main)
     out = ["main thread " + frame_location(frame) if frame is not None else "main thread has exited"]
     for t in threading.enumerate():
-        frame = frames.get(t.ident)
+        frame = _frame_of(frames, t)
         if t is main or frame is None or t.name.startswith("spmd-"):
             continue
         loc = frame_location(frame)
@@ -453,7 +466,7 @@ def _tick() -> None:
     if wd.stuck_reported:
         return
     wd.stuck_reported = True
-    frame = sys._current_frames().get(wd.thread.ident)
+    frame = _frame_of(sys._current_frames(), wd.thread)
     stack = "".join(traceback.format_stack(frame)) if frame is not None else "(thread gone)\n"
     report(f"spmd heartbeat monitor: the watchdog thread has not beaten for {silent:.1f} s "
            f"(heartbeat_timeout {_rt.config.heartbeat_timeout:g} s); timeouts of operations "

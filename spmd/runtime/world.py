@@ -229,16 +229,19 @@ def destroy_process_group(group: GroupArg = None) -> None:
     if isinstance(group, ProcessGroup) and group._comm is None:
         return  # already destroyed (also by destroying WORLD): a no-op, as in torch
     # resolve() refuses a group broken by a timeout; destroying it must still work.
-    live = isinstance(group, ProcessGroup) and group._comm is not None
-    pg = group if live else resolve(group, "destroy_process_group")
-    if pg is None:
+    target: ProcessGroup | None
+    if isinstance(group, ProcessGroup) and group._comm is not None:
+        target = group
+    else:
+        target = resolve(group, "destroy_process_group")
+    if target is None:
         return
-    if pg is world_state.world:
+    if target is world_state.world:
         destroy_process_group(None)
         return
-    pg._free()
-    if pg in world_state.groups:
-        world_state.groups.remove(pg)
+    target._free()
+    if target in world_state.groups:
+        world_state.groups.remove(target)
 
 
 def get_backend(group: GroupArg = None) -> Backend:
@@ -258,7 +261,9 @@ def get_rank(group: GroupArg = None) -> int:
         default_group("get_rank")
     if pg is GroupMember.NON_GROUP_MEMBER:
         return -1
-    return resolve(pg, "get_rank")._rank
+    member = resolve(pg, "get_rank")
+    assert member is not None  # resolve() gives None only for NON_GROUP_MEMBER
+    return member._rank
 
 
 def get_world_size(group: GroupArg = None) -> int:
@@ -268,7 +273,9 @@ def get_world_size(group: GroupArg = None) -> int:
         default_group("get_world_size")
     if pg is GroupMember.NON_GROUP_MEMBER:
         return -1
-    return resolve(pg, "get_world_size")._size
+    member = resolve(pg, "get_world_size")
+    assert member is not None  # resolve() gives None only for NON_GROUP_MEMBER
+    return member._size
 
 
 _LOCAL_RANK_VARS = ("LOCAL_RANK", "MPI_LOCALRANKID", "OMPI_COMM_WORLD_LOCAL_RANK",
