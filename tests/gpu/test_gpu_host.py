@@ -12,6 +12,7 @@ from conftest import TEST_TIMEOUT, all_dtypes
 
 import spmd
 from spmd.backends.nccl import engine as nccl_backend
+from spmd.backends.nccl.communicator import Communicator
 from spmd.core import cuda as _gpu
 
 DTYPES = all_dtypes()
@@ -188,12 +189,12 @@ def test_nccl_split_waits_for_the_parent_stream(dist):
             return False
 
     parent = dist.GroupMember.WORLD
+    cp = type("cp", (), {"cuda": type("cuda", (), {"Device": Device, "runtime": None})})
+    nc = Communicator(parent, cp, FakeNccl(21805, 21805))
+    nc.nccl_comm, nc.stream, nc.device = Comm(), Stream(), 0
     b = object.__new__(nccl_backend.NCCLBackend)
-    b._nccl, b._comm, b._broken, b._stream, b._device = FakeNccl(21805, 21805), Comm(), None, \
-        Stream(), 0
-    b._cp = type("cp", (), {"cuda": type("cuda", (), {"Device": Device})})
+    b.communicator = nc
     child = type("Child", (), {"_backend_name": "undefined", "_inherited": {}})()
-    b.group = parent
     b.on_split(child, 3, 1)
     assert events == ["parent stream synchronized", "commSplit(3, 1)"]
     assert child._inherited["cuda"] == "child communicator"  # init's default backend takes it

@@ -65,11 +65,11 @@ def solo(_solo_group):
 def test_lazy_creation_and_unique_id(solo):
     cp, dist, pg = solo
     backend = pg._backend_for("cuda")
-    assert type(backend).__name__ == "NCCLBackend" and backend._comm is None
+    assert type(backend).__name__ == "NCCLBackend" and backend.communicator.nccl_comm is None
     x = cp.arange(4, dtype=cp.float32)
     dist.all_reduce(x, group=pg)
-    assert backend._comm is not None and backend.created_by == "unique id"
-    assert backend._comm.size() == 1 and backend._comm.rank_id() == 0
+    assert backend.communicator.nccl_comm is not None and backend.communicator.created_by == "unique id"
+    assert backend.communicator.nccl_comm.size() == 1 and backend.communicator.nccl_comm.rank_id() == 0
     np.testing.assert_array_equal(to_host(x), np.arange(4, dtype=np.float32))
 
 
@@ -166,8 +166,8 @@ def test_stream_and_work_semantics(solo):
     many = [dist.all_reduce(cp.ones(8, cp.float32), group=pg, async_op=True) for _ in range(50)]
     many[-1].synchronize()
     backend = pg._backend_for("cuda")
-    backend._reap()
-    assert all(w.is_completed() for w in many) and len(backend._inflight) <= 1
+    backend.communicator.reap()
+    assert all(w.is_completed() for w in many) and len(backend.communicator.inflight) <= 1
 
 
 def test_nccl_only_group_and_store_bootstrap():
@@ -192,7 +192,7 @@ def test_nccl_only_group_and_store_bootstrap():
         x = cp.full(3, 2.0)
         dist.all_reduce(x)
         assert float(x[0]) == 2.0
-        assert dist.GroupMember.WORLD._backends["cuda"].created_by == "unique id"
+        assert dist.GroupMember.WORLD._backends["cuda"].communicator.created_by == "unique id"
         assert store.num_keys() == 0  # at size 1 nothing is exchanged, nothing is left
     finally:
         dist.destroy_process_group()
@@ -211,12 +211,12 @@ def test_eager_init_and_comm_split():
         dist.init_process_group(backend="cpu:mpi,cuda:nccl", device_id=cp.cuda.runtime.getDevice(),
                                 timeout=TEST_TIMEOUT)
         world_nccl = dist.GroupMember.WORLD._backends["cuda"]
-        assert world_nccl._comm is not None and world_nccl.created_by == "unique id"
+        assert world_nccl.communicator.nccl_comm is not None and world_nccl.communicator.created_by == "unique id"
         sub, _ = dist.new_subgroups(group_size=1)
         x = cp.ones(2)
         dist.all_reduce(x, group=sub)
         expected = "commSplit" if world_nccl.can_split() else "unique id"
-        assert sub._backends["cuda"].created_by == expected
+        assert sub._backends["cuda"].communicator.created_by == expected
     finally:
         dist.destroy_process_group()
         dist.init_process_group(timeout=TEST_TIMEOUT)
@@ -255,7 +255,7 @@ def test_device_id_selects_the_device():
         x = cp.ones(4, cp.float32)
         assert x.device.id == last
         dist.all_reduce(x)  # accepted: on the rank's device
-        assert dist.GroupMember.WORLD._backends["cuda"]._device == last
+        assert dist.GroupMember.WORLD._backends["cuda"].communicator.device == last
     finally:
         dist.destroy_process_group()
         cp.cuda.Device(before).use()

@@ -130,7 +130,7 @@ def test_nccl_hang_is_reported_and_aborted(dist, double, nccl_group):
         assert "reached it: rank" in text
     assert "stuck inside MPI" not in text
     assert "the group's NCCL communicator was aborted" in text
-    assert g._error is not None and backend._broken is not None and backend._comm._aborted
+    assert g._error is not None and backend.communicator.broken is not None and backend.communicator.nccl_comm._aborted
     with pytest.raises(dist.GroupBrokenError):
         work.synchronize()
     with pytest.raises(dist.GroupBrokenError):
@@ -160,7 +160,7 @@ def test_nccl_op_a_peer_never_joins(dist, double, nccl_group):
         assert "all_reduce #2 on group alone-nccl is still running on the GPU (NCCL)" in text
         assert "ranks that have not reached all_reduce #2:" in text, text
         assert "rank 1" in text
-        assert g._backend_for("cuda")._comm._aborted
+        assert g._backend_for("cuda").communicator.nccl_comm._aborted
 
 
 def test_host_wait_timeout_names_nccl(dist, double, nccl_group):
@@ -178,10 +178,10 @@ def test_host_wait_timeout_names_nccl(dist, double, nccl_group):
     text = str(info.value)
     assert "(collective #2 on group wait-nccl, NCCL, group timeout 1 s)" in text, text
     assert "the NCCL communicator was aborted" in text and "is now broken" in text, text
-    assert g._backend_for("cuda")._comm._aborted
+    assert g._backend_for("cuda").communicator.nccl_comm._aborted
     with pytest.raises(dist.GroupBrokenError, match=r"broadcast: the group's NCCL communicator "
                        "was aborted after all_reduce timed out"):
-        g._backend_for("cuda").check("broadcast")
+        g._backend_for("cuda").communicator.check("broadcast")
     g2 = nccl_group("barrier-nccl")
     dist.all_reduce(cp.ones(1, cp.float32), group=g2)
     dd.runtime.deviceSynchronize()
@@ -228,7 +228,7 @@ def test_finished_works_are_reaped(dist, double, nccl_group):
     dd.runtime.deviceSynchronize()
     backend = g._backend_for("cuda")
     dist.all_reduce(cp.ones(1, cp.float32), group=g)
-    assert len(backend._inflight) <= 1
+    assert len(backend.communicator.inflight) <= 1
     assert all(w._done and w._keep is None for w in kept)
     mine = [e for e in fr.recorder.entries() if e[fr.GROUP] is g]
     assert all(e[fr.T1] is not None for e in mine[:-1]), mine
@@ -245,14 +245,14 @@ def test_async_error_aborts_and_names_the_op(dist, double, nccl_group):
         work = dist.reduce_scatter_tensor(cp.zeros(1, cp.float32),
                                           cp.ones(dist.get_world_size(), cp.float32),
                                           group=g, async_op=True)
-        backend._comm.inject_error("a peer's connection closed")
+        backend.communicator.nccl_comm.inject_error("a peer's connection closed")
         with pytest.raises(dist.DistBackendError, match=r"reduce_scatter_tensor: NCCL reported "
                            r"an asynchronous error: .*a peer's connection closed; the "
                            r"communicator was aborted \[rank \d+, group error-nccl\]"):
             work.wait()
     finally:
         dd.release()
-    assert backend._comm._aborted
+    assert backend.communicator.nccl_comm._aborted
     with pytest.raises(dist.GroupBrokenError, match="aborted after an asynchronous NCCL error"):
         work.is_completed()
     with pytest.raises(dist.GroupBrokenError):

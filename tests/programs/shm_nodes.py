@@ -82,18 +82,18 @@ def main() -> None:
     assert layout_of(local) == (1, k)
 
     # SPMD_SHM=auto: small arrays go to MPI, and so do the medium ones once the engine
-    # knows the group spans nodes; from HIER_FROM the engine all-reduces hierarchically.
+    # knows the group spans nodes; from ACROSS_NODES.all_reduce_from the engine all-reduces hierarchically.
     os.environ["SPMD_SHM"] = "auto"
     auto = spmd.new_group(list(range(n)))
     x = np.ones(8, np.float32)
     spmd.all_reduce(x, group=auto)
     assert engine_of(auto)._win is None and x[0] == n
-    for items in (3 * shm.SLOT_BYTES // 4 + 5, shm.HIER_FROM // 4):
+    for items in (3 * shm.SLOT_BYTES // 4 + 5, shm.ACROSS_NODES.all_reduce_from // 4):
         big = np.full(items, 1.0 + me, np.float32)
         spmd.all_reduce(big, group=auto)
         np.testing.assert_array_equal(big, np.full(items, n + n * (n - 1) / 2, np.float32))
         assert layout_of(auto) == (nodes, k)
-        assert (engine_of(auto)._win.seq > 0) == (big.nbytes >= shm.HIER_FROM)
+        assert (engine_of(auto)._win.seq > 0) == (big.nbytes >= shm.ACROSS_NODES.all_reduce_from)
     del big
 
     # Ops queued while the set-up is pending, which it then leaves to MPI (the group

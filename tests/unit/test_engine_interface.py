@@ -17,7 +17,7 @@ import pytest
 from spmd.backends.base import DeviceBackend
 from spmd.backends.checked import CheckedBackend
 from spmd.backends.shm.engine import ShmEngine
-from spmd.backends.shm.thresholds import AUTO_FROM, AUTO_FROM_OVERSUBSCRIBED
+from spmd.backends.shm.thresholds import Thresholds
 from spmd.core.optable import ENGINE_OPS, OPS
 
 # DeviceBackend's methods that are not ops of the table.
@@ -65,5 +65,5 @@ def test_debug_wrapper_wraps_every_engine_op():
 
 
 def test_shm_engine_declares_the_thresholds_its_settings_set():
-    declared = {n for n in ShmEngine.__annotations__ if n.endswith("_from")}
-    assert set(AUTO_FROM) == set(AUTO_FROM_OVERSUBSCRIBED) == declared
+    declared = {n for n in ShmEngine.__annotations__ if n.endswith(("_from", "_to"))}
+    assert set(Thresholds.__slots__) == declared

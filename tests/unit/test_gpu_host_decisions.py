@@ -15,8 +15,7 @@ from mpi4py import MPI
 
 import spmd
 from spmd.backends.cuda_mpi import direct_plan
-from spmd.backends.nccl import engine as nccl_backend
-from spmd.backends.nccl import plans
+from spmd.backends.nccl import communicator, plans, uniqueid
 from spmd.backends.staging import use_device_pointer
 from spmd.core import cuda as _gpu
 from spmd.core.arrays import device_of
@@ -154,15 +153,15 @@ def test_nccl_unique_id_forms():
     signed = tuple(b - 256 if b > 127 else b for b in raw)  # x86: char is signed
     unsigned = tuple(raw)                                    # aarch64: char is unsigned
     for uid in (raw, signed, unsigned):
-        wire = plans.uid_to_bytes(uid)
+        wire = uniqueid.uid_to_bytes(uid)
         assert isinstance(wire, bytes) and not wire.startswith(b"error:")
-        back = plans.uid_for_cupy(wire)
+        back = uniqueid.uid_for_cupy(wire)
         assert back == uid and type(back) is type(uid)
-    assert max(plans.uid_for_cupy(plans.uid_to_bytes(unsigned))) == 255
-    assert min(plans.uid_for_cupy(plans.uid_to_bytes(signed))) == -127
-    assert plans.uid_for_cupy(plans.uid_to_bytes(bytearray(raw))) == raw
+    assert max(uniqueid.uid_for_cupy(uniqueid.uid_to_bytes(unsigned))) == 255
+    assert min(uniqueid.uid_for_cupy(uniqueid.uid_to_bytes(signed))) == -127
+    assert uniqueid.uid_for_cupy(uniqueid.uid_to_bytes(bytearray(raw))) == raw
     with pytest.raises(ValueError, match="not an NCCL unique id"):
-        plans.uid_for_cupy(b"garbage")
+        uniqueid.uid_for_cupy(b"garbage")
     assert _gpu.nccl_version_code(21805) == "2.18.5"
     assert _gpu.nccl_version_code(2408) == "2.4.8"
 
@@ -260,9 +259,7 @@ def test_barrier_device_choice():
     (22305, 22305, False, False),  # CuPy without commSplit
 ])
 def test_nccl_can_split_needs_runtime_and_build_versions(runtime, build, split, expected):
-    b = object.__new__(nccl_backend.NCCLBackend)
-    b._nccl = FakeNccl(runtime, build, split)
-    assert b.can_split() is expected
+    assert communicator.can_split(FakeNccl(runtime, build, split)) is expected
 
 
 @pytest.mark.parametrize("runtime, dtype, op, native_avg, refused", [
@@ -304,11 +301,11 @@ def test_nccl_broadcast_counts_in_wide_units():
 
 def test_nccl_host_identity(monkeypatch):
     monkeypatch.setenv("NCCL_HOSTID", "rank3")
-    assert plans.host_identity() == "NCCL_HOSTID=rank3"
+    assert uniqueid.host_identity() == "NCCL_HOSTID=rank3"
     monkeypatch.delenv("NCCL_HOSTID")
     import socket
 
-    assert plans.host_identity().startswith(socket.gethostname())
+    assert uniqueid.host_identity().startswith(socket.gethostname())
 
 
 # -- GPU-aware MPI on Open MPI: only point to point gets device pointers -----------------------

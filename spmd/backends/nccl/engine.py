@@ -22,210 +22,75 @@ every dtype (bytes are bytes).  Use ``backend="cpu:mpi,cuda:mpi"`` for those.
 
 from __future__ import annotations
 
-import collections
-import contextlib
-import os
-import threading
-import time
-import weakref
-
 import numpy as np
 
 from spmd.backends.base import DeviceBackend
-from spmd.backends.nccl.p2p import NcclPointToPoint
+from spmd.backends.nccl.buffers import bytes_into, contiguous, copy_into, flat_bytes, typed
+from spmd.backends.nccl.communicator import NOCOLOR, Communicator, NcclWork
 from spmd.backends.nccl.plans import (
     INT_MAX,
     NCCL_TYPES,
     PLANS,
     USE_MPI,
     byte_units,
-    can_split,
     cupy_count_is_int,
-    host_identity,
     plan_for,
     runtime_plan,
     runtime_version,
-    uid_for_cupy,
-    uid_to_bytes,
 )
-from spmd.backends.nccl.split import split_communicator
-from spmd.backends.nccl.work import NcclWork, _bytes_into, _contig, _copy_into, _flat_bytes, _typed
+from spmd.backends.nccl.uniqueid import uid_for_cupy, uid_to_bytes
 from spmd.backends.reduction import checked_plan, premul_factor
+from spmd.backends.registry import Backend as BackendName
 from spmd.core import cuda as _gpu
-from spmd.core.bootstrap import broadcast_value, check_distinct_gpus
-from spmd.core.errors import DistBackendError, GroupBrokenError, located
-from spmd.core.flight_recorder import recorder
-from spmd.core.wait import wait_until
+from spmd.core.errors import located
 
 __all__ = ["NCCL_TYPES", "NCCLBackend", "NcclWork", "plan_for", "uid_for_cupy", "uid_to_bytes"]
 
-_AS_IS = contextlib.nullcontext()  # no switch: the device (or stream) is already the one
 
-
-class NCCLBackend(NcclPointToPoint, DeviceBackend):
-    """NCCL collectives and point-to-point operations on cupy arrays."""
+class NCCLBackend(DeviceBackend):
+    """NCCL collectives and point-to-point operations on cupy arrays: what each operation
+    enqueues.  Where and when it runs (the communicator, its stream, the operations in
+    flight, the abort) is ``self.communicator``'s."""
 
     name = "nccl"
 
     def __init__(self, group):
         super().__init__(group)
-        self._cp = _gpu.need_cupy("spmd", "the NCCL backend", group)
-        self._nccl = _gpu.nccl_or_none()
-        if self._nccl is None:
+        cp = _gpu.need_cupy("spmd", "the NCCL backend", group)
+        nccl = _gpu.nccl_or_none()
+        if nccl is None:
             raise RuntimeError(f"the NCCL backend cannot run here: {_gpu.nccl_problem()} "
                                f"[rank {group._rank}, group {group._name}]")
-        self._runtime = self._cp.cuda.runtime
-        self._comm = None
-        self._stream = None
-        self._ready = None   # the event the stream waits on: reused (a wait takes its last record)
-        self._device = None
-        self._broken: str | None = None
-        # (end event, arrays kept, Work weakref, recorder entry) per op, oldest first
-        self._inflight: collections.deque = collections.deque()
+        self._cp = cp
+        self._nccl = nccl
+        self.communicator = Communicator(group, cp, nccl)
         self._resolved: dict = {}
-        self.created_by = None  # "unique id" or "commSplit", for tests and spmd info
 
-    # -- communicator ---------------------------------------------------------------
+    # -- the communicator's life ----------------------------------------------------------
 
     def connect(self, op: str = "connect"):
-        """Create the communicator now (collective over the group); return it."""
-        if self._comm is not None:
-            return self._comm
-        self._check_broken(op)
-        cp, pg = self._cp, self.group
-        device = _gpu.bound_device()
-        with cp.cuda.Device(device):
-            pending = pg._inherited.pop("cuda", None)
-            if pending is not None:
-                comm, self.created_by = pending, "commSplit"
-            else:
-                comm, self.created_by = self._from_unique_id(op), "unique id"
-            self._stream = cp.cuda.Stream(non_blocking=True)
-            self._ready = cp.cuda.Event(block=False, disable_timing=True)
-        self._device = device
-        self._comm = comm
-        return comm
-
-    def _from_unique_id(self, op: str):
-        nccl, pg = self._nccl, self.group
-        bus = self._cp.cuda.Device(_gpu.bound_device()).pci_bus_id
-        check_distinct_gpus(pg, pg._store, host_identity(), bus, op)
-        value = None
-        if pg._rank == 0:
-            try:
-                value = uid_to_bytes(nccl.get_unique_id())
-            except Exception as exc:  # noqa: BLE001 - the others must hear about it too
-                value = b"error:" + f"{type(exc).__name__}: {exc}".encode()
-        raw = broadcast_value(pg, pg._store, "nccl-unique-id", value)
-        if raw.startswith(b"error:"):
-            raise located(DistBackendError, op, f"ncclGetUniqueId failed on group rank 0: "
-                          f"{raw[6:].decode()}", pg)
-        try:
-            return nccl.NcclCommunicator(pg._size, uid_for_cupy(raw), pg._rank)
-        except Exception as exc:
-            raise located(DistBackendError, op, f"ncclCommInitRank failed: {exc}", pg) from exc
+        """Create the NCCL communicator now (collective over the group); return it."""
+        return self.communicator.connect(op)
 
     def on_split(self, child, color: int, key: int) -> None:
-        split_communicator(self, child, color, key)
+        """After ``Comm.Split`` of a group whose NCCL communicator exists, split that too;
+        the child's communicator waits in ``child._inherited`` for its first operation
+        when the child's GPU backend is NCCL."""
+        wanted = child is not None and color >= 0
+        new = self.communicator.split(color if wanted else NOCOLOR, key)
+        if new is None:
+            return
+        if child is not None and \
+                BackendName.device_map(child._backend_name).get("cuda") in ("nccl", "undefined"):
+            child._inherited["cuda"] = new
+        else:
+            new.destroy()
 
     def can_split(self) -> bool:
-        return can_split(self._nccl)
+        return self.communicator.can_split()
 
     def shutdown(self) -> None:
-        comm, self._comm = self._comm, None
-        if comm is None:
-            return
-        if self._broken is None:
-            try:
-                self._stream.synchronize()
-            finally:
-                comm.destroy()
-        self._inflight.clear()
-
-    def _check_broken(self, op: str) -> None:
-        if self._broken is not None:
-            raise located(GroupBrokenError, op, f"the group's NCCL communicator was aborted "
-                          f"after {self._broken}; destroy the group and make a new one",
-                          self.group)
-
-    def _abort(self, why: str) -> None:
-        self._broken = why
-        comm = self._comm
-        if comm is not None:
-            with contextlib.suppress(Exception):
-                comm.abort()
-
-    def abort_timed_out(self, op: str, seq: int | None) -> None:
-        """The watchdog found ``op`` past its timeout on the GPU: abort, so kernels end."""
-        if self._broken is None:
-            self._abort(f"{op} #{seq} timed out (found by the watchdog)")
-
-    def event_passed(self, event) -> bool:
-        """Whether the GPU has passed ``event``; never blocks, never raises.
-
-        The watchdog and control threads call it too.  A CUDA call on a thread with no
-        current device makes device 0 current and creates a context there (memory on
-        another rank's GPU): spmd's own threads make this rank's device current first.
-        """
-        try:
-            if threading.current_thread().name.startswith("spmd-") and \
-                    self._runtime.getDevice() != self._device:
-                self._runtime.setDevice(self._device)
-            return bool(event.done)
-        except Exception:  # noqa: BLE001 - a broken device: the timeout will say so
-            return False
-
-    def check(self, op: str) -> None:
-        """Raise if the communicator was aborted or NCCL reports an asynchronous error."""
-        self._check_broken(op)
-        comm = self._comm
-        if comm is None:
-            return
-        try:
-            comm.check_async_error()
-        except Exception as exc:
-            self._abort(f"an asynchronous NCCL error in {op}")
-            raise located(DistBackendError, op, f"NCCL reported an asynchronous error: {exc}; "
-                          "the communicator was aborted", self.group) from exc
-
-    def stream_wait(self, event) -> None:
-        self._cp.cuda.get_current_stream().wait_event(event)
-
-    def host_wait(self, work: NcclWork, seconds: float) -> None:
-        event, spins = work._event, 0
-
-        def done() -> bool:
-            nonlocal spins
-            if event.done:
-                return True
-            spins += 1
-            if not spins & 63:
-                self.check(work._op)  # an asynchronous NCCL error ends the wait at once
-            return False
-
-        def nap() -> None:
-            if spins > 4096:
-                time.sleep(50e-6)
-            else:
-                os.sched_yield()
-
-        wait_until(done, seconds, work._op, self.group, work=work, nap=nap,
-                   source="waiting on the host; the NCCL communicator was aborted",
-                   on_timeout=lambda: self._abort(f"{work._op} timed out"))
-        self.check(work._op)
-
-    def _reap(self) -> None:
-        """Complete the operations whose end event has passed and release their arrays;
-        a Work nobody holds any more still has its flight-recorder entry finished."""
-        inflight = self._inflight
-        while inflight and inflight[0][0].done:
-            _, _, ref, entry = inflight.popleft()
-            work = ref()
-            if work is not None:
-                if not work._done:
-                    work._complete()
-            elif entry is not None:
-                recorder.end(entry)
+        self.communicator.shutdown()
 
     def _plan(self, dtype, op, opname: str):
         """(plan, NCCL datatype, NCCL op, divide after) for a reduction, or raise."""
@@ -237,7 +102,7 @@ class NCCLBackend(NcclPointToPoint, DeviceBackend):
             if ntype is None:
                 raise located(TypeError, opname, f"this NCCL build has no {plan.nccl_type} "
                               f"for {dtype} arrays; {USE_MPI}", self.group)
-            native_avg, refused = runtime_plan(plan, runtime_version(self._nccl))
+            native_avg, refused = runtime_plan(plan, runtime_version(nccl))
             if refused is not None:
                 raise located(TypeError, opname, f"{dtype} arrays: {refused}", self.group)
             nop, divide = getattr(nccl, plan.nccl_op), plan.avg
@@ -245,49 +110,6 @@ class NCCLBackend(NcclPointToPoint, DeviceBackend):
                 nop, divide = nccl.NCCL_AVG, None
             got = self._resolved[id(plan)] = (plan, ntype, nop, divide)
         return got
-
-    def _launch(self, op: str, body, kernels: bool = True):
-        """Run ``body(comm, stream_ptr)`` on the communicator's stream after the caller's
-        current stream; return (end event, what body keeps alive).  ``kernels=False``:
-        body makes only NCCL calls, which take the stream explicitly (no stream switch)."""
-        comm = self._comm
-        if comm is None:
-            comm = self.connect(op)
-        if self._broken is not None:
-            self._check_broken(op)
-        if self._inflight:
-            self._reap()
-        cp = self._cp
-        with (_AS_IS if self._runtime.getDevice() == self._device
-              else cp.cuda.Device(self._device)):
-            ready = self._ready
-            ready.record(cp.cuda.get_current_stream())
-            stream = self._stream
-            stream.wait_event(ready)
-            try:
-                with stream if kernels else _AS_IS:
-                    kept = body(comm, stream.ptr)
-            except self._nccl.NcclError as exc:
-                self._abort(f"an NCCL error in {op}")
-                raise located(DistBackendError, op, f"NCCL error: {exc}; the communicator was "
-                              "aborted", self.group) from exc
-            end = cp.cuda.Event(block=False, disable_timing=True)
-            end.record(stream)
-        return end, kept
-
-    def _work(self, op, body, outputs, keep, blocking=False, peer=None, kernels=True) -> NcclWork:
-        end, kept = self._launch(op, body, kernels)
-        work = NcclWork(self, end, op, outputs, (keep, kept), blocking, peer)
-        self._inflight.append((end, (keep, kept), weakref.ref(work), getattr(work, "_fr", None)))
-        return work
-
-    @contextlib.contextmanager
-    def _grouped(self):
-        self._nccl.groupStart()
-        try:
-            yield
-        finally:  # (an error inside still ends the group: NCCL needs the pair)
-            self._nccl.groupEnd()
 
     def _scaled(self, a, plan, op):
         """The buffer NCCL reduces: ``a`` itself when it can, else a contiguous copy
@@ -297,7 +119,7 @@ class NCCLBackend(NcclPointToPoint, DeviceBackend):
             buf = cp.array(a, order="C")
             cp.multiply(buf, premul_factor(op), out=buf, casting="unsafe")
             return buf
-        return _contig(cp, a)
+        return contiguous(cp, a)
 
     def _divide(self, buf, divide) -> None:
         if divide is None or not buf.size:
@@ -316,30 +138,29 @@ class NCCLBackend(NcclPointToPoint, DeviceBackend):
 
     def all_reduce(self, a, op):
         plan, t, o, divide = self._plan(a.dtype, op, "all_reduce")
-
-        def body(comm, s):
+        simple = divide is None and not plan.premul and a.flags.c_contiguous  # NCCL alone
+        nc = self.communicator
+        launch = nc.launch("all_reduce", kernels=not simple)
+        with launch as (comm, s):
             buf = self._scaled(a, plan, op)
             if buf.size:
                 comm.allReduce(buf.data.ptr, buf.data.ptr, buf.size * plan.count_factor, t, o, s)
             self._divide(buf, divide)
-            _copy_into(self._cp, a, buf)
-            return buf
-
-        simple = divide is None and not plan.premul and a.flags.c_contiguous  # NCCL alone
-        return self._work("all_reduce", body, [a], a, kernels=not simple)
+            copy_into(self._cp, a, buf)
+        return nc.started(launch, [a], (a, buf))
 
     def all_reduce_coalesced(self, tensors, op):
-        cp = self._cp
+        cp, nc = self._cp, self.communicator
         by_dtype: dict = {}
         for x in tensors:
             by_dtype.setdefault(x.dtype, []).append(x)
         plans = {dt: self._plan(dt, op, "all_reduce_coalesced") for dt in by_dtype}
-
-        def body(comm, s):
-            kept = []
+        kept = []
+        launch = nc.launch("all_reduce_coalesced")
+        with launch as (comm, s):
             for dt, arrays in by_dtype.items():
                 plan, t, o, divide = plans[dt]
-                buf = cp.concatenate([_flat_bytes(cp, x) for x in arrays]).view(dt)
+                buf = cp.concatenate([flat_bytes(cp, x) for x in arrays]).view(dt)
                 if plan.premul:
                     cp.multiply(buf, premul_factor(op), out=buf, casting="unsafe")
                 if buf.size:
@@ -348,54 +169,48 @@ class NCCLBackend(NcclPointToPoint, DeviceBackend):
                 self._divide(buf, divide)
                 pos = 0
                 for x in arrays:
-                    _copy_into(cp, x, buf[pos:pos + x.size])
+                    copy_into(cp, x, buf[pos:pos + x.size])
                     pos += x.size
                 kept.append(buf)
-            return kept
-
-        return self._work("all_reduce_coalesced", body, list(tensors), list(tensors))
+        return nc.started(launch, list(tensors), (list(tensors), kept))
 
     def reduce(self, a, root, op):
         plan, t, o, divide = self._plan(a.dtype, op, "reduce")
-        is_root = self.group._rank == root
-
-        def body(comm, s):
+        nc = self.communicator
+        launch = nc.launch("reduce")
+        with launch as (comm, s):
             buf = self._scaled(a, plan, op)
             if buf.size:
                 comm.reduce(buf.data.ptr, buf.data.ptr, buf.size * plan.count_factor, t, o,
                             root, s)
-            if is_root:
+            if self.group._rank == root:
                 self._divide(buf, divide)
-                _copy_into(self._cp, a, buf)
-            return buf
-
-        return self._work("reduce", body, [a], a)
+                copy_into(self._cp, a, buf)
+        return nc.started(launch, [a], (a, buf))
 
     def reduce_scatter_tensor(self, out, a, op):
         plan, t, o, divide = self._plan(a.dtype, op, "reduce_scatter_tensor")
-        cp = self._cp
-
-        def body(comm, s):
+        cp, nc = self._cp, self.communicator
+        launch = nc.launch("reduce_scatter_tensor")
+        with launch as (comm, s):
             buf = self._scaled(a, plan, op)
             rbuf = out if out.flags.c_contiguous else cp.empty(out.shape, out.dtype)
             if out.size:
                 comm.reduceScatter(buf.data.ptr, rbuf.data.ptr, out.size * plan.count_factor,
                                    t, o, s)
             self._divide(rbuf, divide)
-            _copy_into(cp, out, rbuf)
-            return buf, rbuf
-
-        return self._work("reduce_scatter_tensor", body, [out], (out, a))
+            copy_into(cp, out, rbuf)
+        return nc.started(launch, [out], (out, a, buf, rbuf))
 
     def reduce_scatter(self, out, inputs, op):
         plan, t, o, divide = self._plan(out.dtype, op, "reduce_scatter")
-        cp, me = self._cp, self.group._rank
+        cp, nc, me = self._cp, self.communicator, self.group._rank
         sizes = [x.size for x in inputs]
-
-        def body(comm, s):
+        launch = nc.launch("reduce_scatter")
+        with launch as (comm, s):
             rbuf = cp.empty(out.nbytes, np.uint8).view(out.dtype)
             if sizes.count(sizes[0]) == len(sizes):
-                buf = cp.concatenate([_flat_bytes(cp, x) for x in inputs]).view(out.dtype)
+                buf = cp.concatenate([flat_bytes(cp, x) for x in inputs]).view(out.dtype)
                 if plan.premul:
                     cp.multiply(buf, premul_factor(op), out=buf, casting="unsafe")
                 if out.size:
@@ -404,22 +219,20 @@ class NCCLBackend(NcclPointToPoint, DeviceBackend):
                 kept = [buf]
             else:  # uneven: one reduce per destination, launched together
                 kept = [self._scaled(x, plan, op) for x in inputs]
-                with self._grouped():
+                with nc.grouped():
                     for r, buf in enumerate(kept):
                         if buf.size:
                             dst = rbuf if r == me else buf
                             comm.reduce(buf.data.ptr, dst.data.ptr, buf.size * plan.count_factor,
                                         t, o, r, s)
             self._divide(rbuf, divide)
-            _copy_into(cp, out, rbuf)
-            return kept, rbuf
-
-        return self._work("reduce_scatter", body, [out], (out, list(inputs)))
+            copy_into(cp, out, rbuf)
+        return nc.started(launch, [out], (out, list(inputs), kept, rbuf))
 
     # -- data movement -----------------------------------------------------------------
 
     def broadcast(self, a, root):
-        cp, nccl = self._cp, self._nccl
+        cp, nc = self._cp, self.communicator
         # Counted in the widest unit that divides the size and the address (a copy of
         # a strided array is freshly allocated, so aligned).
         unit, count = byte_units(a.nbytes, a.data.ptr if a.flags.c_contiguous else 0)
@@ -427,36 +240,33 @@ class NCCLBackend(NcclPointToPoint, DeviceBackend):
             raise located(ValueError, "broadcast", f"tensor has {a.nbytes} bytes, more than "
                           f"CuPy {cp.__version__} can broadcast (its count is a C int); CuPy "
                           "13.4 or later can", self.group)
-
-        def body(comm, s):
-            buf = _contig(cp, a)
+        launch = nc.launch("broadcast")
+        with launch as (comm, s):
+            buf = contiguous(cp, a)
             if a.nbytes:
-                comm.broadcast(buf.data.ptr, buf.data.ptr, count, getattr(nccl, unit), root, s)
+                comm.broadcast(buf.data.ptr, buf.data.ptr, count, getattr(self._nccl, unit),
+                               root, s)
             if self.group._rank != root:
-                _copy_into(cp, a, buf)
-            return buf
-
-        return self._work("broadcast", body, [a], a)
+                copy_into(cp, a, buf)
+        return nc.started(launch, [a], (a, buf))
 
     def all_gather_into_tensor(self, out, a):
-        cp, u8 = self._cp, self._nccl.NCCL_UINT8
-
-        def body(comm, s):
-            src = _contig(cp, a)
+        cp, nc, u8 = self._cp, self.communicator, self._nccl.NCCL_UINT8
+        launch = nc.launch("all_gather_into_tensor")
+        with launch as (comm, s):
+            src = contiguous(cp, a)
             dst = out if out.flags.c_contiguous else cp.empty(out.shape, out.dtype)
             if a.nbytes:
                 comm.allGather(src.data.ptr, dst.data.ptr, a.nbytes, u8, s)
-            _copy_into(cp, out, dst)
-            return src, dst
-
-        return self._work("all_gather_into_tensor", body, [out], (out, a))
+            copy_into(cp, out, dst)
+        return nc.started(launch, [out], (out, a, src, dst))
 
     def all_gather(self, outputs, a):
-        cp, u8, me = self._cp, self._nccl.NCCL_UINT8, self.group._rank
+        cp, nc, u8, me = self._cp, self.communicator, self._nccl.NCCL_UINT8, self.group._rank
         nbytes = [o.nbytes for o in outputs]
-
-        def body(comm, s):
-            src = _flat_bytes(cp, a)
+        launch = nc.launch("all_gather")
+        with launch as (comm, s):
+            src = flat_bytes(cp, a)
             if nbytes.count(nbytes[0]) == len(nbytes):
                 rbuf = cp.empty(len(nbytes) * a.nbytes, np.uint8)
                 if a.nbytes:
@@ -464,22 +274,20 @@ class NCCLBackend(NcclPointToPoint, DeviceBackend):
                 pieces = [rbuf[i * a.nbytes:(i + 1) * a.nbytes] for i in range(len(nbytes))]
             else:  # uneven: every rank broadcasts its piece, launched together
                 pieces = [src if r == me else cp.empty(n, np.uint8) for r, n in enumerate(nbytes)]
-                with self._grouped():
+                with nc.grouped():
                     for r, piece in enumerate(pieces):
                         if nbytes[r]:
                             comm.broadcast(src.data.ptr, piece.data.ptr, nbytes[r], u8, r, s)
             for o, piece in zip(outputs, pieces):
-                _copy_into(cp, o, _typed(piece, o))
-            return src, pieces
-
-        return self._work("all_gather", body, list(outputs), (list(outputs), a))
+                copy_into(cp, o, typed(piece, o))
+        return nc.started(launch, list(outputs), (list(outputs), a, src, pieces))
 
     def all_gather_coalesced(self, output_lists, inputs):
-        cp, u8 = self._cp, self._nccl.NCCL_UINT8
+        cp, nc, u8 = self._cp, self.communicator, self._nccl.NCCL_UINT8
         n = self.group._size
-
-        def body(comm, s):
-            parts = [_flat_bytes(cp, x) for x in inputs]
+        launch = nc.launch("all_gather_coalesced")
+        with launch as (comm, s):
+            parts = [flat_bytes(cp, x) for x in inputs]
             sbuf = cp.concatenate(parts) if parts else cp.empty(0, np.uint8)
             rbuf = cp.empty(n * sbuf.size, np.uint8)
             if sbuf.size:
@@ -489,63 +297,59 @@ class NCCLBackend(NcclPointToPoint, DeviceBackend):
                 for o in outs:
                     # Pieces of mixed dtypes sit at byte offsets a typed view would read
                     # misaligned (a fatal CUDA error): move them as bytes.
-                    _bytes_into(cp, o, rbuf[pos:pos + o.nbytes])
+                    bytes_into(cp, o, rbuf[pos:pos + o.nbytes])
                     pos += o.nbytes
-            return sbuf, rbuf
-
-        return self._work("all_gather_coalesced", body, output_lists, (output_lists, inputs))
+        return nc.started(launch, output_lists, (output_lists, inputs, sbuf, rbuf))
 
     def gather(self, a, outputs, root):
-        cp, u8, me = self._cp, self._nccl.NCCL_UINT8, self.group._rank
-
-        def body(comm, s):
-            src = _flat_bytes(cp, a)
+        cp, nc, u8, me = self._cp, self.communicator, self._nccl.NCCL_UINT8, self.group._rank
+        pieces = []
+        launch = nc.launch("gather")
+        with launch as (comm, s):
+            src = flat_bytes(cp, a)
             if me != root:
                 if a.nbytes:
-                    with self._grouped():
+                    with nc.grouped():
                         comm.send(src.data.ptr, a.nbytes, u8, root, s)
-                return src
-            pieces = [src if r == me else cp.empty(o.nbytes, np.uint8)
-                      for r, o in enumerate(outputs)]
-            with self._grouped():
-                for r, piece in enumerate(pieces):
-                    if r != me and piece.size:
-                        comm.recv(piece.data.ptr, piece.size, u8, r, s)
-            for o, piece in zip(outputs, pieces):
-                _copy_into(cp, o, _typed(piece, o))
-            return src, pieces
-
-        return self._work("gather", body, list(outputs or []), (outputs, a))
+            else:
+                pieces = [src if r == me else cp.empty(o.nbytes, np.uint8)
+                          for r, o in enumerate(outputs)]
+                with nc.grouped():
+                    for r, piece in enumerate(pieces):
+                        if r != me and piece.size:
+                            comm.recv(piece.data.ptr, piece.size, u8, r, s)
+                for o, piece in zip(outputs, pieces):
+                    copy_into(cp, o, typed(piece, o))
+        return nc.started(launch, list(outputs or []), (outputs, a, src, pieces))
 
     def scatter(self, out, inputs, root):
-        cp, u8, me = self._cp, self._nccl.NCCL_UINT8, self.group._rank
-
-        def body(comm, s):
+        cp, nc, u8, me = self._cp, self.communicator, self._nccl.NCCL_UINT8, self.group._rank
+        launch = nc.launch("scatter")
+        with launch as (comm, s):
             if me != root:
                 rbuf = cp.empty(out.nbytes, np.uint8)
                 if out.nbytes:
-                    with self._grouped():
+                    with nc.grouped():
                         comm.recv(rbuf.data.ptr, out.nbytes, u8, root, s)
-                _copy_into(cp, out, _typed(rbuf, out))
-                return rbuf
-            srcs = [_flat_bytes(cp, x) for x in inputs]
-            with self._grouped():
-                for r, src in enumerate(srcs):
-                    if r != me and src.size:
-                        comm.send(src.data.ptr, src.size, u8, r, s)
-            _copy_into(cp, out, _typed(srcs[me], out))
-            return srcs
-
-        return self._work("scatter", body, [out], (out, inputs))
+                copy_into(cp, out, typed(rbuf, out))
+                kept = [rbuf]
+            else:
+                kept = [flat_bytes(cp, x) for x in inputs]
+                with nc.grouped():
+                    for r, src in enumerate(kept):
+                        if r != me and src.size:
+                            comm.send(src.data.ptr, src.size, u8, r, s)
+                copy_into(cp, out, typed(kept[me], out))
+        return nc.started(launch, [out], (out, inputs, kept))
 
     def all_to_all(self, outputs, inputs):
-        cp, u8, me = self._cp, self._nccl.NCCL_UINT8, self.group._rank
-
-        def body(comm, s):
-            srcs = [_flat_bytes(cp, x) for x in inputs]
+        cp, nc, u8, me = self._cp, self.communicator, self._nccl.NCCL_UINT8, self.group._rank
+        launch = nc.launch("all_to_all")
+        with launch as (comm, s):
+            srcs = [flat_bytes(cp, x) for x in inputs]
             dsts = [srcs[r] if r == me else cp.empty(o.nbytes, np.uint8)
                     for r, o in enumerate(outputs)]
-            with self._grouped():
+            with nc.grouped():
                 for r in range(len(srcs)):
                     if r == me:
                         continue
@@ -554,25 +358,24 @@ class NCCLBackend(NcclPointToPoint, DeviceBackend):
                     if dsts[r].size:
                         comm.recv(dsts[r].data.ptr, dsts[r].size, u8, r, s)
             for o, d in zip(outputs, dsts):
-                _copy_into(cp, o, _typed(d, o))
-            return srcs, dsts
-
-        return self._work("all_to_all", body, list(outputs), (list(outputs), list(inputs)))
+                copy_into(cp, o, typed(d, o))
+        return nc.started(launch, list(outputs), (list(outputs), list(inputs), srcs, dsts))
 
     def all_to_all_single(self, out, a, output_counts, input_counts):
-        cp, u8, me, n = self._cp, self._nccl.NCCL_UINT8, self.group._rank, self.group._size
+        cp, nc, u8 = self._cp, self.communicator, self._nccl.NCCL_UINT8
+        me, n = self.group._rank, self.group._size
         item = a.itemsize
         if input_counts is None:
             input_counts = [a.size // n] * n
             output_counts = [out.size // n] * n
         in_off = np.concatenate([[0], np.cumsum(input_counts)]) * item
         out_off = np.concatenate([[0], np.cumsum(output_counts)]) * item
-
-        def body(comm, s):
-            src = _flat_bytes(cp, a)
+        launch = nc.launch("all_to_all_single")
+        with launch as (comm, s):
+            src = flat_bytes(cp, a)
             dst = out if out.flags.c_contiguous else cp.empty(out.shape, out.dtype)
             dst_u8 = dst.reshape(-1).view(np.uint8)
-            with self._grouped():
+            with nc.grouped():
                 for r in range(n):
                     if r == me:
                         continue
@@ -583,17 +386,56 @@ class NCCLBackend(NcclPointToPoint, DeviceBackend):
                                   u8, r, s)
             if input_counts[me]:
                 dst_u8[int(out_off[me]):int(out_off[me + 1])] = src[int(in_off[me]):int(in_off[me + 1])]
-            _copy_into(cp, out, dst)
-            return src, dst
-
-        return self._work("all_to_all_single", body, [out], (out, a))
+            copy_into(cp, out, dst)
+        return nc.started(launch, [out], (out, a, src, dst))
 
     def barrier(self):
-        cp, nccl = self._cp, self._nccl
-
-        def body(comm, s):
+        cp, nc, nccl = self._cp, self.communicator, self._nccl
+        launch = nc.launch("barrier")
+        with launch as (comm, s):
             buf = cp.zeros(1, np.int32)
             comm.allReduce(buf.data.ptr, buf.data.ptr, 1, nccl.NCCL_INT32, nccl.NCCL_SUM, s)
-            return buf
+        return nc.started(launch, [], buf, blocking=True)
 
-        return self._work("barrier", body, [], None, blocking=True)
+    # -- point to point (tags are ignored: NCCL matches by order) -------------------------
+
+    def _check_peers(self, ops, op: str) -> None:
+        for _, _, peer, _ in ops:
+            if peer is None:
+                raise located(ValueError, op, "NCCL receives need a source rank (src=None, "
+                              "any source, is MPI-only)", self.group)
+
+    def _p2p(self, op: str, ops):
+        """Enqueue the sends and receives of ``ops`` (sending, array, peer, tag) as one
+        NCCL group; (the launch, the buffers to keep alive)."""
+        cp, nc, u8 = self._cp, self.communicator, self._nccl.NCCL_UINT8
+        launch = nc.launch(op)
+        with launch as (comm, s):
+            bufs = [flat_bytes(cp, a) if sending else
+                    (a if a.flags.c_contiguous else cp.empty(a.shape, a.dtype)).reshape(-1).view(np.uint8)
+                    for sending, a, _, _ in ops]
+            with nc.grouped():
+                for (sending, _, peer, _), buf in zip(ops, bufs):
+                    if buf.size:
+                        (comm.send if sending else comm.recv)(buf.data.ptr, buf.size, u8, peer, s)
+            for (sending, a, _, _), buf in zip(ops, bufs):
+                if not sending:
+                    copy_into(cp, a, typed(buf, a))
+        return launch, bufs
+
+    def send(self, a, peer, tag):
+        launch, bufs = self._p2p("send", [(True, a, peer, tag)])
+        return self.communicator.started(launch, [a], (a, bufs))
+
+    def recv(self, a, peer, tag):
+        ops = [(False, a, peer, tag)]
+        self._check_peers(ops, "recv")
+        launch, bufs = self._p2p("recv", ops)
+        return self.communicator.started(launch, [a], (a, bufs), peer=peer)
+
+    def batch_p2p(self, ops):
+        self._check_peers(ops, "batch_isend_irecv")
+        launch, bufs = self._p2p("batch_isend_irecv", ops)
+        return [self.communicator.started(launch, [a], (a, bufs), op="send" if sending else "recv",
+                                          peer=None if sending else peer)
+                for sending, a, peer, _ in ops]

@@ -1,19 +1,16 @@
-"""NCCL's dtype and reduce-op tables and unique-id forms: host-only facts, readable and
-testable without CuPy or a GPU."""
+"""How the NCCL engine hands an array to NCCL: the datatype and reduction for each dtype
+and ReduceOp (or why NCCL cannot), and the units data movement counts in.  Host-only
+facts, readable and testable without CuPy or a GPU."""
 
 from __future__ import annotations
-
-import os
-import socket
 
 import numpy as np
 
 from spmd.core.arrays import SUPPORTED_DTYPES, family
 
-__all__ = ["AVG_BF16_VERSION", "INT_MAX", "NCCL_TYPES", "NOCOLOR", "PLANS", "REDUCE_NAMES",
-           "SPLIT_VERSION", "USE_MPI", "NcclPlan", "byte_units", "cupy_count_is_int",
-           "can_split", "host_identity", "plan_for", "runtime_plan", "runtime_version",
-           "uid_for_cupy", "uid_to_bytes"]
+__all__ = ["AVG_BF16_VERSION", "INT_MAX", "NCCL_TYPES", "PLANS", "REDUCE_NAMES", "USE_MPI",
+           "NcclPlan", "byte_units", "cupy_count_is_int", "plan_for", "runtime_plan",
+           "runtime_version"]
 
 # dtype name -> NCCL datatype.  bool travels as uint8 (0/1), complex as pairs of reals.
 NCCL_TYPES = {
@@ -87,33 +84,9 @@ PLANS: dict[str, dict[np.dtype, NcclPlan | str]] = {
 }
 
 
-def uid_to_bytes(uid) -> bytes:
-    """NCCL's unique id, as ``get_unique_id()`` returned it, in a form that travels.
-
-    CuPy 14 returns bytes; CuPy 13 a tuple of C ``char`` values, signed or unsigned
-    with the platform (x86 vs aarch64), which ``NcclCommunicator`` converts back to
-    ``char``: the values are kept exactly, never re-signed.
-    """
-    if isinstance(uid, (bytes, bytearray)):
-        return b"bytes:" + bytes(uid)
-    return b"tuple:" + np.asarray([int(v) for v in uid], dtype="<i2").tobytes()
-
-
-def uid_for_cupy(raw: bytes):
-    """The id exactly as rank 0's ``get_unique_id()`` returned it (``uid_to_bytes``'s
-    inverse), the form its ``NcclCommunicator`` takes."""
-    kind, _, data = raw.partition(b":")
-    if kind == b"bytes":
-        return bytes(data)
-    if kind == b"tuple":
-        return tuple(int(v) for v in np.frombuffer(data, dtype="<i2"))
-    raise ValueError(f"not an NCCL unique id from uid_to_bytes: {raw[:16]!r}...")
-
-
 # NCCL 2.10 brought ncclAvg and ncclBfloat16; CuPy defines both names whatever the
 # libnccl it loads, so the runtime version decides.
 AVG_BF16_VERSION = 21000
-SPLIT_VERSION = 21800  # ncclCommSplit
 
 
 def runtime_plan(plan: NcclPlan, version: int) -> tuple[bool, str | None]:
@@ -145,34 +118,6 @@ def cupy_count_is_int(version: str) -> bool:
     try:
         return (13, 0) <= (int(parts[0]), int(parts[1])) < (13, 4)
     except (IndexError, ValueError):
-        return False
-
-
-def host_identity() -> str:
-    """What NCCL hashes to tell hosts apart: NCCL_HOSTID when set, else the host name
-    and the boot id."""
-    hostid = os.environ.get("NCCL_HOSTID")
-    if hostid:
-        return f"NCCL_HOSTID={hostid}"
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as f:
-            boot = f.read().strip()
-    except OSError:
-        boot = ""
-    return f"{socket.gethostname()}{':' + boot if boot else ''}"
-
-
-NOCOLOR = -1  # NCCL_SPLIT_NOCOLOR
-
-
-def can_split(nccl) -> bool:
-    """Whether ``ncclCommSplit`` can run: CuPy has it, and both the NCCL CuPy was built
-    against (CuPy raises below 2.18) and the one loaded are 2.18 or later."""
-    if not hasattr(nccl.NcclCommunicator, "commSplit"):
-        return False
-    try:
-        return min(int(nccl.get_version()), int(nccl.get_build_version())) >= SPLIT_VERSION
-    except Exception:  # noqa: BLE001 - no get_build_version: too old to tell
         return False
 
 

@@ -1,7 +1,7 @@
 """Node-local shared-memory collectives for host arrays, hierarchical across nodes.
 
 Inside a node, ranks exchange data through one MPI-3 shared window per group
-(``_shm_window``) instead of MPI messages:
+(``window.py``) instead of MPI messages:
 
 - one-shot all_reduce (small and medium arrays): every rank copies its input into its
   slot; every rank reduces all slots, in local-rank order, into its output.
@@ -37,40 +37,36 @@ Works first.
 
 from __future__ import annotations
 
-import threading
-from collections import deque
-
 import numpy as np
 from mpi4py import MPI
 
-from spmd.backends.shm.records import Chunk, ShmWork, Task
 from spmd.backends.shm.reduce import Reduction, accumulate, finalize
+from spmd.backends.shm.scheduler import Scheduler
 from spmd.backends.shm.thresholds import (
+    ACROSS_NODES,
+    ACROSS_NODES_FORCED,
     ALIGN,
-    ALL_GATHER_TO,
     AUTO_FROM,
     AUTO_FROM_OVERSUBSCRIBED,
-    HIER_FROM,
+    FORCED,
     NEVER,
+    NOTHING,
     ONE_SHOT_READ,
     SHM_ENV,
     SLOT_BYTES,
     SLOT_BYTES_OVERSUBSCRIBED,
     SLOTS,
+    Thresholds,
     shm_mode,
     status,
 )
-from spmd.backends.shm.window import NodeWindow, open_window
-from spmd.backends.shm.window import nap as _nap
+from spmd.backends.shm.window import NodeWindow, nap, open_window
 from spmd.core import wait as _wait
-from spmd.core.errors import GroupBrokenError
 from spmd.core.wait import wait_until
 from spmd.core.work import Work
 
 __all__ = ["SHM_ENV", "ShmEngine", "engine_for", "shm_mode", "status"]
 
-_NEVER = NEVER
-_ALIGN = ALIGN
 _U8 = np.dtype(np.uint8)
 
 
@@ -102,11 +98,18 @@ def _same_start(x: np.ndarray, y: np.ndarray) -> bool:
     return x.__array_interface__["data"][0] == y.__array_interface__["data"][0]
 
 
-# -- Work ----------------------------------------------------------------------------
+class Chunk:
+    """One chunk of a two-shot all-reduce between its reduction and its copy-out."""
 
-# -- the engine ----------------------------------------------------------------------
+    __slots__ = ("lo", "cuts", "slot", "acc", "dst", "request")
 
-_busy: set = set()  # engines with ops in their queues
+    def __init__(self, lo: int, cuts: list[int], slot: int, acc, dst, request):
+        self.lo = lo            # its first item in the flat array
+        self.cuts = cuts        # where each local rank's part starts
+        self.slot = slot        # the slot it went through
+        self.acc = acc          # this rank's reduced part (the accumulator)
+        self.dst = dst          # this rank's part of the slot, where the result goes
+        self.request = request  # the cross-node all-reduce of ``acc``, or None
 
 
 class ShmEngine:
@@ -116,14 +119,15 @@ class ShmEngine:
     for every op; the window is set up collectively by the first op that needs it.
     """
 
-    # Thresholds (bytes, the names of AUTO_FROM): an op of this size or more runs here.
-    # Set per mode at construction, raised to NEVER by a set-up that finds the engine
-    # cannot help.
+    # Thresholds (bytes, see Thresholds): an op of this size or more runs here.  Set per
+    # mode at construction, raised by a set-up that finds the engine cannot help.  Plain
+    # attributes: the blocking and compiled call paths read them on every call.
     all_reduce_from: int
     reduce_from: int
     reduce_scatter_from: int
     broadcast_from: int
     all_gather_from: int
+    all_gather_to: int
 
     def __init__(self, backend, mode: str):
         self._backend = backend
@@ -132,21 +136,24 @@ class ShmEngine:
         self.slot_bytes = SLOT_BYTES_OVERSUBSCRIBED if _wait.oversubscribed else SLOT_BYTES
         self.nslots = SLOTS
         self.one_shot_max: int | None = None  # bytes; ONE_SHOT_READ / local ranks unless set
-        sizes = AUTO_FROM_OVERSUBSCRIBED if _wait.oversubscribed else AUTO_FROM
-        for name, size in sizes.items():
-            setattr(self, name, 1 if mode == "force" else size)
-        self.all_gather_to = ALL_GATHER_TO if mode == "auto" and not _wait.oversubscribed \
-            else _NEVER
+        if mode == "force":
+            self._take(FORCED)
+        else:
+            self._take(AUTO_FROM_OVERSUBSCRIBED if _wait.oversubscribed else AUTO_FROM)
         self._win: NodeWindow | None = None
         self._reason: str | None = None          # why the engine is unavailable, once known
-        self._failed: BaseException | None = None  # an error that left a step half done
-        self._queue: deque[Task] = deque()
+        self._scheduler = Scheduler(self._group)
         self._next_slot = 0
         self._release: list[int] = []
         self._reductions: dict = {}  # plan -> Reduction, for plans without a factor
-        # Threads may wait on ops of different groups at once, and a wait also runs the
-        # other engines' steps: one thread at a time runs an engine's steps.
-        self._lock = threading.Lock()
+
+    def _take(self, sizes: Thresholds) -> None:
+        self.all_reduce_from = sizes.all_reduce_from
+        self.reduce_from = sizes.reduce_from
+        self.reduce_scatter_from = sizes.reduce_scatter_from
+        self.broadcast_from = sizes.broadcast_from
+        self.all_gather_from = sizes.all_gather_from
+        self.all_gather_to = sizes.all_gather_to
 
     def gathers(self, nbytes: int) -> bool:
         """True if an all-gather with ``nbytes`` of output runs here."""
@@ -154,11 +161,17 @@ class ShmEngine:
 
     # -- set-up --------------------------------------------------------------------
 
-    def _takes(self, kind: str, nbytes: int) -> bool:
-        """True if an op of ``nbytes`` (``kind``: its ``*_from`` name) runs here."""
-        if kind == "all_gather_from":
-            return self.gathers(nbytes)
-        return nbytes >= getattr(self, kind)
+    def _takes(self, op: str, nbytes: int) -> bool:
+        """True if ``op`` of ``nbytes`` runs here (asked again after the set-up)."""
+        if op == "all_reduce":
+            return nbytes >= self.all_reduce_from
+        if op == "reduce":
+            return nbytes >= self.reduce_from
+        if op == "reduce_scatter_tensor":
+            return nbytes >= self.reduce_scatter_from
+        if op == "broadcast":
+            return nbytes >= self.broadcast_from
+        return self.gathers(nbytes)  # all_gather, all_gather_into_tensor
 
     def _setup(self, op: str) -> None:
         """Make the window: the first op that may run here (``op``) does it, on every rank.
@@ -175,7 +188,7 @@ class ShmEngine:
             raise ValueError(f"the engine needs 3 or more slots, got {self.nslots}")
         group = self._group
         comm, req = group._comm.Idup()
-        wait_until(req.Test, group._timeout, op, group, nap=_nap,
+        wait_until(req.Test, group._timeout, op, group, nap=nap,
                    source="setting up the shared-memory engine")
         try:
             win, reason = open_window(comm, self.slot_bytes, self.nslots)
@@ -183,23 +196,17 @@ class ShmEngine:
             comm.Free()
         if win is None:
             self._reason = reason
-            for name in AUTO_FROM:
-                setattr(self, name, _NEVER)
+            self._take(NOTHING)
             return
-        self._win = win
+        self._win = self._scheduler.window = win
         self._release = [0] * self.nslots
         if self.one_shot_max is None:
             self.one_shot_max = ONE_SHOT_READ // win.local_size
         if self.mode == "auto" and win.local_size < 2:
             self._reason = "no two ranks of the group share a node"
-            for name in AUTO_FROM:
-                setattr(self, name, _NEVER)
+            self._take(NOTHING)
         elif win.num_nodes > 1:
-            # Across nodes only all_reduce runs here (hierarchically); the rest is MPI's.
-            all_reduce_from = 1 if self.mode == "force" else HIER_FROM
-            for name in AUTO_FROM:
-                setattr(self, name, _NEVER)
-            self.all_reduce_from = all_reduce_from
+            self._take(ACROSS_NODES_FORCED if self.mode == "force" else ACROSS_NODES)
 
     def shutdown(self) -> None:
         """Free the window (every rank of the group calls it, when the group is destroyed).
@@ -209,8 +216,7 @@ class ShmEngine:
         is left to MPI_Finalize instead of hanging the caller.
         """
         win, self._win = self._win, None
-        self._queue.clear()
-        _busy.discard(self)
+        self._scheduler.clear()
         if win is None:
             return
         wait = self._group._timeout
@@ -224,7 +230,7 @@ class ShmEngine:
         Sets the window up: every rank of the group must call it."""
         if self._win is None and self._reason is None:
             self._setup("spmd info")
-        if self._win is None or self.all_reduce_from >= _NEVER:
+        if self._win is None or self.all_reduce_from >= NEVER:
             return f"unavailable, MPI is used: {self._reason}"
         w = self._win
         assert self.one_shot_max is not None  # the set-up that made the window set it
@@ -234,81 +240,19 @@ class ShmEngine:
                 f"per rank; all_reduce from {self.all_reduce_from} B, one-shot up to "
                 f"{min(self.one_shot_max, self.slot_bytes)} B")
 
-    # -- driving ops -----------------------------------------------------------------
+    # -- starting ops ----------------------------------------------------------------
 
-    def _start(self, kind: str, nbytes: int, steps, fallback, op: str, outputs,
-               keep) -> Work:
+    def _start(self, nbytes: int, steps, fallback, op: str, outputs, keep) -> Work:
         """Queue an op: its ``steps`` (a generator), or run ``fallback()`` (the MPI
         backend's op) if the window's set-up shows that the engine does not take it."""
-        if self._failed is not None:
-            raise GroupBrokenError(f"{op}: the shared-memory engine of group "
-                                   f"{self._group._name} failed earlier: {self._failed!r} "
-                                   f"[rank {self._group._rank}]")
+        self._scheduler.check(op)
         if self._win is None and self._reason is None:
             self._setup(op)
-            if not self._takes(kind, nbytes):
+            if not self._takes(op, nbytes):
                 # The set-up raised the threshold (the group spans nodes) or found no window.
                 steps.close()
                 return fallback()
-        task = Task(self, steps)
-        self._queue.append(task)
-        _busy.add(self)
-        work = ShmWork(task, op, self._group, outputs, keep)
-        self.progress(task)
-        return work
-
-    def progress(self, task: Task) -> bool:
-        """Run queued steps until one must wait; True once ``task`` is done.
-
-        While ``task`` waits, the other groups' engines get their turn too, so a rank
-        waiting here does not stall peers that wait for it in another group's op (as
-        MPI progresses every request in any call).
-        """
-        if not self._advance() and len(_busy) > 1 and not task.done:
-            for engine in list(_busy):
-                if engine is not self:
-                    engine._advance()
-        return task.done
-
-    def _advance(self) -> bool:
-        """Run this engine's queued steps, oldest op first; False when one must wait (or
-        when another thread is running them)."""
-        if not self._lock.acquire(blocking=False):
-            return False
-        try:
-            return self._run_queue()
-        finally:
-            self._lock.release()
-
-    def _run_queue(self) -> bool:
-        queue = self._queue
-        while queue:
-            head = queue[0]
-            wait = head.wait
-            if wait is not None:
-                if type(wait) is int:
-                    win = self._win
-                    assert win is not None  # int waits come from steps on the window
-                    if not win.reached(wait):
-                        return False
-                elif not wait.Test():
-                    if _wait.oversubscribed:
-                        _nap()  # as the window's waits do: let the peers have the core
-                    return False
-            try:
-                head.wait = next(head.steps)
-            except StopIteration:
-                head.done = True
-                queue.popleft()
-            except BaseException as exc:
-                # Peers may be waiting for a step this rank will never publish.
-                self._failed = exc
-                head.done = True
-                queue.popleft()
-                _busy.discard(self)
-                raise
-        _busy.discard(self)
-        return True
+        return self._scheduler.start(steps, op, outputs, keep)
 
     def _window(self) -> NodeWindow:
         """The window, for the steps of ops: they run only once the set-up has made it."""
@@ -336,26 +280,26 @@ class ShmEngine:
         backend = self._backend
         plan = backend._plan(a.dtype, op, "all_reduce")
         steps = self._reduce_steps(a, plan.view, self._reduction(plan, op), None)
-        return self._start("all_reduce_from", a.nbytes, steps,
+        return self._start(a.nbytes, steps,
                            lambda: backend.all_reduce(a, op), "all_reduce", [a], a)
 
     def reduce(self, a, root, op):
         backend = self._backend
         plan = backend._plan(a.dtype, op, "reduce")
         steps = self._reduce_steps(a, plan.view, self._reduction(plan, op), root)
-        return self._start("reduce_from", a.nbytes, steps,
+        return self._start(a.nbytes, steps,
                            lambda: backend.reduce(a, root, op), "reduce", [a], a)
 
     def reduce_scatter_tensor(self, out, a, op):
         backend = self._backend
         plan = backend._plan(a.dtype, op, "reduce_scatter_tensor")
         steps = self._reduce_scatter_steps(out, a, plan.view, self._reduction(plan, op))
-        return self._start("reduce_scatter_from", a.nbytes, steps,
+        return self._start(a.nbytes, steps,
                            lambda: backend.reduce_scatter_tensor(out, a, op),
                            "reduce_scatter_tensor", [out], (a, out))
 
     def broadcast(self, a, root):
-        return self._start("broadcast_from", a.nbytes, self._broadcast_steps(a, root),
+        return self._start(a.nbytes, self._broadcast_steps(a, root),
                            lambda: self._backend.broadcast(a, root), "broadcast", [a], a)
 
     def all_gather_into_tensor(self, out, a):
@@ -365,13 +309,13 @@ class ShmEngine:
                                            for j in range(self._group._size)])
         else:
             steps = self._gather_steps(a, None, out)
-        return self._start("all_gather_from", out.nbytes, steps,
+        return self._start(out.nbytes, steps,
                            lambda: self._backend.all_gather_into_tensor(out, a),
                            "all_gather_into_tensor", [out], (a, out))
 
     def all_gather(self, outputs, a):
         steps = self._gather_steps(a, list(outputs))
-        return self._start("all_gather_from", sum(o.nbytes for o in outputs), steps,
+        return self._start(sum(o.nbytes for o in outputs), steps,
                            lambda: self._backend.all_gather(outputs, a), "all_gather",
                            list(outputs), (a, outputs))
 
@@ -464,7 +408,7 @@ class ShmEngine:
         me, q, cross = w.local_rank, w.local_size, w.cross
         dt = flat.dtype
         per = self.slot_bytes // dt.itemsize
-        step = max(1, _ALIGN // dt.itemsize)
+        step = max(1, ALIGN // dt.itemsize)
         part = -(-per // (q * step)) * step
         # Two accumulators: chunk i-1's may still be in MPI's hands while chunk i reduces.
         acc0, tmp = red.scratch(part, dt)

@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import os
 
-__all__ = ["SHM_ENV", "SLOT_BYTES", "SLOT_BYTES_OVERSUBSCRIBED", "SLOTS", "ONE_SHOT_READ",
-           "AUTO_FROM", "AUTO_FROM_OVERSUBSCRIBED", "ALL_GATHER_TO", "HIER_FROM", "NEVER",
-           "ALIGN", "shm_mode", "status"]
+__all__ = ["ACROSS_NODES", "ACROSS_NODES_FORCED", "ALIGN", "AUTO_FROM",
+           "AUTO_FROM_OVERSUBSCRIBED", "FORCED", "NEVER", "NOTHING", "ONE_SHOT_READ", "SHM_ENV",
+           "SLOTS", "SLOT_BYTES", "SLOT_BYTES_OVERSUBSCRIBED", "Thresholds", "shm_mode",
+           "status"]
 
 SHM_ENV = "SPMD_SHM"
 NEVER = 1 << 62
@@ -24,9 +25,28 @@ SLOTS = 3                # the fewest the release marks allow; 4 measured no fas
 # One-shot all_reduce/reduce while every rank reads at most this many bytes (local
 # ranks x message) and the message fits one slot: 2 MiB messages at 2 ranks, 1 MiB at 4.
 ONE_SHOT_READ = 4 << 20
-# Sizes (bytes: the array for all_reduce, reduce and broadcast, the input of
-# reduce_scatter_tensor, the output of the all-gathers) from which the engine takes an op
-# in SPMD_SHM=auto mode.  Measured with benchmarks/shm_allreduce.py (float32, medians,
+ALIGN = 64              # bytes: parts of a chunk owned by different ranks start on cache lines
+
+
+class Thresholds:
+    """From which size (bytes) the engine takes each op: the array for all_reduce,
+    reduce and broadcast, the input of reduce_scatter_tensor, the output of the
+    all-gathers, which also go back to MPI from ``all_gather_to``.  ``NEVER``: never."""
+
+    __slots__ = ("all_gather_from", "all_gather_to", "all_reduce_from", "broadcast_from",
+                 "reduce_from", "reduce_scatter_from")
+
+    def __init__(self, *, all_reduce_from: int, reduce_from: int, reduce_scatter_from: int,
+                 broadcast_from: int, all_gather_from: int, all_gather_to: int = NEVER) -> None:
+        self.all_reduce_from = all_reduce_from
+        self.reduce_from = reduce_from
+        self.reduce_scatter_from = reduce_scatter_from
+        self.broadcast_from = broadcast_from
+        self.all_gather_from = all_gather_from
+        self.all_gather_to = all_gather_to
+
+
+# The thresholds of SPMD_SHM=auto mode.  Measured with benchmarks/shm_allreduce.py (float32, medians,
 # load average 4-6 on the 2-core test machine, so +-30% is noise):
 # - 2 ranks on 2 cores: all_reduce 0.9x MPI's speed at 16 KiB, 1.4x at 32 KiB, 1.9x
 #   at 64 KiB, 3-4x from 256 KiB to 4 MiB, 1.0x at 16 MiB, 2.4x at 64 MiB; reduce 1.2x
@@ -44,19 +64,27 @@ ONE_SHOT_READ = 4 << 20
 #   at 64 KiB, a tie at 128 KiB, 0.83x at 256 KiB, 2.1x faster at 64 MiB; at 2 ranks a
 #   tie from 32 KiB to 4 MiB, 1.2x faster at 16 MiB, 2.8x at 64 MiB.  reduce and
 #   reduce_scatter_tensor (2 ranks) 1.1-7x faster from 128 KiB.
-AUTO_FROM = {"all_reduce_from": 32 << 10, "reduce_from": 64 << 10,
-             "reduce_scatter_from": 64 << 10, "broadcast_from": NEVER,
-             "all_gather_from": NEVER}
-AUTO_FROM_OVERSUBSCRIBED = {"all_reduce_from": 256 << 10, "reduce_from": 256 << 10,
-                            "reduce_scatter_from": 64 << 10, "broadcast_from": 64 << 10,
-                            "all_gather_from": NEVER}
-# The all-gathers go back to MPI from this output size (unless ranks outnumber cores).
-ALL_GATHER_TO = 4 << 20
-# Smallest all_reduce the engine takes in auto mode when the group spans several nodes.
-# Pseudo-nodes (2 x 2 ranks on the 2-core host) measured 0.5-0.8x MPI's speed from
-# 64 KiB to 16 MiB and 1.2-1.3x at 64 MiB; real multi-node runs are not measured here.
-HIER_FROM = 32 << 20
-ALIGN = 64              # bytes: parts of a chunk owned by different ranks start on cache lines
+# The all-gathers go back to MPI from 4 MiB of output (unless ranks outnumber cores).
+AUTO_FROM = Thresholds(all_reduce_from=32 << 10, reduce_from=64 << 10,
+                       reduce_scatter_from=64 << 10, broadcast_from=NEVER,
+                       all_gather_from=NEVER, all_gather_to=4 << 20)
+AUTO_FROM_OVERSUBSCRIBED = Thresholds(all_reduce_from=256 << 10, reduce_from=256 << 10,
+                                      reduce_scatter_from=64 << 10, broadcast_from=64 << 10,
+                                      all_gather_from=NEVER)
+# SPMD_SHM=force: every size.
+FORCED = Thresholds(all_reduce_from=1, reduce_from=1, reduce_scatter_from=1, broadcast_from=1,
+                    all_gather_from=1)
+# No window, or no two ranks on a node: nothing.
+NOTHING = Thresholds(all_reduce_from=NEVER, reduce_from=NEVER, reduce_scatter_from=NEVER,
+                     broadcast_from=NEVER, all_gather_from=NEVER)
+# When the group spans several nodes only all_reduce runs here (hierarchically), in auto
+# mode from 32 MiB: pseudo-nodes (2 x 2 ranks on the 2-core host) measured 0.5-0.8x
+# MPI's speed from 64 KiB to 16 MiB and 1.2-1.3x at 64 MiB; real multi-node runs are not
+# measured here.
+ACROSS_NODES = Thresholds(all_reduce_from=32 << 20, reduce_from=NEVER,
+                          reduce_scatter_from=NEVER, broadcast_from=NEVER, all_gather_from=NEVER)
+ACROSS_NODES_FORCED = Thresholds(all_reduce_from=1, reduce_from=NEVER, reduce_scatter_from=NEVER,
+                                 broadcast_from=NEVER, all_gather_from=NEVER)
 
 _MODES = {"": "auto", "1": "auto", "auto": "auto", "on": "auto", "true": "auto",
           "yes": "auto", "0": "off", "off": "off", "false": "off", "no": "off",

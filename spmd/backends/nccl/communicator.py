@@ -1,0 +1,390 @@
+"""A group's NCCL communicator: how it is created (a unique id over MPI, or
+``ncclCommSplit`` of the parent's), the CUDA stream its operations run on, the Work of
+an operation (its end event), the operations in flight, and the abort that ends them.
+
+The engine (``engine.py``) says what to enqueue; this module owns when and where it runs:
+``with communicator.launch(op) as (comm, stream_ptr):`` enqueues on the communicator's
+stream after the caller's current stream, and ``communicator.started(...)`` returns the
+operation's Work.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import os
+import threading
+import time
+import weakref
+
+from spmd.backends.nccl.uniqueid import host_identity, uid_for_cupy, uid_to_bytes
+from spmd.core import cuda as _gpu
+from spmd.core.bootstrap import broadcast_value, check_distinct_gpus
+from spmd.core.errors import DistBackendError, GroupBrokenError, located
+from spmd.core.flight_recorder import recorder
+from spmd.core.wait import wait_until
+from spmd.core.work import Work, seconds_of
+
+__all__ = ["NOCOLOR", "SPLIT_VERSION", "Communicator", "Launch", "NcclWork", "can_split"]
+
+SPLIT_VERSION = 21800  # ncclCommSplit
+NOCOLOR = -1           # NCCL_SPLIT_NOCOLOR
+
+
+def can_split(nccl) -> bool:
+    """Whether ``ncclCommSplit`` can run: CuPy has it, and both the NCCL CuPy was built
+    against (CuPy raises below 2.18) and the one loaded are 2.18 or later."""
+    if not hasattr(nccl.NcclCommunicator, "commSplit"):
+        return False
+    try:
+        return min(int(nccl.get_version()), int(nccl.get_build_version())) >= SPLIT_VERSION
+    except Exception:  # noqa: BLE001 - no get_build_version: too old to tell
+        return False
+
+
+class InFlight:
+    """An operation enqueued and not yet seen complete: its arrays stay alive until the
+    GPU has passed its end event."""
+
+    __slots__ = ("end", "entry", "kept", "work")
+
+    def __init__(self, end, kept, work: weakref.ref, entry) -> None:
+        self.end = end      # the CUDA event recorded after the operation
+        self.kept = kept    # the arrays it reads and writes
+        self.work = work    # its Work, weakly: a Work nobody holds still completes
+        self.entry = entry  # its flight-recorder entry (None when recording is off)
+
+
+class Communicator:
+    """One group's NCCL communicator, its stream and its operations in flight."""
+
+    __slots__ = ("broken", "cp", "created_by", "device", "group", "inflight", "nccl",
+                 "nccl_comm", "ready", "runtime", "stream")
+
+    def __init__(self, group, cp, nccl) -> None:
+        self.group = group
+        self.cp = cp
+        self.nccl = nccl
+        self.runtime = cp.cuda.runtime
+        self.nccl_comm = None      # CuPy's NcclCommunicator, from the first operation on
+        self.stream = None         # the stream the operations run on
+        self.ready = None          # the event the stream waits on: reused (a wait takes its last record)
+        self.device: int | None = None
+        self.broken: str | None = None   # why it was aborted
+        self.inflight: collections.deque[InFlight] = collections.deque()  # oldest first
+        self.created_by: str | None = None  # "unique id" or "commSplit", for tests and spmd info
+
+    # -- creation -----------------------------------------------------------------------
+
+    def connect(self, op: str = "connect"):
+        """Create the NCCL communicator now (collective over the group); return it."""
+        if self.nccl_comm is not None:
+            return self.nccl_comm
+        self.check_broken(op)
+        cp, pg = self.cp, self.group
+        device = _gpu.bound_device()
+        with cp.cuda.Device(device):
+            pending = pg._inherited.pop("cuda", None)
+            if pending is not None:
+                comm, self.created_by = pending, "commSplit"
+            else:
+                comm, self.created_by = self._from_unique_id(op, device), "unique id"
+            self.stream = cp.cuda.Stream(non_blocking=True)
+            self.ready = cp.cuda.Event(block=False, disable_timing=True)
+        self.device = device
+        self.nccl_comm = comm
+        return comm
+
+    def _from_unique_id(self, op: str, device: int):
+        nccl, pg = self.nccl, self.group
+        bus = self.cp.cuda.Device(device).pci_bus_id
+        check_distinct_gpus(pg, pg._store, host_identity(), bus, op)
+        value = None
+        if pg._rank == 0:
+            try:
+                value = uid_to_bytes(nccl.get_unique_id())
+            except Exception as exc:  # noqa: BLE001 - the others must hear about it too
+                value = b"error:" + f"{type(exc).__name__}: {exc}".encode()
+        raw = broadcast_value(pg, pg._store, "nccl-unique-id", value)
+        if raw.startswith(b"error:"):
+            raise located(DistBackendError, op, f"ncclGetUniqueId failed on group rank 0: "
+                          f"{raw[6:].decode()}", pg)
+        try:
+            return nccl.NcclCommunicator(pg._size, uid_for_cupy(raw), pg._rank)
+        except Exception as exc:
+            raise located(DistBackendError, op, f"ncclCommInitRank failed: {exc}", pg) from exc
+
+    def can_split(self) -> bool:
+        return can_split(self.nccl)
+
+    def split(self, color: int, key: int):
+        """``ncclCommSplit`` (collective over this group: every member calls it); the new
+        communicator, None for ``NOCOLOR``, or None without a call when this one does not
+        exist, was aborted or cannot split."""
+        comm = self.nccl_comm
+        if comm is None or self.broken is not None or not self.can_split():
+            return None
+        with self.cp.cuda.Device(self.device):
+            # Operations still queued on the parent can deadlock the split (CuPy's warning).
+            self.stream.synchronize()
+            try:
+                return comm.commSplit(color, key)
+            except Exception as exc:
+                raise located(DistBackendError, "split", f"ncclCommSplit failed: {exc}",
+                              self.group) from exc
+
+    def shutdown(self) -> None:
+        comm, self.nccl_comm = self.nccl_comm, None
+        if comm is None:
+            return
+        if self.broken is None:
+            try:
+                self.stream.synchronize()
+            finally:
+                comm.destroy()
+        self.inflight.clear()
+
+    # -- faults -------------------------------------------------------------------------
+
+    def check_broken(self, op: str) -> None:
+        if self.broken is not None:
+            raise located(GroupBrokenError, op, f"the group's NCCL communicator was aborted "
+                          f"after {self.broken}; destroy the group and make a new one",
+                          self.group)
+
+    def abort(self, why: str) -> None:
+        self.broken = why
+        comm = self.nccl_comm
+        if comm is not None:
+            with contextlib.suppress(Exception):
+                comm.abort()
+
+    def abort_timed_out(self, op: str, seq: int | None) -> None:
+        """The watchdog found ``op`` past its timeout on the GPU: abort, so kernels end."""
+        if self.broken is None:
+            self.abort(f"{op} #{seq} timed out (found by the watchdog)")
+
+    def check(self, op: str) -> None:
+        """Raise if the communicator was aborted or NCCL reports an asynchronous error."""
+        self.check_broken(op)
+        comm = self.nccl_comm
+        if comm is None:
+            return
+        try:
+            comm.check_async_error()
+        except Exception as exc:
+            self.abort(f"an asynchronous NCCL error in {op}")
+            raise located(DistBackendError, op, f"NCCL reported an asynchronous error: {exc}; "
+                          "the communicator was aborted", self.group) from exc
+
+    # -- completion ---------------------------------------------------------------------
+
+    def event_passed(self, event) -> bool:
+        """Whether the GPU has passed ``event``; never blocks, never raises.
+
+        The watchdog and control threads call it too.  A CUDA call on a thread with no
+        current device makes device 0 current and creates a context there (memory on
+        another rank's GPU): spmd's own threads make this rank's device current first.
+        """
+        try:
+            if threading.current_thread().name.startswith("spmd-") and \
+                    self.runtime.getDevice() != self.device:
+                self.runtime.setDevice(self.device)
+            return bool(event.done)
+        except Exception:  # noqa: BLE001 - a broken device: the timeout will say so
+            return False
+
+    def stream_wait(self, event) -> None:
+        self.cp.cuda.get_current_stream().wait_event(event)
+
+    def host_wait(self, work: NcclWork, seconds: float) -> None:
+        event, spins = work._event, 0
+
+        def done() -> bool:
+            nonlocal spins
+            if event.done:
+                return True
+            spins += 1
+            if not spins & 63:
+                self.check(work._op)  # an asynchronous NCCL error ends the wait at once
+            return False
+
+        def nap() -> None:
+            if spins > 4096:
+                time.sleep(50e-6)
+            else:
+                os.sched_yield()
+
+        wait_until(done, seconds, work._op, self.group, work=work, nap=nap,
+                   source="waiting on the host; the NCCL communicator was aborted",
+                   on_timeout=lambda: self.abort(f"{work._op} timed out"))
+        self.check(work._op)
+
+    def reap(self) -> None:
+        """Complete the operations whose end event has passed and release their arrays;
+        a Work nobody holds any more still has its flight-recorder entry finished."""
+        inflight = self.inflight
+        while inflight and inflight[0].end.done:
+            item = inflight.popleft()
+            work = item.work()
+            if work is not None:
+                if not work._done:
+                    work._complete()
+            elif item.entry is not None:
+                recorder.end(item.entry)
+
+    # -- enqueueing ---------------------------------------------------------------------
+
+    def launch(self, op: str, kernels: bool = True) -> Launch:
+        """``with communicator.launch(op) as (comm, stream_ptr):`` — see ``Launch``."""
+        return Launch(self, op, kernels)
+
+    @contextlib.contextmanager
+    def grouped(self):
+        """ncclGroupStart/End around the NCCL calls inside."""
+        self.nccl.groupStart()
+        try:
+            yield
+        finally:  # (an error inside still ends the group: NCCL needs the pair)
+            self.nccl.groupEnd()
+
+    def started(self, launch: Launch, outputs, keep, blocking=False, peer=None,
+                op: str | None = None) -> NcclWork:
+        """The Work of what ``launch`` enqueued (``op``: its name, when one launch holds
+        several operations, as a batch of sends and receives does)."""
+        work = NcclWork(self, launch.end, op or launch.op, outputs, keep, blocking, peer)
+        self.inflight.append(InFlight(launch.end, keep, weakref.ref(work),
+                                      getattr(work, "_fr", None)))
+        return work
+
+
+_AS_IS = contextlib.nullcontext()  # no switch: the device (or stream) is already the one
+
+
+class Launch:
+    """One enqueueing on a communicator's stream.
+
+    Entering creates the communicator at the group's first operation, completes the
+    operations found done, makes the communicator's stream wait for the caller's current
+    stream, and (``kernels=True``) makes the stream current so that packing and copies
+    go on it too; with ``kernels=False`` only NCCL calls run inside, and they name the
+    stream themselves.  Leaving records ``end``.  An NCCL error inside aborts the
+    communicator and raises DistBackendError.
+    """
+
+    __slots__ = ("_device", "_owner", "_stream", "end", "kernels", "op")
+
+    def __init__(self, owner: Communicator, op: str, kernels: bool) -> None:
+        self._owner = owner
+        self.op = op
+        self.kernels = kernels
+        self.end = None
+
+    def __enter__(self):
+        owner, op = self._owner, self.op
+        comm = owner.nccl_comm
+        if comm is None:
+            comm = owner.connect(op)
+        if owner.broken is not None:
+            owner.check_broken(op)
+        if owner.inflight:
+            owner.reap()
+        cp = owner.cp
+        self._device = device = (_AS_IS if owner.runtime.getDevice() == owner.device
+                                 else cp.cuda.Device(owner.device))
+        device.__enter__()
+        ready, stream = owner.ready, owner.stream
+        ready.record(cp.cuda.get_current_stream())
+        stream.wait_event(ready)
+        self._stream = inner = stream if self.kernels else _AS_IS
+        inner.__enter__()
+        return comm, stream.ptr
+
+    def __exit__(self, kind, exc, tb) -> None:
+        owner = self._owner
+        try:
+            self._stream.__exit__(kind, exc, tb)
+            if kind is None:
+                end = owner.cp.cuda.Event(block=False, disable_timing=True)
+                end.record(owner.stream)
+                self.end = end
+        finally:
+            self._device.__exit__(kind, exc, tb)
+        if kind is not None and issubclass(kind, owner.nccl.NcclError):
+            owner.abort(f"an NCCL error in {self.op}")
+            raise located(DistBackendError, self.op, f"NCCL error: {exc}; the communicator "
+                          "was aborted", owner.group) from exc
+
+
+class NcclWork(Work):
+    """A started NCCL operation: an end event on the communicator's stream."""
+
+    __slots__ = ("_blocking", "_device_end", "_event", "_owner", "_peer")
+
+    engine = "NCCL"
+
+    def __init__(self, owner: Communicator, event, op: str, outputs, keep, blocking=False,
+                 peer=None):
+        self._event = event
+        self._owner = owner
+        self._blocking = blocking  # barrier: waiting blocks the host
+        self._peer = peer          # receives: the group rank received from
+        # The flight recorder asks the end event itself whether the op has finished.
+        self._device_end = (owner, event)
+        super().__init__([], op, owner.group, outputs, keep=keep)
+
+    def _test(self) -> bool:
+        self._owner.check(self._op)
+        return bool(self._event.done)
+
+    def is_completed(self) -> bool:
+        """True once the GPU has passed the operation's end event; never blocks."""
+        if not self._done and self._test():
+            self._complete()
+        return self._done
+
+    def wait(self, timeout=None) -> bool:
+        """Make the caller's current stream wait for the operation (the host does not
+        wait), as c10d's NCCL Work does.  With ``timeout`` (and for barrier) the host
+        waits too, at most that long.
+
+        Raises:
+            DistTimeoutError: the host waited longer than ``timeout``.
+            DistBackendError: NCCL reported an error (the communicator is aborted).
+        """
+        if self._blocking or timeout is not None:
+            self.synchronize(timeout)
+            return True
+        if not self._done:
+            self._owner.check(self._op)
+            self._owner.stream_wait(self._event)
+            future = self._future
+            if future is not None and not future._done:
+                future.set_result(self._outputs)  # ready for use on the current stream
+        if self._exc is not None:
+            raise self._exc
+        return True
+
+    def _complete(self) -> None:
+        future = self._future
+        if future is not None and future._done:  # already set by wait()
+            self._future = None
+        super()._complete()
+        self._future = future
+
+    def synchronize(self, timeout=None) -> None:
+        """Block the host until the operation has completed on the GPU."""
+        seconds = self._group._timeout if timeout is None else seconds_of(timeout)
+        if not self._done:
+            self._owner.host_wait(self, seconds)
+            self._complete()
+        if self._exc is not None:
+            raise self._exc
+
+    def source_rank(self) -> int:
+        """The global rank received from, after ``wait()``: the caller's stream is then
+        ordered after the receive, as blocking ``recv()`` promises."""
+        if self._peer is None:
+            raise RuntimeError(f"{self._op}: source_rank() is only defined for receives")
+        self.wait()
+        return self._group._global_rank(self._peer)
