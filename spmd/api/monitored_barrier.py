@@ -10,7 +10,7 @@ import zlib
 from spmd.core.errors import DistTimeoutError
 from spmd.core.typing import Timeout
 from spmd.core.work import seconds_of
-from spmd.runtime import watchdog
+from spmd.runtime import diagnosis, reliability
 from spmd.runtime.control import TAG_BARRIER
 from spmd.runtime.group import GroupArg, resolve
 
@@ -40,7 +40,7 @@ def monitored_barrier(group: GroupArg = None, timeout: Timeout | None = None,
     if pg is None or pg._size == 1:
         return
     seconds = pg._timeout if timeout is None else seconds_of(timeout)
-    ch = watchdog._rt.channel
+    ch = reliability.state.channel
     if ch is None:
         raise RuntimeError(f"{op}: the control channel is not running [rank {pg._rank}, "
                            f"group {pg._name}]")
@@ -50,7 +50,7 @@ def monitored_barrier(group: GroupArg = None, timeout: Timeout | None = None,
     root, me = pg._ranks[0], pg._ranks[pg._rank]
     if me != root:
         ch.send({"count": count}, root, arrive)
-        deadline = time.monotonic() + seconds + watchdog.config().query_timeout + 5.0
+        deadline = time.monotonic() + seconds + reliability.config().query_timeout + 5.0
         while time.monotonic() < deadline:
             msg = ch.receive(root, arrive + 1)
             if msg is None:
@@ -60,8 +60,8 @@ def monitored_barrier(group: GroupArg = None, timeout: Timeout | None = None,
                     raise DistTimeoutError(msg["error"].replace(
                         f"[rank 0, group {pg._name}]", f"[rank {pg._rank}, group {pg._name}]"))
                 return
-        text = watchdog.diagnose(op, pg, None, "barrier", seconds, "monitored_barrier")
-        raise DistTimeoutError(f"{op}: {watchdog._who(pg, root)}, which runs the barrier, did "
+        text = diagnosis.diagnose(op, pg, None, "barrier", seconds, "monitored_barrier")
+        raise DistTimeoutError(f"{op}: {diagnosis.who(pg, root)}, which runs the barrier, did "
                                f"not release this rank [rank {pg._rank}, group {pg._name}]\n"
                                + "\n".join(text.splitlines()[1:]))
     pending = list(pg._ranks[1:])
@@ -78,15 +78,15 @@ def monitored_barrier(group: GroupArg = None, timeout: Timeout | None = None,
     error = None
     if pending:
         named = pending if wait_all_ranks else pending[:1]
-        request = {"q": "state", "group": watchdog.group_key(pg), "seq": None, "from": me,
+        request = {"q": "state", "group": diagnosis.group_key(pg), "seq": None, "from": me,
                    "dump": False}
-        replies = ch.query(named, request, watchdog.config().query_timeout)
-        who = ", ".join(watchdog._who(pg, r) for r in named)
+        replies = ch.query(named, request, reliability.config().query_timeout)
+        who = ", ".join(diagnosis.who(pg, r) for r in named)
         more = "" if wait_all_ranks or len(pending) == 1 else \
             f" (and {len(pending) - 1} more; wait_all_ranks=True names them all)"
         error = (f"{op}: {who} did not arrive within {seconds:g} s{more} "
                  f"[rank 0, group {pg._name}]\n" +
-                 "\n".join("  " + watchdog._peer_text(pg, r, replies.get(r), None, op)
+                 "\n".join("  " + diagnosis.peer_text(pg, r, replies.get(r), None, op)
                            for r in named))
     for r in pg._ranks[1:]:
         ch.send({"count": count, "error": error}, r, arrive + 1)

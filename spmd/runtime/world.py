@@ -17,7 +17,7 @@ from spmd.core.launch import check_world_size
 from spmd.core.nodes import node_layout
 from spmd.core.settings import parse_options
 from spmd.core.typing import Timeout
-from spmd.runtime import watchdog as _watchdog
+from spmd.runtime import supervision
 from spmd.runtime.group import (
     DEFAULT_TIMEOUT,
     GroupArg,
@@ -202,7 +202,7 @@ def init_process_group(backend: str | None = None, init_method: str | None = Non
     world_state.world = pg
     world_state.groups = [pg]
     GroupMember.WORLD = pg
-    _watchdog.start(pg, reliability)
+    supervision.start(pg, reliability)
     if device_id is not None and devices.get("cuda") == "nccl":
         pg._backend_for("cuda").connect("init_process_group")  # eager, as c10d does
 
@@ -217,7 +217,7 @@ def destroy_process_group(group: GroupArg = None) -> None:
         if world_state.world is None:
             raise RuntimeError("destroy_process_group: the default process group is not "
                                "initialized; call spmd.init_process_group() first")
-        _watchdog.stop()
+        supervision.stop()
         for pg in reversed(world_state.groups):
             pg._free()
         world_state.groups = []

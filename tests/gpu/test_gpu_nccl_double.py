@@ -37,9 +37,9 @@ def nccl_group(fresh, double):
 
 
 def _reports_since(seen, text):
-    from spmd.runtime import watchdog
+    from spmd.runtime import reliability
 
-    return [r for r in list(watchdog.reports)[seen:] if text in r]
+    return [r for r in list(reliability.reports)[seen:] if text in r]
 
 
 def _wait_for_report(seen, text, seconds=10.0):
@@ -55,7 +55,7 @@ def _wait_for_report(seen, text, seconds=10.0):
 def test_idle_nccl_group_outlives_its_timeout(dist, double, nccl_group):
     """Finished NCCL ops nobody polled (a blocking all_reduce, an async one whose Work was
     dropped) are not "in flight": a group idle for longer than its timeout is kept."""
-    from spmd.runtime import watchdog
+    from spmd.runtime import reliability
 
     cp, n = double, dist.get_world_size()
     g = nccl_group("idle-nccl")
@@ -63,9 +63,9 @@ def test_idle_nccl_group_outlives_its_timeout(dist, double, nccl_group):
     dist.all_reduce(x, group=g)
     dist.all_reduce(cp.ones(2, cp.float32), group=g, async_op=True)  # Work dropped
     dd.runtime.deviceSynchronize()  # both finished on the device; nobody polled their Works
-    seen = len(watchdog.reports)
+    seen = len(reliability.reports)
     time.sleep(3.5)  # past the timeout (1 s), the watchdog's grace (1 s) and its interval
-    assert not _reports_since(seen, "idle-nccl"), list(watchdog.reports)[seen:]
+    assert not _reports_since(seen, "idle-nccl"), list(reliability.reports)[seen:]
     assert g._error is None
     dist.all_reduce(x, group=g)  # the group still works
     np.testing.assert_array_equal(x.get(), np.full(4, n * n, np.float32))
@@ -100,14 +100,14 @@ def test_finished_ops_leave_the_in_flight_list_without_a_poll(dist, double, nccl
 def test_nccl_hang_is_reported_and_aborted(dist, double, nccl_group):
     """Every rank calls; the device never finishes (held): the watchdog reports the op as
     stuck in NCCL on the GPU, breaks the group and aborts its communicator."""
-    from spmd.runtime import watchdog
+    from spmd.runtime import reliability
 
     cp, n = double, dist.get_world_size()
     g = nccl_group("hang-nccl")
     dist.all_reduce(cp.ones(1, cp.float32), group=g)
     dd.runtime.deviceSynchronize()
     backend = g._backend_for("cuda")
-    seen = len(watchdog.reports)
+    seen = len(reliability.reports)
     dd.hold()
     try:
         work = dist.all_reduce(cp.ones(3, cp.float32), group=g, async_op=True)
@@ -139,7 +139,7 @@ def test_nccl_hang_is_reported_and_aborted(dist, double, nccl_group):
 
 def test_nccl_op_a_peer_never_joins(dist, double, nccl_group):
     """Rank 0 alone calls: the others are named as not having reached the op."""
-    from spmd.runtime import watchdog
+    from spmd.runtime import reliability
 
     n, me = dist.get_world_size(), dist.get_rank()
     if n == 1:
@@ -148,7 +148,7 @@ def test_nccl_op_a_peer_never_joins(dist, double, nccl_group):
     g = nccl_group("alone-nccl")
     dist.all_reduce(cp.ones(1, cp.float32), group=g)
     dd.runtime.deviceSynchronize()
-    seen = len(watchdog.reports)
+    seen = len(reliability.reports)
     found = []
     if me == 0:
         dist.all_reduce(cp.ones(2, cp.float32), group=g, async_op=True)

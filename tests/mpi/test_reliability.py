@@ -75,9 +75,9 @@ def test_dump_is_a_private_file(dist, tmp_path):
 
 
 def test_dump_to_stderr_without_a_directory(dist, capsys, monkeypatch):
-    from spmd.runtime import watchdog
+    from spmd.runtime import reliability
 
-    monkeypatch.setattr(watchdog.config(), "dump_dir", None)
+    monkeypatch.setattr(reliability.config(), "dump_dir", None)
     dist.all_reduce(np.ones(2))
     assert dist.dump_flight_recorder() is None
     err = capsys.readouterr().err
@@ -154,20 +154,20 @@ def test_timeouts_are_taken_from_group_and_init(dist, fresh):
 
 
 def test_watchdog_reports_work_nobody_waits_for(dist, fresh):
-    from spmd.runtime import watchdog
+    from spmd.runtime import reliability
 
     _needs_peers(dist)
     me = dist.get_rank()
     g = fresh(timeout=timedelta(seconds=1))
     # Every rank first: with SPMD_SHM=force the first op on a group sets the engine up.
     dist.all_reduce(np.ones(1), group=g)
-    seen = len(watchdog.reports)
+    seen = len(reliability.reports)
     if me == 0:
         work = dist.all_reduce(np.ones(1), group=g, async_op=True)
         deadline = time.monotonic() + 10
         found = []
         while not found and time.monotonic() < deadline:
-            found = [r for r in list(watchdog.reports)[seen:] if "nobody waits" in r]
+            found = [r for r in list(reliability.reports)[seen:] if "nobody waits" in r]
             time.sleep(0.05)
         dist.barrier()
         work.wait()
@@ -183,12 +183,12 @@ def test_watchdog_reports_work_nobody_waits_for(dist, fresh):
 
 
 def test_heartbeat_monitor_reports_a_stuck_watchdog(dist, monkeypatch):
-    from spmd.runtime import watchdog
+    from spmd.runtime import reliability
 
-    wd = watchdog._rt.watchdog
+    wd = reliability.state.watchdog
     assert wd is not None and wd.thread.is_alive()
-    monkeypatch.setattr(watchdog.config(), "heartbeat_timeout", 0.5)
-    seen = len(watchdog.reports)
+    monkeypatch.setattr(reliability.config(), "heartbeat_timeout", 0.5)
+    seen = len(reliability.reports)
     release = threading.Event()
 
     def stuck_in_check():
@@ -200,12 +200,12 @@ def test_heartbeat_monitor_reports_a_stuck_watchdog(dist, monkeypatch):
     # A report of the thread in its own sleep can come first when other processes keep
     # it off the CPU for over heartbeat_timeout: true, but not the stall made here.
     while not found and time.monotonic() < deadline:
-        found = [r for r in list(watchdog.reports)[seen:]
+        found = [r for r in list(reliability.reports)[seen:]
                  if "heartbeat monitor" in r and "stuck_in_check" in r]
         time.sleep(0.05)
     release.set()
     assert found, ("the heartbeat monitor did not report the watchdog stuck in "
-                   f"stuck_in_check: {list(watchdog.reports)[seen:]}")
+                   f"stuck_in_check: {list(reliability.reports)[seen:]}")
     assert "has not beaten for" in found[0]
 
 
@@ -363,9 +363,9 @@ def test_two_threads_on_two_groups(dist, fresh):
 
 def test_settings_from_options_and_environment(dist, monkeypatch):
     from spmd.core import settings
-    from spmd.runtime import watchdog
+    from spmd.runtime import abort
 
-    assert sys.excepthook is watchdog._excepthook  # installed by init
+    assert sys.excepthook is abort.excepthook  # installed by init
     monkeypatch.setenv("SPMD_ABORT_ON_EXCEPTION", "0")
     monkeypatch.setenv("SPMD_QUERY_TIMEOUT", "1.5")
     cfg = settings.parse_options(None)
@@ -408,10 +408,10 @@ class _Channel:
     ("NCCL", "it is stuck inside NCCL on the GPU"),
 ])
 def test_diagnosis_names_the_engine(monkeypatch, engine, where):
-    from spmd.runtime import watchdog
+    from spmd.runtime import diagnosis, reliability
 
-    monkeypatch.setattr(watchdog._rt, "channel", _Channel())
-    text = watchdog.diagnose("all_reduce", _Group(), 7, "collective", 6.0, "wait", engine)
+    monkeypatch.setattr(reliability.state, "channel", _Channel())
+    text = diagnosis.diagnose("all_reduce", _Group(), 7, "collective", 6.0, "wait", engine)
     assert text.startswith(f"all_reduce: did not complete within 6.0 s (collective #7 on group "
                            f"tp:0, {engine}, group timeout 5 s) [rank 0, group tp:0]"), text
     assert f"every rank reached all_reduce #7; {where}" in text, text
@@ -419,5 +419,5 @@ def test_diagnosis_names_the_engine(monkeypatch, engine, where):
     assert not any(f"inside {o}" in text for o in others), text
     alone = _Group()
     alone._ranks = [0]
-    text = watchdog.diagnose("all_reduce", alone, 7, "collective", 6.0, "wait", engine)
+    text = diagnosis.diagnose("all_reduce", alone, 7, "collective", 6.0, "wait", engine)
     assert ("its GPU has not finished the operation" in text) == (engine == "NCCL"), text

@@ -20,7 +20,7 @@ from datetime import timedelta
 import numpy as np
 
 import spmd as dist
-from spmd.runtime import watchdog
+from spmd.runtime import reliability
 
 args = argparse.ArgumentParser()
 args.add_argument("--double", action="store_true")
@@ -51,7 +51,7 @@ for g in groups:
     dist.all_reduce(x, group=g)  # raises GroupBrokenError if the watchdog broke the group
     expect = float(sum(r + 1 for r in members))
     np.testing.assert_array_equal(cp.asnumpy(x), np.full(8, expect, np.float32))
-stray = [r for r in watchdog.reports if "watchdog" in r]
+stray = [r for r in reliability.reports if "watchdog" in r]
 if stray:
     print(f"rank {rank}: the watchdog reported a healthy idle job:\n{stray[0]}", flush=True)
     sys.exit(1)

@@ -1,0 +1,221 @@
+"""The diagnosis of a timeout: ask the group's other ranks, over the control channel,
+where they are, and say which have not reached the op and what they do instead; break
+the group (a collective) and dump the flight recorder.  Also this rank's answer when a
+peer asks the same."""
+
+from __future__ import annotations
+
+import time
+
+from spmd.backends.checked import checking
+from spmd.core import flight_recorder as _fr
+from spmd.core.optable import is_p2p
+from spmd.runtime.group import world_state
+from spmd.runtime.locations import where
+from spmd.runtime.reliability import state
+
+__all__ = ["answer", "diagnose", "diagnose_timeout", "group_key", "handle_timeout",
+           "peer_text", "who"]
+
+_monotonic = time.monotonic
+
+
+def group_key(g) -> dict:
+    same = [x for x in list(world_state.groups) if x._name == g._name and x._ranks == g._ranks]
+    index = next((i for i, x in enumerate(same) if x is g), 0)
+    return {"name": g._name, "ranks": list(g._ranks), "index": index}
+
+
+def find_group(key: dict):
+    same = [x for x in list(world_state.groups)
+            if x._name == key["name"] and list(x._ranks) == key["ranks"]]
+    return same[key["index"]] if len(same) > key["index"] else None
+
+
+def answer(request: dict) -> dict:
+    """A peer asks where this rank is (runs on the control thread)."""
+    if request.get("q") != "state":
+        return {"error": f"unknown query {request.get('q')!r}"}
+    g = find_group(request["group"])
+    out: dict = {"where": where()}
+    if g is None:
+        out["no_group"] = True
+        out["elsewhere"] = [_fr.brief(e, _monotonic()) for e in _fr.recorder.in_flight()][-3:]
+    else:
+        out.update(_fr.recorder.group_summary(g, request.get("seq")))
+        out["broken"] = g._error
+        pending = checking.get(g)
+        if pending is not None:  # in a debug-mode fingerprint exchange: it reached the op
+            op, seq, t0 = pending
+            b = {"op": op, "seq": seq, "kind": "collective", "group": g._name,
+                 "state": "comparing arguments (debug mode)", "age": round(_monotonic() - t0, 3),
+                 "took": None}
+            out["seq"] = max(out["seq"], seq)
+            out["current"] = [b] + out["current"]
+            if request.get("seq") == seq:
+                out["at_seq"] = b
+    # Every rank that times out asks every other one: dump once per burst, not n times.
+    if request.get("dump") and state.config.dump_dir and _monotonic() - state.dumped_at > 10.0:
+        state.dumped_at = _monotonic()
+        try:
+            out["dump"] = _fr.dump(state.config.dump_dir, f"asked by rank {request.get('from')}: "
+                                   f"{request.get('reason', '')}")
+        except OSError as exc:
+            out["dump"] = f"failed: {exc}"
+    return out
+
+
+def who(g, rank: int) -> str:
+    r = g._group_rank(rank)
+    return f"rank {rank}" if r == rank else f"rank {rank} (group rank {r})"
+
+
+def _op_text(b: dict | None, here: str) -> str:
+    if b is None:
+        return "none"
+    where = "" if b["group"] == here else f" on group {b['group']}"
+    return f"{b['op']} #{b['seq']}{where}"
+
+
+def peer_text(g, rank: int, rep: dict | None, target: int | None, op: str,
+               kind: str = "collective") -> str:
+    name = who(g, rank)
+    if rep is None:
+        return f"{name}: not responding (no answer on the control channel within " \
+               f"{state.config.query_timeout:g} s: dead, or stuck without releasing the GIL)"
+    if "error" in rep:
+        return f"{name}: could not answer ({rep['error']})"
+    parts = []
+    if rep.get("no_group"):
+        parts.append(f"has no group {g._name} (not created yet, or destroyed)")
+    elif kind == "p2p":
+        cur = [c for c in rep.get("current", []) if c["kind"] == "p2p"]
+        parts.append(f"{rep.get('p2p_seq', 0)} point-to-point ops started on {g._name}; " +
+                     ("in flight: " + ", ".join(f"{c['op']} #{c['seq']} (started {c['age']:.1f} "
+                                                "s ago)" for c in cur) if cur else "none in flight"))
+    else:
+        last = rep.get("last")
+        if last is not None:
+            parts.append(f"last finished {_op_text(last, g._name)} "
+                         f"{last['age'] - (last['took'] or 0):.1f} s ago")
+        cur = [c for c in rep.get("current", []) if c["kind"] == "collective"]
+        if last is None and rep.get("seq", 0) <= len(cur):
+            parts.append(f"no collective on {g._name} finished yet")
+        elif last is None:
+            parts.append("its last finished collective is older than its flight recorder")
+        parts.append("in flight here: " + ", ".join(
+            f"{c['op']} #{c['seq']} (started {c['age']:.1f} s ago)" for c in cur)
+            if cur else f"nothing in flight on {g._name}")
+        at = rep.get("at_seq")
+        if target is not None and at is not None and at["op"] != op:
+            parts.append(f"MISMATCH: its #{target} is {at['op']}, not {op} (SPMD_DEBUG=DETAIL "
+                         "checks every call)")
+    for e in rep.get("elsewhere", []):
+        parts.append(f"in flight on group {e['group']}: {e['op']} #{e['seq']} "
+                     f"(started {e['age']:.1f} s ago)")
+    parts.append(rep.get("where", "location unknown"))
+    return f"{name}: " + "; ".join(parts)
+
+
+# Where an operation that every rank reached is stuck, by the engine that runs it.
+_STUCK_IN = {
+    "MPI": "it is stuck inside MPI (a rank may be blocked in it by an op on another group)",
+    "shared memory": "it is stuck inside the shared-memory engine (a rank may be blocked in "
+                     "it by an op on another group)",
+    "NCCL": "it is stuck inside NCCL on the GPU (a rank's stream may be blocked by earlier "
+            "GPU work, or NCCL by an op on another communicator)",
+}
+_ALONE = {
+    "NCCL": "this rank is the only member, and its GPU has not finished the operation: NCCL "
+            "or GPU work queued before it on the stream is stuck",
+}
+
+
+def diagnose(op: str, g, seq: int | None, kind: str, waited: float, source: str,
+             engine: str = _fr.MPI_ENGINE) -> str:
+    """The text of a timeout: what this rank waited for on which engine, and where every
+    other member is."""
+    me = g._ranks[g._rank]
+    what = "" if seq is None else \
+        f"collective #{seq} " if kind == "collective" else f"point-to-point op #{seq} "
+    lines = [(f"{op}: did not complete within {waited:.1f} s ({what}on group {g._name}, "
+              f"{engine}, group timeout {g._timeout:g} s) [rank {g._rank}, group {g._name}]")]
+    ch = state.channel
+    peers = [r for r in g._ranks if r != me]
+    if not peers:
+        lines.append("  " + _ALONE.get(engine, "this rank is the only member; the operation "
+                                               "can never complete"))
+        return "\n".join(lines)
+    if ch is None or not ch.threaded:
+        lines.append("  where the other ranks are is unknown: the control channel needs "
+                     "MPI_THREAD_MULTIPLE")
+        return "\n".join(lines)
+    request = {"q": "state", "group": group_key(g), "seq": seq, "from": me,
+               "dump": bool(state.config.dump_dir), "reason": f"{op} #{seq} timed out on rank {me}"}
+    replies = ch.query(peers, request, state.config.query_timeout)
+    if kind == "collective" and seq is not None:
+        behind = [r for r in peers if r in replies and "error" not in replies[r]
+                  and (replies[r].get("no_group") or replies[r].get("seq", 0) < seq)]
+        silent = [r for r in peers if r not in replies or "error" in replies[r]]
+        reached = [r for r in peers if r not in behind and r not in silent]
+        other = [r for r in reached if (replies[r].get("at_seq") or {}).get("op", op) != op]
+        if behind or silent:
+            lines.append(f"  ranks that have not reached {op} #{seq}:"
+                         if behind else "  ranks that did not say where they are:")
+            for r in behind + silent:
+                lines.append("    " + peer_text(g, r, replies.get(r), seq, op))
+        elif other:
+            lines.append(f"  every rank reached collective #{seq}, but not every rank called "
+                         f"{op}: the ranks called different collectives")
+        else:
+            lines.append(f"  every rank reached {op} #{seq}; " +
+                         _STUCK_IN.get(engine, f"it is stuck inside {engine}"))
+        lines.append(f"  reached it: {who(g, me)} (this rank)" +
+                     "".join(f", {who(g, r)}" for r in reached))
+        for r in other:
+            lines.append("    " + peer_text(g, r, replies[r], seq, op))
+    else:
+        lines.append("  the other ranks:")
+        for r in peers:
+            lines.append("    " + peer_text(g, r, replies.get(r), None, op, kind))
+    return "\n".join(lines)
+
+
+def handle_timeout(op: str, g, seq: int | None, kind: str, waited: float, source: str,
+                   engine: str = _fr.MPI_ENGINE) -> str:
+    """Diagnose, break the group (collectives), dump the flight recorder; the message."""
+    text = diagnose(op, g, seq, kind, waited, source, engine)
+    if kind == "collective" and g._error is None:
+        g._error = f"{op} #{seq} timed out on rank {state.rank} after {waited:.1f} s"
+        text += f"\n  group {g._name} is now broken: later calls on it raise GroupBrokenError"
+    if kind != "collective" and source == "wait":
+        return text  # a receive can still complete: no dump for a polling wait(timeout)
+    try:
+        path = _fr.dump(state.config.dump_dir, f"{op} #{seq} on {g._name} timed out")
+    except OSError as exc:
+        text += f"\n  flight recorder dump failed: {exc}"
+    else:
+        if path is not None:
+            text += (f"\n  flight recorder dumps in {state.config.dump_dir}; merge them with "
+                     f"python -m spmd.tools.fr_trace {state.config.dump_dir}")
+    return text
+
+
+def diagnose_timeout(op: str, g, seq: int | None, kind: str, waited: float, source: str,
+                      work) -> str:
+    """The one wait helper's hook: the diagnosis of any wait that timed out."""
+    engine = _fr.MPI_ENGINE
+    if work is not None:
+        engine = work.engine
+        e = getattr(work, "_fr", None)
+        if e is not None:
+            e[_fr.TIMED_OUT] = True
+            seq, kind = e[_fr.SEQ], e[_fr.COUNTER].kind
+        else:
+            kind = "p2p" if is_p2p(op) else "collective"
+    elif seq is None and kind == "collective":  # a wait before the op's Work exists
+        seq = _fr.next_seq(g)
+    text = handle_timeout(op, g, seq, kind, waited, source, engine)
+    if source != "wait":
+        text += f"\n  (timed out {source})"
+    return text

@@ -1,0 +1,90 @@
+"""Timeouts that end in a diagnosis, the watchdog and its heartbeat, aborting the job:
+what ``init_process_group`` starts and ``destroy_process_group`` stops.
+
+Started by ``init_process_group`` and stopped by ``destroy_process_group``:
+
+- a **timeout** (a wait past its deadline) asks the other ranks of the group, over the
+  control channel, where they are, and raises ``DistTimeoutError`` saying the op, the
+  group, its sequence number, how long it waited, which ranks have not reached it and
+  what they do instead.  A timed-out collective leaves the group's ranks out of step,
+  so the group is marked broken: later calls on it raise ``GroupBrokenError`` at once.
+- the **watchdog** thread checks in-flight operations against the group's timeout even
+  when nobody waits on them, and reports them the same way; the control thread watches
+  the watchdog's **heartbeat** and reports a watchdog that is itself stuck.
+- an exception that escapes to ``sys.excepthook`` prints a rank-tagged traceback and
+  **aborts the MPI job**, so ``mpiexec``/``srun`` end instead of the other ranks waiting
+  forever (``SPMD_ABORT_ON_EXCEPTION=0`` or ``pg_options={"abort_on_exception": False}``
+  turns it off).
+
+Settings come from ``init_process_group(pg_options={...})``, else from the environment
+(``SPMD_DEBUG``, ``SPMD_ABORT_ON_EXCEPTION``, ``SPMD_DUMP_DIR``,
+``SPMD_FLIGHT_RECORDER_SIZE``, ``SPMD_WATCHDOG``, ``SPMD_WATCHDOG_INTERVAL``,
+``SPMD_HEARTBEAT_TIMEOUT``, ``SPMD_QUERY_TIMEOUT``), else from the defaults of Config.
+"""
+
+from __future__ import annotations
+
+import atexit
+import dataclasses
+import sys
+
+from spmd.core import flight_recorder as _fr
+from spmd.core import wait as _wait
+from spmd.core import work as _work
+from spmd.core.lines import write_lines
+from spmd.runtime import debug
+from spmd.runtime.abort import excepthook
+from spmd.runtime.control import Channel
+from spmd.runtime.diagnosis import answer, diagnose_timeout
+from spmd.runtime.group import world_state
+from spmd.runtime.reliability import Config, config, reports, state
+from spmd.runtime.watchdog import Watchdog, heartbeat_check
+
+__all__ = ["Config", "config", "reports", "start", "stop"]
+
+_atexit_registered = False
+
+
+def start(world, cfg: Config) -> None:
+    """Called by init_process_group on every rank, after WORLD exists."""
+    global _atexit_registered
+    state.config = cfg
+    state.rank, state.size = world._rank, world._size
+    if cfg.flight_recorder_size > 0:
+        if _fr.recorder.size != _fr.ring_size(cfg.flight_recorder_size):
+            _fr.recorder.resize(cfg.flight_recorder_size)
+        _work.add_observer(_fr.recorder)
+    else:  # off: no per-call cost, and no sequence numbers in diagnoses
+        _work.remove_observer(_fr.recorder)
+    _wait.set_diagnosis(diagnose_timeout)
+    _fr.recorder.groups_source = lambda: (world_state.world, list(world_state.groups))
+    _fr.recorder.dump_dir = cfg.dump_dir
+    debug.set_debug_level(cfg.debug)
+    state.channel = Channel(world._comm, answer, heartbeat_check)
+    if cfg.watchdog:
+        state.watchdog = Watchdog(cfg.watchdog_interval)
+    if sys.excepthook is not excepthook:
+        state.prev_hook = sys.excepthook
+        sys.excepthook = excepthook
+    if not _atexit_registered:
+        # Runs before mpi4py's MPI_Finalize (registered earlier): threads must not be in
+        # an MPI call when MPI goes away.
+        atexit.register(stop)
+        _atexit_registered = True
+    if cfg.debug != "OFF" and world._rank == 0:
+        write_lines(f"[rank 0] spmd reliability settings: {dataclasses.asdict(cfg)}; MPI thread "
+                    f"level {'multiple' if state.channel.threaded else 'below multiple'}",
+                    sys.stderr)
+
+
+def stop() -> None:
+    """Called by destroy_process_group (and at exit): stop the threads, free the channel."""
+    if state.watchdog is not None:
+        state.watchdog.close()
+        state.watchdog = None
+    if state.channel is not None:
+        state.channel.close()
+        state.channel = None
+    if sys.excepthook is excepthook:
+        sys.excepthook = state.prev_hook or sys.__excepthook__
+    state.prev_hook = None
