@@ -19,7 +19,8 @@ import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-__all__ = ["LaunchInfo", "check_world_size", "find_hydra", "launch_info"]
+__all__ = ["LOCAL_RANK_VARS", "LaunchInfo", "check_world_size", "find_hydra", "launch_info",
+           "local_rank_from_env"]
 
 # Launcher names in LaunchInfo.launcher
 SLURM, OPENMPI, HYDRA, SINGLETON = "slurm", "openmpi", "hydra", "singleton"
@@ -66,6 +67,23 @@ def _int(value: str | None) -> int | None:
 
 def _slurm_nodes(env) -> str | None:
     return env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST")
+
+
+# Where launchers put a process's rank on its node: torchrun, MPICH's Hydra, Open MPI,
+# PMI, SLURM.
+LOCAL_RANK_VARS = ("LOCAL_RANK", "MPI_LOCALRANKID", "OMPI_COMM_WORLD_LOCAL_RANK",
+                   "PMI_LOCAL_RANK", "SLURM_LOCALID")
+
+
+def local_rank_from_env(environ: Mapping[str, str] | None = None) -> int | None:
+    """This process's rank on its node as the launcher set it (LOCAL_RANK_VARS, first
+    found), or None."""
+    env = os.environ if environ is None else environ
+    for var in LOCAL_RANK_VARS:
+        value = env.get(var)
+        if value is not None and value.strip().isdigit():
+            return int(value)
+    return None
 
 
 def launch_info(environ: Mapping[str, str] | None = None) -> LaunchInfo:

@@ -13,7 +13,7 @@ from spmd.backends.registry import Backend, register_backend
 from spmd.core import cuda as _gpu
 from spmd.core import wait as _wait
 from spmd.core.bootstrap import check_same_installation
-from spmd.core.launch import check_world_size
+from spmd.core.launch import LOCAL_RANK_VARS, check_world_size, local_rank_from_env
 from spmd.core.nodes import node_layout
 from spmd.core.settings import parse_options
 from spmd.core.typing import Timeout
@@ -278,10 +278,6 @@ def get_world_size(group: GroupArg = None) -> int:
     return member._size
 
 
-_LOCAL_RANK_VARS = ("LOCAL_RANK", "MPI_LOCALRANKID", "OMPI_COMM_WORLD_LOCAL_RANK",
-                    "PMI_LOCAL_RANK", "SLURM_LOCALID")
-
-
 def get_node_local_rank(fallback_rank: int | None = None) -> int:
     """This process's rank among the ranks on its node.
 
@@ -294,12 +290,11 @@ def get_node_local_rank(fallback_rank: int | None = None) -> int:
     """
     if world_state.world is not None:
         return world_state.node_rank
-    for var in _LOCAL_RANK_VARS:
-        value = os.environ.get(var)
-        if value is not None and value.isdigit():
-            return int(value)
+    local = local_rank_from_env()
+    if local is not None:
+        return local
     if fallback_rank is not None:
         return fallback_rank
     raise RuntimeError("get_node_local_rank: spmd is not initialized and no launcher variable "
-                       f"({', '.join(_LOCAL_RANK_VARS)}) is set; call spmd.init_process_group() "
+                       f"({', '.join(LOCAL_RANK_VARS)}) is set; call spmd.init_process_group() "
                        "first or pass fallback_rank")

@@ -111,3 +111,16 @@ def test_other_pmi_launchers():
     assert (info.launcher, info.rank, info.ntasks) == ("hydra", 0, 2)
     info = launch.launch_info({"PMIX_RANK": "3", "PMIX_NAMESPACE": "ns"})
     assert (info.launcher, info.rank, info.job_id) == ("hydra", 3, "ns")
+
+
+@pytest.mark.parametrize("env, expected", [
+    ({"LOCAL_RANK": "3", "SLURM_LOCALID": "1"}, 3),   # torchrun's wins
+    ({"MPI_LOCALRANKID": "2"}, 2),                     # MPICH's Hydra
+    ({"OMPI_COMM_WORLD_LOCAL_RANK": "1"}, 1),          # Open MPI
+    ({"PMI_LOCAL_RANK": "0"}, 0),
+    ({"SLURM_LOCALID": "5"}, 5),                       # srun
+    ({"LOCAL_RANK": "x", "SLURM_LOCALID": "4"}, 4),    # not a number: the next one
+    ({}, None),
+])
+def test_local_rank_from_the_launchers_variables(env, expected):
+    assert launch.local_rank_from_env(env) == expected
