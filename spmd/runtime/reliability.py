@@ -22,8 +22,11 @@ ExceptHook = Callable[[type[BaseException], BaseException, TracebackType | None]
 
 
 class Reliability:
-    """The settings in effect and what supervision.start() created: the control channel,
-    the watchdog, the excepthook it replaced; this rank's place in the job."""
+    """The settings in effect and what ``supervision.start()`` created.
+
+    That is the control channel, the watchdog, the excepthook it replaced, and this
+    rank's place in the job.
+    """
 
     __slots__ = ("channel", "config", "dumped_at", "prev_hook", "rank", "size", "watchdog")
 

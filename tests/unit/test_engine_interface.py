@@ -66,4 +66,4 @@ def test_debug_wrapper_wraps_every_engine_op():
 
 def test_shm_engine_declares_the_thresholds_its_settings_set():
     declared = {n for n in ShmEngine.__annotations__ if n.endswith(("_from", "_to"))}
-    assert set(Thresholds.__slots__) == declared
+    assert set(Thresholds._fields) == declared

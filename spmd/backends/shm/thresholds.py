@@ -4,6 +4,7 @@ slot sizes, and ``SPMD_SHM``'s modes."""
 from __future__ import annotations
 
 import os
+from typing import NamedTuple
 
 __all__ = ["ACROSS_NODES", "ACROSS_NODES_FORCED", "ALIGN", "AUTO_FROM",
            "AUTO_FROM_OVERSUBSCRIBED", "FORCED", "NEVER", "NOTHING", "ONE_SHOT_READ", "SHM_ENV",
@@ -28,22 +29,20 @@ ONE_SHOT_READ = 4 << 20
 ALIGN = 64              # bytes: parts of a chunk owned by different ranks start on cache lines
 
 
-class Thresholds:
-    """From which size (bytes) the engine takes each op: the array for all_reduce,
-    reduce and broadcast, the input of reduce_scatter_tensor, the output of the
-    all-gathers, which also go back to MPI from ``all_gather_to``.  ``NEVER``: never."""
+class Thresholds(NamedTuple):
+    """The size in bytes from which the engine takes each op, ``NEVER`` for never.
 
-    __slots__ = ("all_gather_from", "all_gather_to", "all_reduce_from", "broadcast_from",
-                 "reduce_from", "reduce_scatter_from")
+    The size is the array's for all_reduce, reduce and broadcast, the input's for
+    reduce_scatter_tensor, the output's for the all-gathers, which also go back to MPI
+    from ``all_gather_to``.
+    """
 
-    def __init__(self, *, all_reduce_from: int, reduce_from: int, reduce_scatter_from: int,
-                 broadcast_from: int, all_gather_from: int, all_gather_to: int = NEVER) -> None:
-        self.all_reduce_from = all_reduce_from
-        self.reduce_from = reduce_from
-        self.reduce_scatter_from = reduce_scatter_from
-        self.broadcast_from = broadcast_from
-        self.all_gather_from = all_gather_from
-        self.all_gather_to = all_gather_to
+    all_reduce_from: int
+    reduce_from: int
+    reduce_scatter_from: int
+    broadcast_from: int
+    all_gather_from: int
+    all_gather_to: int = NEVER
 
 
 # The thresholds of SPMD_SHM=auto mode.  Measured with benchmarks/shm_allreduce.py (float32, medians,
