@@ -8,6 +8,7 @@ from typing import Literal, overload
 from mpi4py import MPI
 
 from spmd.api.collectives import array_device, group_rank_of
+from spmd.backends.base import P2PItem
 from spmd.backends.host import HostBackend
 from spmd.backends.mpi.fastcall import function
 from spmd.core.arrays import _ndarray, array_in, array_out
@@ -184,8 +185,10 @@ def batch_isend_irecv(p2p_op_list: Sequence[P2POp]) -> list[Work | None]:
         if item is not None:
             pg, sending, a, peer, tag = item
             backend = pg._backend_for(array_device(a))
-            batches.setdefault(id(backend), (backend, []))[1].append((i, sending, a, peer, tag))
-    for backend, items in batches.values():
-        for item, work in zip(items, backend.batch_p2p([it[1:] for it in items])):
-            works[item[0]] = work
+            positions, ops = batches.setdefault(id(backend), (backend, [], []))[1:]
+            positions.append(i)
+            ops.append(P2PItem(sending, a, peer, tag))
+    for backend, positions, ops in batches.values():
+        for i, work in zip(positions, backend.batch_p2p(ops)):
+            works[i] = work
     return works

@@ -14,7 +14,7 @@ keeps the two alike); an engine overrides the ones it runs.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, NoReturn, TypeAlias
+from typing import TYPE_CHECKING, Any, NamedTuple, NoReturn, TypeAlias
 
 from spmd.core.optable import ENGINE_OPS, OPS
 
@@ -22,11 +22,20 @@ if TYPE_CHECKING:
     from spmd.core.ops import ReduceOp
     from spmd.core.work import Work
 
-__all__ = ["DeviceArray", "DeviceBackend", "install_op_methods"]
+__all__ = ["DeviceArray", "DeviceBackend", "P2PItem", "install_op_methods"]
 
 # An array as engines get it: a numpy array on host engines, a cupy array on GPU ones
 # (CuPy ships no type information, so the two cannot be named together).
 DeviceArray: TypeAlias = Any
+
+
+class P2PItem(NamedTuple):
+    """One send or receive of a batch (``batch_isend_irecv``), as engines get it."""
+
+    sending: bool         # a send (else a receive)
+    tensor: DeviceArray
+    peer: int | None      # the group rank of the other side (None: any source)
+    tag: int
 
 
 class DeviceBackend:
@@ -49,11 +58,17 @@ class DeviceBackend:
         rank's new group or None): engines with communicators of their own split them
         too (NCCL's ``ncclCommSplit``)."""
 
-    def batch_p2p(self, ops: list) -> list:
-        """Start a batch of ``(sending, tensor, peer, tag)``; return their Works in order.
+    def batch_p2p(self, ops: list[P2PItem]) -> list:
+        """Start a batch of sends and receives; return their Works in order.
         Engines that must launch a batch together (NCCL) override it."""
-        return [self.send(a, peer, tag) if sending else self.recv(a, peer, tag)
-                for sending, a, peer, tag in ops]
+        works = []
+        for item in ops:
+            if item.sending:
+                assert item.peer is not None  # batch_isend_irecv resolves every send's peer
+                works.append(self.send(item.tensor, item.peer, item.tag))
+            else:
+                works.append(self.recv(item.tensor, item.peer, item.tag))
+        return works
 
     def _missing(self, name: str) -> NoReturn:
         raise NotImplementedError(f"{name}: the {self.name} backend does not implement it "

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from spmd.backends.base import DeviceBackend
+from spmd.backends.base import DeviceBackend, P2PItem
 from spmd.backends.nccl.buffers import bytes_into, contiguous, copy_into, flat_bytes, typed
 from spmd.backends.nccl.communicator import NOCOLOR, Communicator, NcclWork
 from spmd.backends.nccl.plans import (
@@ -399,15 +399,15 @@ class NCCLBackend(DeviceBackend):
 
     # -- point to point (tags are ignored: NCCL matches by order) -------------------------
 
-    def _check_peers(self, ops, op: str) -> None:
-        for _, _, peer, _ in ops:
-            if peer is None:
+    def _check_peers(self, ops: list[P2PItem], op: str) -> None:
+        for item in ops:
+            if item.peer is None:
                 raise located(ValueError, op, "NCCL receives need a source rank (src=None, "
                               "any source, is MPI-only)", self.group)
 
-    def _p2p(self, op: str, ops):
-        """Enqueue the sends and receives of ``ops`` (sending, array, peer, tag) as one
-        NCCL group; (the launch, the buffers to keep alive)."""
+    def _p2p(self, op: str, ops: list[P2PItem]):
+        """Enqueue the sends and receives of ``ops`` as one NCCL group; (the launch, the
+        buffers to keep alive)."""
         cp, nc, u8 = self._cp, self.communicator, self._nccl.NCCL_UINT8
         launch = nc.launch(op)
         with launch as (comm, s):
@@ -424,16 +424,16 @@ class NCCLBackend(DeviceBackend):
         return launch, bufs
 
     def send(self, a, peer, tag):
-        launch, bufs = self._p2p("send", [(True, a, peer, tag)])
+        launch, bufs = self._p2p("send", [P2PItem(True, a, peer, tag)])
         return self.communicator.started(launch, [a], (a, bufs))
 
     def recv(self, a, peer, tag):
-        ops = [(False, a, peer, tag)]
+        ops = [P2PItem(False, a, peer, tag)]
         self._check_peers(ops, "recv")
         launch, bufs = self._p2p("recv", ops)
         return self.communicator.started(launch, [a], (a, bufs), peer=peer)
 
-    def batch_p2p(self, ops):
+    def batch_p2p(self, ops: list[P2PItem]):
         self._check_peers(ops, "batch_isend_irecv")
         launch, bufs = self._p2p("batch_isend_irecv", ops)
         return [self.communicator.started(launch, [a], (a, bufs), op="send" if sending else "recv",
