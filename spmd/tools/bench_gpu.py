@@ -173,7 +173,7 @@ def _report(spmd, cp, n, big, back_to_back, one_call, bandwidth, missing) -> Non
         if name not in back_to_back:
             continue
         lines.append(f"{name:12s} {back_to_back[name] * 1e6:18.1f} {one_call[name] * 1e6:15.1f}" +
-                     "".join(f" {bandwidth[b].get(name, float('nan')):15.1f}" for b in big))
+                     "".join(f" {bandwidth[b].get(name, float('nan')):15.3g}" for b in big))
     for name, why in missing.items():
         lines.append(f"not run: {name} ({why})")
     for impl in ("spmd-cupy", "spmd-torch", "torch-spmd"):
