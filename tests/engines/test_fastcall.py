@@ -9,6 +9,7 @@ declines.  test_blocking_path.py checks which path took which call.
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import tempfile
 import threading
@@ -150,7 +151,9 @@ def test_blocking_op_past_the_timeout_is_diagnosed(dist):
     assert isinstance(outcome, dist.DistTimeoutError), repr(outcome)
     assert 1.0 <= waited < 1.0 + SLACK, waited
     text = str(outcome)
-    assert "all_reduce: did not complete within 1.0 s (collective #2 on group" in text, text
+    # The text gives the time measured: past 1.0 s by however long the rank was descheduled.
+    assert re.search(r"all_reduce: did not complete within 1\.\d s \(collective #2 on group",
+                     text), text
     assert f"rank {late}: last finished all_reduce #1" in text, text
 
 
