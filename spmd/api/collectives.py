@@ -14,10 +14,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
+
 from spmd.backends.host import HostBackend
 from spmd.backends.mpi.fastcall import function
 from spmd.core.arrays import (
-    _ndarray,
     array_in,
     array_list,
     array_out,
@@ -49,6 +50,8 @@ __all__ = [
     "all_to_all_single",
     "barrier",
 ]
+
+_ndarray = np.ndarray  # the exact type the host paths take (a global: one lookup)
 
 _SUM = ReduceOp.SUM
 

@@ -5,19 +5,22 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Literal, overload
 
+import numpy as np
 from mpi4py import MPI
 
 from spmd.api.collectives import array_device, group_rank_of
 from spmd.backends.base import P2PItem
 from spmd.backends.host import HostBackend
 from spmd.backends.mpi.fastcall import function
-from spmd.core.arrays import _ndarray, array_in, array_out
+from spmd.core.arrays import array_in, array_out
 from spmd.core.errors import located
 from spmd.core.typing import Array
 from spmd.core.work import Work
 from spmd.runtime.group import GroupArg, resolve
 
 __all__ = ["send", "recv", "isend", "irecv", "P2POp", "batch_isend_irecv"]
+
+_ndarray = np.ndarray  # the exact type the host paths take (a global: one lookup)
 
 
 def _tag_ub() -> int:

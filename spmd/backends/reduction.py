@@ -37,7 +37,9 @@ class Plan:
         self.simple = upcast is None and avg is None and not premul
 
 
-_MPI_OPS = {"SUM": MPI.SUM, "PRODUCT": MPI.PROD, "MIN": MPI.MIN, "MAX": MPI.MAX,
+# The MPI op of each ReduceOp name MPI reduces itself (the others are composed: AVG,
+# PREMUL_SUM).
+MPI_OPS = {"SUM": MPI.SUM, "PRODUCT": MPI.PROD, "MIN": MPI.MIN, "MAX": MPI.MAX,
             "BAND": MPI.BAND, "BOR": MPI.BOR, "BXOR": MPI.BXOR}
 _BITWISE = ("BAND", "BOR", "BXOR")
 # bool arrays are reduced as uint8 0/1 values: sum and max are "or", product and min "and".
@@ -53,8 +55,8 @@ def _plan_for(dtype: np.dtype, name: str) -> Plan | str:
             return Plan(_BOOL_OPS[name], view=_U8)
         return f"ReduceOp.{name} is not defined for bool arrays"
     if fam in ("int", "uint"):
-        if name in _MPI_OPS:
-            return Plan(_MPI_OPS[name])
+        if name in MPI_OPS:
+            return Plan(MPI_OPS[name])
         if name == "AVG":
             return Plan(MPI.SUM, avg=fam)
         return f"ReduceOp.{name} needs a floating point or complex dtype, got {dtype}"
@@ -67,12 +69,12 @@ def _plan_for(dtype: np.dtype, name: str) -> Plan | str:
         return Plan(MPI.SUM, upcast=upcast, avg="float")
     if name == "PREMUL_SUM":
         return Plan(MPI.SUM, upcast=upcast, premul=True)
-    return Plan(_MPI_OPS[name], upcast=upcast)
+    return Plan(MPI_OPS[name], upcast=upcast)
 
 
 # Built once: plans by op name, then by dtype.  Refusals are stored as strings.
 PLANS: dict[str, dict[np.dtype, Plan | str]] = {
-    name: {dt: _plan_for(dt, name) for dt in SUPPORTED_DTYPES} for name in _MPI_OPS
+    name: {dt: _plan_for(dt, name) for dt in SUPPORTED_DTYPES} for name in MPI_OPS
 }
 for _name in ("AVG", "PREMUL_SUM"):
     PLANS[_name] = {dt: _plan_for(dt, _name) for dt in SUPPORTED_DTYPES}

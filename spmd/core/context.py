@@ -54,7 +54,7 @@ class GroupContext:
         self._backend_name = backend
         self._store = store
         self._error: str | None = None
-        self._fr: Any = None  # the flight recorder's sequence counters for this group
+        self._op_counters: Any = None  # the flight recorder's sequence counters for this group
         self._inherited: dict[str, Any] = {}
         self._bootstrap_seq: int | None = None
         self._bootstrap_count = 0

@@ -34,13 +34,6 @@ __all__ = ["FlightRecorder", "dump_flight_recorder", "recorder", "write_private"
 
 _monotonic = time.monotonic
 
-# Entry layout: one list per operation, indexed by these constants (cheaper to build
-# than an object).  SIZE is the element count of the op's first array; T1 is None while
-# the operation is in flight.  ENGINE names what runs it ("MPI", "shared memory",
-# "NCCL").  DEVICE, for an operation that ends on a GPU stream, is (engine, end event):
-# the operation is over when the event has passed, whether or not anyone polled its
-# Work, so whatever judges "in flight" asks the event first (:meth:`FlightRecorder.settle`).
-OP, GROUP, SEQ, COUNTER, SIZE, DTYPE, T0, T1, FAILED, TIMED_OUT, ENGINE, DEVICE = range(12)
 MPI_ENGINE = "MPI"
 STARTED, COMPLETED = "started", "completed"
 
@@ -61,10 +54,57 @@ class Counter:
         self.seq = 0        # operations started
 
 
-def state(e) -> str:
-    if e[T1] is None:
-        return STARTED
-    return "failed" if e[FAILED] else COMPLETED
+class Entry:
+    """One operation in the ring.
+
+    Attributes:
+        op: the operation's name.
+        group: the group it runs on.
+        seq: its number among its group's operations of its kind.
+        counter: the group's Counter of its kind (``counter.kind``: collective, p2p).
+        size: element count of its first array (None: no array).
+        dtype: that array's dtype (None: no array).
+        t0: start, ``time.monotonic()``.
+        t1: end; None while in flight.  The compiled call path sets it too.
+        failed: whether it ended with an error.
+        timed_out: whether a timeout was reported for it (once is enough).
+        engine: what runs it ("MPI", "shared memory", "NCCL").
+        device: for an operation that ends on a GPU stream, (communicator, end event):
+            it is over when the event has passed, whether or not anyone polled its
+            Work, so whatever judges "in flight" asks the event first
+            (:meth:`FlightRecorder.settle`).
+    """
+
+    __slots__ = ("op", "group", "seq", "counter", "size", "dtype", "t0", "t1", "failed",
+                 "timed_out", "engine", "device")
+
+    def __init__(self, op: str, group: Any, seq: int, counter: Any, size: int | None,
+                 dtype: Any, t0: float, engine: str):
+        self.op = op
+        self.group = group
+        self.seq = seq
+        self.counter = counter
+        self.size = size
+        self.dtype = dtype
+        self.t0 = t0
+        self.t1: float | None = None
+        self.failed = False
+        self.timed_out = False
+        self.engine = engine
+        self.device: Any = None
+
+    def mark_timed_out(self) -> None:
+        """A timeout was reported for this operation (the watchdog reports it no more)."""
+        self.timed_out = True
+
+    def state(self) -> str:
+        """started, completed or failed."""
+        if self.t1 is None:
+            return STARTED
+        return "failed" if self.failed else COMPLETED
+
+    def __repr__(self) -> str:
+        return f"<Entry {self.op} #{self.seq} on {getattr(self.group, '_name', None)}: {self.state()}>"
 
 
 def ring_size(requested: int) -> int:
@@ -72,7 +112,11 @@ def ring_size(requested: int) -> int:
     return max(16, int(requested))
 
 
-_PLACEHOLDER = [None, None, 0, None, None, None, 0.0, 0.0, False, False, MPI_ENGINE, None]
+def _placeholder() -> Entry:
+    """A finished entry of no operation: what the ring starts full of."""
+    e = Entry("", None, 0, None, None, None, 0.0, MPI_ENGINE)
+    e.t1 = 0.0
+    return e
 
 
 _COLL, _P2P = "\0collective", "\0p2p"   # keys of a group's two counters
@@ -81,18 +125,18 @@ _COLL, _P2P = "\0collective", "\0p2p"   # keys of a group's two counters
 def _counter(group, op: str) -> Counter:
     """The counter of ``op`` on ``group`` (first use of the group or of the op name).
 
-    ``group._fr`` maps op names to their kind's Counter, so the hot path finds it with
+    ``group._op_counters`` maps op names to their kind's Counter, so the hot path finds it with
     one dict lookup."""
-    table = group._fr
+    table = group._op_counters
     if table is None:
-        table = group._fr = {_COLL: Counter("collective"), _P2P: Counter("p2p")}
+        table = group._op_counters = {_COLL: Counter("collective"), _P2P: Counter("p2p")}
     c = table[op] = table[_P2P if op in P2P_OPS else _COLL]
     return c
 
 
 def counters(group) -> tuple[Counter, Counter]:
     """(collectives, point-to-point) counters of ``group``."""
-    table = group._fr
+    table = group._op_counters
     if table is None:
         return Counter("collective"), Counter("p2p")
     return table[_COLL], table[_P2P]
@@ -117,8 +161,8 @@ class FlightRecorder:
         self._size = size = ring_size(size)
         # A deque with maxlen is the ring: append is O(1) and atomic (thread safe), and
         # it starts full of a finished placeholder so ring[0] always exists.
-        self._ring = collections.deque([_PLACEHOLDER] * size, maxlen=size)
-        self._stale: list = []   # in-flight entries pushed out of the ring
+        self._ring = collections.deque([_placeholder()] * size, maxlen=size)
+        self._stale: list[Entry] = []   # in-flight entries pushed out of the ring
 
     @property
     def size(self) -> int:
@@ -126,34 +170,34 @@ class FlightRecorder:
 
     # -- the hot path: called for every Work --------------------------------------
 
-    def begin(self, op: str, g, a, engine: str = MPI_ENGINE) -> list:
+    def begin(self, op: str, g, a, engine: str = MPI_ENGINE) -> Entry:
         """Record ``op`` starting on group ``g`` (``a``: its first array, or None) on
         ``engine``; return the entry, which :meth:`end` completes."""
         try:
-            c = g._fr[op]
+            c = g._op_counters[op]
         except (TypeError, KeyError):  # the group's or the op's first time
             c = _counter(g, op)
         c.seq = seq = c.seq + 1
         ring = self._ring
         oldest = ring[0]
-        if oldest[T1] is None:  # about to push out an operation still in flight
-            if oldest[DEVICE] is not None:
+        if oldest.t1 is None:  # about to push out an operation still in flight
+            if oldest.device is not None:
                 self.settle((oldest,))
-            if oldest[T1] is None:
+            if oldest.t1 is None:
                 self._stale.append(oldest)
         if a is None:
-            e = [op, g, seq, c, None, None, _monotonic(), None, False, False, engine, None]
+            e = Entry(op, g, seq, c, None, None, _monotonic(), engine)
         else:
-            e = [op, g, seq, c, a.size, a.dtype, _monotonic(), None, False, False, engine, None]
+            e = Entry(op, g, seq, c, a.size, a.dtype, _monotonic(), engine)
         ring.append(e)
         return e
 
     @staticmethod
-    def end(e: list) -> None:
+    def end(e: Entry) -> None:
         """Mark an entry from :meth:`begin` completed (a device op may have been seen
         finished already: its first end time stays)."""
-        if e[T1] is None:
-            e[T1] = _monotonic()
+        if e.t1 is None:
+            e.t1 = _monotonic()
 
     def started(self, work) -> None:
         try:
@@ -161,64 +205,64 @@ class FlightRecorder:
             a.size  # noqa: B018 - an array, not a list of lists
         except (TypeError, IndexError, AttributeError):  # no outputs, or a list of lists
             a = None
-        e = work._fr = self.begin(work._op, work._group, a, work.engine)
+        e = work._fr_entry = self.begin(work._op, work._group, a, work.engine)
         device_end = work._device_end
         if device_end is not None:
-            e[DEVICE] = device_end
+            e.device = device_end
 
     def completed(self, work) -> None:
         try:
-            e = work._fr
+            e = work._fr_entry
         except AttributeError:  # started before the recorder was registered
             return
         self.end(e)
         if work._exc is not None:
-            e[FAILED] = True
+            e.failed = True
 
     @staticmethod
     def settle(entries) -> None:
         """Mark finished the device operations among ``entries`` whose end event has
         passed (the end time is when this is first seen).  Never blocks."""
         for e in entries:
-            device = e[DEVICE]
-            if device is not None and e[T1] is None and device[0].event_passed(device[1]):
-                e[T1] = _monotonic()
+            device = e.device
+            if device is not None and e.t1 is None and device[0].event_passed(device[1]):
+                e.t1 = _monotonic()
 
     # -- queries (watchdog, control channel, dumps): never on the hot path --------
 
-    def entries(self) -> list:
+    def entries(self) -> list[Entry]:
         """Every recorded entry, oldest first (in-flight ones pushed out of the ring too),
         device operations settled first."""
-        ring = [e for e in list(self._ring) if e[OP] is not None]
+        ring = [e for e in list(self._ring) if e.group is not None]
         stale = list(self._stale)
         self.settle(stale)
         self.settle(ring)
-        self._stale = stale = [e for e in stale if e[T1] is None]
-        return sorted(stale, key=lambda e: e[T0]) + ring if stale else ring
+        self._stale = stale = [e for e in stale if e.t1 is None]
+        return sorted(stale, key=lambda e: e.t0) + ring if stale else ring
 
-    def in_flight(self) -> list:
+    def in_flight(self) -> list[Entry]:
         """Entries of operations that have started and not completed, oldest first."""
-        return [e for e in self.entries() if e[T1] is None]
+        return [e for e in self.entries() if e.t1 is None]
 
     def group_summary(self, group, seq: int | None = None) -> dict:
         """Where this process is on ``group``: counts, last finished and current ops."""
         coll_count, p2p_count = counters(group)
         now = _monotonic()
         entries = self.entries()
-        mine = [e for e in entries if e[GROUP] is group]
-        coll = [e for e in mine if e[COUNTER].kind == "collective"]
-        done = [e for e in coll if e[T1] is not None]
-        last = max(done, key=lambda e: e[SEQ]) if done else None
+        mine = [e for e in entries if e.group is group]
+        coll = [e for e in mine if e.counter.kind == "collective"]
+        done = [e for e in coll if e.t1 is not None]
+        last = max(done, key=lambda e: e.seq) if done else None
         out = {
             "seq": coll_count.seq,
             "p2p_seq": p2p_count.seq,
             "last": brief(last, now) if last is not None else None,
-            "current": [brief(e, now) for e in mine if e[T1] is None][:4],
+            "current": [brief(e, now) for e in mine if e.t1 is None][:4],
             "elsewhere": [brief(e, now) for e in entries
-                          if e[T1] is None and e[GROUP] is not group][-3:],
+                          if e.t1 is None and e.group is not group][-3:],
         }
         if seq is not None:
-            at = [e for e in coll if e[SEQ] == seq]
+            at = [e for e in coll if e.seq == seq]
             out["at_seq"] = brief(at[-1], now) if at else None
         return out
 
@@ -236,15 +280,15 @@ class FlightRecorder:
             }
         entries = []
         for i, e in enumerate(self.entries()):
-            g = e[GROUP]
+            g = e.group
             entries.append({
-                "id": i, "op": e[OP], "group": g._name, "group_id": _group_id(g),
-                "kind": e[COUNTER].kind, "seq": e[SEQ],
-                "size": e[SIZE] if isinstance(e[SIZE], int) else None,
-                "dtype": _dtype_name(e[DTYPE]),
-                "start": round(e[T0] - now_mono + now_wall, 6),
-                "end": round(e[T1] - now_mono + now_wall, 6) if e[T1] is not None else None,
-                "state": state(e), "timed_out": e[TIMED_OUT], "engine": e[ENGINE],
+                "id": i, "op": e.op, "group": g._name, "group_id": _group_id(g),
+                "kind": e.counter.kind, "seq": e.seq,
+                "size": e.size if isinstance(e.size, int) else None,
+                "dtype": _dtype_name(e.dtype),
+                "start": round(e.t0 - now_mono + now_wall, 6),
+                "end": round(e.t1 - now_mono + now_wall, 6) if e.t1 is not None else None,
+                "state": e.state(), "timed_out": e.timed_out, "engine": e.engine,
             })
         return {
             "format": FORMAT, "version": VERSION, "reason": reason,
@@ -271,11 +315,11 @@ def _dtype_name(dtype) -> str | None:
     return getattr(dtype, "name", None) or str(dtype)  # numpy/cupy dtypes; torch's too
 
 
-def brief(e, now: float) -> dict:
+def brief(e: Entry, now: float) -> dict:
     """One entry in the short form the diagnosis and the control channel use."""
-    return {"op": e[OP], "seq": e[SEQ], "kind": e[COUNTER].kind, "group": e[GROUP]._name,
-            "engine": e[ENGINE], "state": state(e), "age": round(now - e[T0], 3),
-            "took": round(e[T1] - e[T0], 6) if e[T1] is not None else None}
+    return {"op": e.op, "seq": e.seq, "kind": e.counter.kind, "group": e.group._name,
+            "engine": e.engine, "state": e.state(), "age": round(now - e.t0, 3),
+            "took": round(e.t1 - e.t0, 6) if e.t1 is not None else None}
 
 
 def ranks_text(ranks: list[int]) -> str:

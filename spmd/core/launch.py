@@ -176,7 +176,7 @@ def find_hydra() -> str:
         candidates.append(os.environ["SPMD_MPIEXEC"])
     candidates.append(os.path.join(os.path.dirname(sys.executable), "mpiexec"))
     candidates.append(os.path.join(sys.prefix, "bin", "mpiexec"))
-    lib = _loaded_libmpi()
+    lib = loaded_libmpi()
     if lib:
         candidates.append(os.path.join(os.path.dirname(os.path.dirname(lib)), "bin", "mpiexec"))
     on_path = shutil.which("mpiexec")
@@ -202,7 +202,8 @@ def find_hydra() -> str:
         "the mpiexec of the MPI library mpi4py uses")
 
 
-def _loaded_libmpi() -> str | None:
+def loaded_libmpi() -> str | None:
+    """The path of the libmpi this process has loaded (mpi4py's), or None."""
     try:
         with open("/proc/self/maps") as f:
             for line in f:

@@ -19,17 +19,20 @@ _testall = MPI.Request.Testall
 
 # Side paths (comms logger, flight recorder, watchdog) see every Work when it starts
 # and when it completes.  With none registered the cost is one truth test per event.
-_observers: list = []
+# Changed only through add_observer/remove_observer; the blocking paths (Python and
+# compiled) read it to know whether they may run without a Work.
+observers: list = []
+
 
 def add_observer(observer) -> None:
     """Register an object with ``started(work)`` and ``completed(work)`` methods."""
-    if observer not in _observers:
-        _observers.append(observer)
+    if observer not in observers:
+        observers.append(observer)
 
 
 def remove_observer(observer) -> None:
-    if observer in _observers:
-        _observers.remove(observer)
+    if observer in observers:
+        observers.remove(observer)
 
 
 def seconds_of(timeout) -> float:
@@ -65,7 +68,7 @@ class Work:
     """
 
     __slots__ = ("_reqs", "_finish", "_outputs", "_keep", "_done", "_exc", "_future",
-                 "_op", "_group", "_status", "_meta", "_fr", "__weakref__")
+                 "_op", "_group", "_status", "_meta", "_fr_entry", "__weakref__")
 
     engine = "MPI"        # what runs the operation, for diagnoses
     _device_end: tuple[Any, Any] | None = None  # (engine, end event) of an operation that ends on a GPU stream
@@ -84,8 +87,8 @@ class Work:
         self._exc: BaseException | None = None
         self._future: Future | None = None
         self._meta = None          # for observers: whatever they attach to this Work
-        if _observers:
-            for obs in _observers:
+        if observers:
+            for obs in observers:
                 obs.started(self)
 
     def _test(self) -> bool:
@@ -104,8 +107,8 @@ class Work:
                 self._exc = exc
         self._finish = None
         self._keep = None
-        if _observers:
-            for obs in _observers:
+        if observers:
+            for obs in observers:
                 obs.completed(self)
         if self._future is not None:
             if self._exc is None:
@@ -128,7 +131,7 @@ class Work:
             reqs = self._reqs
             if not (reqs[0].Test(self._status) if len(reqs) == 1 else _testall(reqs)):
                 self._poll(self._group._timeout if seconds is None else seconds)
-            if self._finish is None and not _observers and self._future is None:
+            if self._finish is None and not observers and self._future is None:
                 self._done = True  # _complete() with nothing to run
                 self._keep = None
             else:

@@ -12,7 +12,7 @@ import traceback
 
 from mpi4py import MPI
 
-from spmd.core import flight_recorder as _fr
+from spmd.core import flight_recorder
 from spmd.core.errors import DistTimeoutError
 from spmd.core.lines import write_lines
 from spmd.runtime.reliability import state
@@ -35,7 +35,7 @@ def excepthook(exc_type, exc, tb) -> None:
     if state.size > 1:
         if state.config.dump_dir and not issubclass(exc_type, DistTimeoutError):  # done already
             try:
-                _fr.dump(state.config.dump_dir, f"uncaught {exc_type.__name__}")
+                flight_recorder.dump(state.config.dump_dir, f"uncaught {exc_type.__name__}")
             except OSError:
                 pass
         sys.stderr.write(f"{tag}spmd: uncaught {exc_type.__name__}: aborting the MPI job so no "

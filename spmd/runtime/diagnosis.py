@@ -8,7 +8,7 @@ from __future__ import annotations
 import time
 
 from spmd.backends.checked import checking
-from spmd.core import flight_recorder as _fr
+from spmd.core import flight_recorder
 from spmd.core.optable import is_p2p
 from spmd.runtime.group import world_state
 from spmd.runtime.locations import where
@@ -40,9 +40,9 @@ def answer(request: dict) -> dict:
     out: dict = {"where": where()}
     if g is None:
         out["no_group"] = True
-        out["elsewhere"] = [_fr.brief(e, _monotonic()) for e in _fr.recorder.in_flight()][-3:]
+        out["elsewhere"] = [flight_recorder.brief(e, _monotonic()) for e in flight_recorder.recorder.in_flight()][-3:]
     else:
-        out.update(_fr.recorder.group_summary(g, request.get("seq")))
+        out.update(flight_recorder.recorder.group_summary(g, request.get("seq")))
         out["broken"] = g._error
         pending = checking.get(g)
         if pending is not None:  # in a debug-mode fingerprint exchange: it reached the op
@@ -58,7 +58,7 @@ def answer(request: dict) -> dict:
     if request.get("dump") and state.config.dump_dir and _monotonic() - state.dumped_at > 10.0:
         state.dumped_at = _monotonic()
         try:
-            out["dump"] = _fr.dump(state.config.dump_dir, f"asked by rank {request.get('from')}: "
+            out["dump"] = flight_recorder.dump(state.config.dump_dir, f"asked by rank {request.get('from')}: "
                                    f"{request.get('reason', '')}")
         except OSError as exc:
             out["dump"] = f"failed: {exc}"
@@ -132,7 +132,7 @@ _ALONE = {
 
 
 def diagnose(op: str, g, seq: int | None, kind: str, waited: float, source: str,
-             engine: str = _fr.MPI_ENGINE) -> str:
+             engine: str = flight_recorder.MPI_ENGINE) -> str:
     """The text of a timeout: what this rank waited for on which engine, and where every
     other member is."""
     me = g._ranks[g._rank]
@@ -182,7 +182,7 @@ def diagnose(op: str, g, seq: int | None, kind: str, waited: float, source: str,
 
 
 def handle_timeout(op: str, g, seq: int | None, kind: str, waited: float, source: str,
-                   engine: str = _fr.MPI_ENGINE) -> str:
+                   engine: str = flight_recorder.MPI_ENGINE) -> str:
     """Diagnose, break the group (collectives), dump the flight recorder; the message."""
     text = diagnose(op, g, seq, kind, waited, source, engine)
     if kind == "collective" and g._error is None:
@@ -191,7 +191,7 @@ def handle_timeout(op: str, g, seq: int | None, kind: str, waited: float, source
     if kind != "collective" and source == "wait":
         return text  # a receive can still complete: no dump for a polling wait(timeout)
     try:
-        path = _fr.dump(state.config.dump_dir, f"{op} #{seq} on {g._name} timed out")
+        path = flight_recorder.dump(state.config.dump_dir, f"{op} #{seq} on {g._name} timed out")
     except OSError as exc:
         text += f"\n  flight recorder dump failed: {exc}"
     else:
@@ -204,17 +204,17 @@ def handle_timeout(op: str, g, seq: int | None, kind: str, waited: float, source
 def diagnose_timeout(op: str, g, seq: int | None, kind: str, waited: float, source: str,
                       work) -> str:
     """The one wait helper's hook: the diagnosis of any wait that timed out."""
-    engine = _fr.MPI_ENGINE
+    engine = flight_recorder.MPI_ENGINE
     if work is not None:
         engine = work.engine
-        e = getattr(work, "_fr", None)
+        e = getattr(work, "_fr_entry", None)
         if e is not None:
-            e[_fr.TIMED_OUT] = True
-            seq, kind = e[_fr.SEQ], e[_fr.COUNTER].kind
+            e.timed_out = True
+            seq, kind = e.seq, e.counter.kind
         else:
             kind = "p2p" if is_p2p(op) else "collective"
     elif seq is None and kind == "collective":  # a wait before the op's Work exists
-        seq = _fr.next_seq(g)
+        seq = flight_recorder.next_seq(g)
     text = handle_timeout(op, g, seq, kind, waited, source, engine)
     if source != "wait":
         text += f"\n  (timed out {source})"

@@ -28,7 +28,7 @@ import atexit
 import dataclasses
 import sys
 
-from spmd.core import flight_recorder as _fr
+from spmd.core import flight_recorder
 from spmd.core import wait as _wait
 from spmd.core import work as _work
 from spmd.core.lines import write_lines
@@ -51,14 +51,14 @@ def start(world, cfg: Config) -> None:
     state.config = cfg
     state.rank, state.size = world._rank, world._size
     if cfg.flight_recorder_size > 0:
-        if _fr.recorder.size != _fr.ring_size(cfg.flight_recorder_size):
-            _fr.recorder.resize(cfg.flight_recorder_size)
-        _work.add_observer(_fr.recorder)
+        if flight_recorder.recorder.size != flight_recorder.ring_size(cfg.flight_recorder_size):
+            flight_recorder.recorder.resize(cfg.flight_recorder_size)
+        _work.add_observer(flight_recorder.recorder)
     else:  # off: no per-call cost, and no sequence numbers in diagnoses
-        _work.remove_observer(_fr.recorder)
+        _work.remove_observer(flight_recorder.recorder)
     _wait.set_diagnosis(diagnose_timeout)
-    _fr.recorder.groups_source = lambda: (world_state.world, list(world_state.groups))
-    _fr.recorder.dump_dir = cfg.dump_dir
+    flight_recorder.recorder.groups_source = lambda: (world_state.world, list(world_state.groups))
+    flight_recorder.recorder.dump_dir = cfg.dump_dir
     debug.set_debug_level(cfg.debug)
     state.channel = Channel(world._comm, answer, heartbeat_check)
     if cfg.watchdog:

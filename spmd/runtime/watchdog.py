@@ -10,7 +10,7 @@ import threading
 import time
 import traceback
 
-from spmd.core import flight_recorder as _fr
+from spmd.core import flight_recorder
 from spmd.runtime.diagnosis import handle_timeout
 from spmd.runtime.locations import frame_of
 from spmd.runtime.reliability import report, state
@@ -49,17 +49,17 @@ class Watchdog:
         the GPU about device operations first: one that finished there is not in flight
         even if nobody has looked at its Work."""
         now = _monotonic()
-        for e in _fr.recorder.in_flight():
-            g = e[_fr.GROUP]
-            if e[_fr.TIMED_OUT] or g._comm is None:
+        for e in flight_recorder.recorder.in_flight():
+            g = e.group
+            if e.timed_out or g._comm is None:
                 continue
             limit = g._timeout
-            age = now - e[_fr.T0]
+            age = now - e.t0
             # A waiting thread reports its own timeout; the grace lets it go first.
-            if age > limit + min(max(1.0, 0.05 * limit), 30.0) and e[_fr.T1] is None:
-                e[_fr.TIMED_OUT] = True
-                op, seq, engine, device = e[_fr.OP], e[_fr.SEQ], e[_fr.ENGINE], e[_fr.DEVICE]
-                text = handle_timeout(op, g, seq, e[_fr.COUNTER].kind, age, "watchdog", engine)
+            if age > limit + min(max(1.0, 0.05 * limit), 30.0) and e.t1 is None:
+                e.timed_out = True
+                op, seq, engine, device = e.op, e.seq, e.engine, e.device
+                text = handle_timeout(op, g, seq, e.counter.kind, age, "watchdog", engine)
                 where = "in flight" if device is None else f"running on the GPU ({engine})"
                 if device is not None:
                     device[0].abort_timed_out(op, seq)
@@ -91,6 +91,6 @@ def heartbeat_check() -> None:
            f"(heartbeat_timeout {state.config.heartbeat_timeout:g} s); timeouts of operations "
            f"nobody waits on go unnoticed. It is stuck at:\n{stack.rstrip()}")
     try:
-        _fr.dump(state.config.dump_dir, "watchdog heartbeat lost")
+        flight_recorder.dump(state.config.dump_dir, "watchdog heartbeat lost")
     except OSError:
         pass

@@ -21,18 +21,55 @@ import os
 import sys
 import threading
 import time
-from typing import Any, TextIO
+from typing import Any, NamedTuple, TextIO
 
 from spmd.core import work as _work
 from spmd.core.lines import write_lines
 from spmd.core.optable import bus_factor, work_bytes
 from spmd.core.work import Work
-from spmd.runtime.group import GroupArg
+from spmd.runtime.group import GroupArg, resolve, world_state
 
-__all__ = ["CommsLogger", "logger", "enable", "disable", "is_enabled", "reset", "stats",
+__all__ = ["CommsLogger", "Key", "Timing", "logger", "enable", "disable", "is_enabled", "reset", "stats",
            "summary", "format_size"]
 
 _clock = time.perf_counter
+
+
+class Key(NamedTuple):
+    """What statistics are kept by: the op, its bytes, its group's size."""
+
+    op: str
+    nbytes: int
+    group_size: int
+
+
+class Timing(NamedTuple):
+    """The latencies of one key: how many, their sum, the least and the most (seconds)."""
+
+    calls: int
+    total_s: float
+    min_s: float
+    max_s: float
+
+
+class _Latencies:
+    """A key's running latencies (a Timing as it accumulates)."""
+
+    __slots__ = ("calls", "total", "least", "most")
+
+    def __init__(self, dt: float):
+        self.calls, self.total, self.least, self.most = 1, dt, dt, dt
+
+    def add(self, dt: float) -> None:
+        self.calls += 1
+        self.total += dt
+        if dt < self.least:
+            self.least = dt
+        if dt > self.most:
+            self.most = dt
+
+    def timing(self) -> Timing:
+        return Timing(self.calls, self.total, self.least, self.most)
 
 
 class CommsLogger:
@@ -40,39 +77,35 @@ class CommsLogger:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._inflight: dict[int, tuple] = {}     # id(work) -> (start, key)
-        self._stats: dict[tuple, list] = {}       # (op, bytes, group size) -> [n, sum, min, max]
+        self._inflight: dict[int, tuple[float, Key]] = {}     # id(work) -> (start, key)
+        self._stats: dict[Key, _Latencies] = {}
 
     def started(self, work: Work) -> None:
-        self._inflight[id(work)] = (_clock(), (work._op, work_bytes(work), work._group._size))
+        self._inflight[id(work)] = (_clock(), Key(work._op, work_bytes(work), work._group._size))
 
     def completed(self, work: Work) -> None:
         t1 = _clock()
-        entry = self._inflight.pop(id(work), None)
-        if entry is None:  # started before the logger was turned on
+        started = self._inflight.pop(id(work), None)
+        if started is None:  # started before the logger was turned on
             return
-        dt = t1 - entry[0]
+        t0, key = started
         with self._lock:
-            s = self._stats.get(entry[1])
+            s = self._stats.get(key)
             if s is None:
-                self._stats[entry[1]] = [1, dt, dt, dt]
+                self._stats[key] = _Latencies(t1 - t0)
             else:
-                s[0] += 1
-                s[1] += dt
-                if dt < s[2]:
-                    s[2] = dt
-                if dt > s[3]:
-                    s[3] = dt
+                s.add(t1 - t0)
 
     def reset(self) -> None:
         with self._lock:
             self._stats.clear()
             self._inflight.clear()
 
-    def snapshot(self) -> dict[tuple, tuple]:
-        """This rank's statistics: ``{(op, bytes, group size): (count, total_s, min_s, max_s)}``."""
+    def snapshot(self) -> dict[Key, Timing]:
+        """This rank's statistics: ``{Key(op, nbytes, group_size): Timing(calls, total_s,
+        min_s, max_s)}`` (both are tuples)."""
         with self._lock:
-            return {k: tuple(v) for k, v in self._stats.items()}
+            return {k: v.timing() for k, v in self._stats.items()}
 
 
 logger = CommsLogger()
@@ -105,7 +138,7 @@ def disable() -> None:
 
 
 def is_enabled() -> bool:
-    return logger in _work._observers
+    return logger in _work.observers
 
 
 def reset() -> None:
@@ -113,7 +146,7 @@ def reset() -> None:
     logger.reset()
 
 
-def stats() -> dict[tuple, tuple]:
+def stats() -> dict[Key, Timing]:
     """This rank's raw statistics, without communicating (see ``CommsLogger.snapshot``)."""
     return logger.snapshot()
 
@@ -129,8 +162,6 @@ def format_size(nbytes: float) -> str:
 
 def _gather(local: dict, group):
     """Every rank's snapshot, on every rank (raw mpi4py, so it is not logged itself)."""
-    from spmd.runtime.group import resolve, world_state
-
     if world_state.world is None:
         return [local], 0
     pg = resolve(group, "comms_log.summary")
@@ -139,25 +170,26 @@ def _gather(local: dict, group):
     return pg._comm.allgather(local), pg._rank
 
 
-def _merge(per_rank: list[dict], size: int) -> dict:
+def _merge(per_rank: list[dict[Key, Timing]], size: int) -> dict:
     rows: dict[str, dict] = {}
-    keys = sorted({k for d in per_rank for k in d}, key=lambda k: (k[0], k[2], k[1]))
-    for op, nbytes, n in keys:
+    keys = sorted({k for d in per_rank for k in d}, key=lambda k: (k.op, k.group_size, k.nbytes))
+    for key in keys:
+        op, nbytes, n = key
         label = op if n == size else f"{op} (n={n})"
-        seen = [(r, d[(op, nbytes, n)]) for r, d in enumerate(per_rank) if (op, nbytes, n) in d]
-        avgs = [(s[1] / s[0], r) for r, s in seen]
+        seen = [(r, d[key]) for r, d in enumerate(per_rank) if key in d]
+        avgs = [(s.total_s / s.calls, r) for r, s in seen]
         slow_avg, slow_rank = max(avgs)
-        count = max(s[0] for _, s in seen)
+        count = max(s.calls for _, s in seen)
         algbw = nbytes / slow_avg / 1e9 if slow_avg > 0 else 0.0
         rows.setdefault(label, {})[nbytes] = {
             "count": count,
             "bytes": nbytes,
             "ranks": n,
             "total_bytes": count * nbytes,
-            "total_ms": max(s[1] for _, s in seen) * 1e3,
+            "total_ms": max(s.total_s for _, s in seen) * 1e3,
             "avg_us": sum(a for a, _ in avgs) / len(avgs) * 1e6,
-            "min_us": min(s[2] for _, s in seen) * 1e6,
-            "max_us": max(s[3] for _, s in seen) * 1e6,
+            "min_us": min(s.min_s for _, s in seen) * 1e6,
+            "max_us": max(s.max_s for _, s in seen) * 1e6,
             "algbw_gbps": algbw,
             "busbw_gbps": algbw * bus_factor(op, n),
             "slowest_rank": slow_rank,

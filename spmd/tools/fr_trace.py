@@ -16,8 +16,7 @@ import os
 import sys
 from collections.abc import Iterable
 
-from spmd.core.flight_recorder import COMPLETED, FORMAT, format_table
-from spmd.core.flight_recorder import ranks_text as _ranks_text
+from spmd.core.flight_recorder import COMPLETED, FORMAT, format_table, ranks_text
 from spmd.core.lines import write_lines
 
 __all__ = ["analyze", "load", "main"]
@@ -61,12 +60,12 @@ def analyze(dumps: list[dict]) -> str:
         return "no flight recorder dumps found"
     world = dumps[0]["world_size"]
     have = [d["rank"] for d in dumps]
-    lines = [f"flight recorder: dumps from {_ranks_text(have)} of {world}"]
+    lines = [f"flight recorder: dumps from {ranks_text(have)} of {world}"]
     for d in dumps:
         lines.append(f"  rank {d['rank']} ({d['host']}, pid {d['pid']}): {d['reason']}")
     missing = sorted(set(range(world)) - set(have))
     if missing:
-        lines.append(f"  no dump from {_ranks_text(missing)} (dead, or not reached by the "
+        lines.append(f"  no dump from {ranks_text(missing)} (dead, or not reached by the "
                      "dump request)")
     groups: dict[str, dict] = {}
     for d in dumps:
@@ -78,10 +77,10 @@ def analyze(dumps: list[dict]) -> str:
             if d["rank"] in g["ranks"]:
                 by_rank[d["rank"]] = {e["seq"]: e for e in d["entries"]
                                       if e["group_id"] == gid and e["kind"] == "collective"}
-        lines.append(f"group {g['info']['name']} (global {_ranks_text(g['info']['ranks'])}):")
+        lines.append(f"group {g['info']['name']} (global {ranks_text(g['info']['ranks'])}):")
         members_missing = sorted(set(g["info"]["ranks"]) - set(by_rank))
         if members_missing:
-            lines.append(f"  no dump from member {_ranks_text(members_missing)}")
+            lines.append(f"  no dump from member {ranks_text(members_missing)}")
         started = {r: g["ranks"][r]["seq"] for r in by_rank}
         lowest = max((min(es) if es else started[r] + 1) for r, es in by_rank.items())
         highest = max(started.values()) if started else 0
@@ -110,9 +109,9 @@ def analyze(dumps: list[dict]) -> str:
                         lasts = "; ".join(
                             f"rank {r} last started #{started[r]}: "
                             f"{_describe(by_rank[r].get(started[r]))}" for r in rs)
-                        verdict.append(f"    {_ranks_text(rs)}: never started #{seq} ({lasts})")
+                        verdict.append(f"    {ranks_text(rs)}: never started #{seq} ({lasts})")
                     else:
-                        verdict.append(f"    {_ranks_text(rs)}: {k}")
+                        verdict.append(f"    {ranks_text(rs)}: {k}")
                 break
         if verdict is None:
             lines.append(f"  no divergence in collectives #{max(1, lowest)}..#{highest}")

@@ -33,7 +33,6 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from spmd.core import flight_recorder as _fr
 from spmd.core import work as _work
 from spmd.core.lines import write_lines
 from spmd.core.optable import P2P_OPS, work_bytes
@@ -89,9 +88,9 @@ class Tracer:
 
     def started(self, work: Work) -> None:
         kind = 1 if work._op in P2P_OPS else 0
-        entry = getattr(work, "_fr", None)
+        entry = getattr(work, "_fr_entry", None)
         if entry is not None:  # the flight recorder's number: the one every rank agrees on
-            seq = entry[_fr.SEQ]
+            seq = entry.seq
         else:  # recorder off: count here
             g = work._group
             counters = self._seq.get(g)

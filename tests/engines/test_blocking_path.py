@@ -118,10 +118,10 @@ def test_small_blocking_ops_take_it_and_match_numpy(dist, taken):
 
     assert taken == expect
     # recorded like any op: collectives numbered on from where they were, all completed
-    entries = [e for e in fr.recorder.entries() if e[fr.GROUP] is dist.GroupMember.WORLD
-               and e[fr.COUNTER].kind == "collective"][-8:]
-    assert [e[fr.SEQ] for e in entries] == list(range(seq0, seq0 + 8))
-    assert all(fr.state(e) == fr.COMPLETED for e in entries)
+    entries = [e for e in fr.recorder.entries() if e.group is dist.GroupMember.WORLD
+               and e.counter.kind == "collective"][-8:]
+    assert [e.seq for e in entries] == list(range(seq0, seq0 + 8))
+    assert all(e.state() == fr.COMPLETED for e in entries)
 
 
 def test_everything_else_takes_the_work_path(dist, taken):

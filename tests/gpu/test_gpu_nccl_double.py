@@ -94,7 +94,7 @@ def test_finished_ops_leave_the_in_flight_list_without_a_poll(dist, double, nccl
     dd.runtime.deviceSynchronize()
     summary = fr.recorder.group_summary(g)
     assert summary["current"] == [] and summary["last"]["seq"] == 2
-    assert not [e for e in fr.recorder.in_flight() if e[fr.GROUP] is g]
+    assert not [e for e in fr.recorder.in_flight() if e.group is g]
 
 
 def test_nccl_hang_is_reported_and_aborted(dist, double, nccl_group):
@@ -230,8 +230,8 @@ def test_finished_works_are_reaped(dist, double, nccl_group):
     dist.all_reduce(cp.ones(1, cp.float32), group=g)
     assert len(backend.communicator.inflight) <= 1
     assert all(w._done and w._keep is None for w in kept)
-    mine = [e for e in fr.recorder.entries() if e[fr.GROUP] is g]
-    assert all(e[fr.T1] is not None for e in mine[:-1]), mine
+    mine = [e for e in fr.recorder.entries() if e.group is g]
+    assert all(e.t1 is not None for e in mine[:-1]), mine
 
 
 def test_async_error_aborts_and_names_the_op(dist, double, nccl_group):

@@ -35,7 +35,7 @@ def _known_sequence(dist):
 
 def test_off_by_default(fresh_log, dist):
     assert not comms_log.is_enabled()
-    assert comms_log.logger not in work._observers
+    assert comms_log.logger not in work.observers
     _known_sequence(dist)
     assert comms_log.stats() == {}
 
@@ -47,7 +47,7 @@ def test_counts_and_bytes_exact(fresh_log, dist):
         _known_sequence(dist)
     assert not comms_log.is_enabled()
     stats = comms_log.stats()
-    counts = {(op, nbytes): s[0] for (op, nbytes, size), s in stats.items()}
+    counts = {(key.op, key.nbytes): timing.calls for key, timing in stats.items()}
     assert counts == {
         ("all_reduce", 40): 3,
         ("broadcast", 56): 2,
@@ -56,9 +56,10 @@ def test_counts_and_bytes_exact(fresh_log, dist):
         ("all_reduce", 5): 1,
         ("barrier", 0): 1,
     }
-    for (_op, _nbytes, size), (count, total, lo, hi) in stats.items():
-        assert size == n
-        assert 0 <= lo <= hi and total >= lo * count
+    for key, timing in stats.items():
+        assert key.group_size == n
+        assert 0 <= timing.min_s <= timing.max_s and timing.total_s >= timing.min_s * timing.calls
+        assert tuple(timing) == (timing.calls, timing.total_s, timing.min_s, timing.max_s)
 
 
 def test_summary_dict_and_table(fresh_log, dist):

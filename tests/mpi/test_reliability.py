@@ -48,12 +48,12 @@ def test_sequence_numbers_and_flight_recorder(dist, fresh):
             w.wait()
     coll, p2p = fr.counters(g)
     assert coll.seq == 3 and p2p.seq == (2 if n > 1 else 0)
-    mine = [e for e in fr.recorder.entries() if e[fr.GROUP] is g]
-    coll = [(e[fr.OP], e[fr.SEQ]) for e in mine if e[fr.COUNTER].kind == "collective"]
+    mine = [e for e in fr.recorder.entries() if e.group is g]
+    coll = [(e.op, e.seq) for e in mine if e.counter.kind == "collective"]
     assert coll == [("all_reduce", 1), ("broadcast", 2), ("barrier", 3)]
     first = mine[0]
-    assert first[fr.SIZE] == 3 and first[fr.DTYPE] == np.float32
-    assert all(fr.state(e) == "completed" and e[fr.T1] >= e[fr.T0] for e in mine)
+    assert first.size == 3 and first.dtype == np.float32
+    assert all(e.state() == "completed" and e.t1 >= e.t0 for e in mine)
     snap = json.loads(json.dumps(fr.recorder.snapshot("test")))
     assert snap["rank"] == me and snap["world_size"] == n
     assert any(e["op"] == "barrier" and e["seq"] == 3 and e["group"] == g.name

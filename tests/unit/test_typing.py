@@ -86,7 +86,9 @@ def test_annotations_resolve_at_run_time():
         else:
             members = [(obj, name)]
         for fn, label in members:
-            if not inspect.isfunction(fn):
+            # Functions spmd wrote: a NamedTuple's __new__ is the standard library's,
+            # made where builtins are not visible, so its hints never resolve.
+            if not inspect.isfunction(fn) or not fn.__module__.startswith("spmd"):
                 continue
             checked += 1
             try:

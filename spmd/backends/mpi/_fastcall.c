@@ -108,18 +108,17 @@ static int n_reduced;
 
 static PyTypeObject *ndarray_type, *group_type, *host_type;
 static PyObject *world_state;    /* spmd.runtime.group.world_state (its .world: the default group) */
-static PyObject *observers;      /* spmd.core.work._observers */
+static PyObject *observers;      /* spmd.core.work.observers */
 static PyObject *recorder;       /* the flight recorder: the one observer this path serves */
 static PyObject *begin;          /* recorder.begin */
 static PyObject *expired;        /* (op, group, entry, waited): raises DistTimeoutError */
 static PyObject *mpi_error;      /* (code): raises mpi4py's MPI.Exception */
 static PyObject *wait_module;    /* spmd.core.wait: its .oversubscribed */
-static Py_ssize_t t1_index;      /* the recorder entry's end-time slot */
 static long tag_ub;
 static int bound;
 
 static PyObject *s_world, *s_comm, *s_error, *s_backends, *s_cpu, *s_fast, *s_index,
-    *s_timeout, *s_oversubscribed, *s_dtype;
+    *s_timeout, *s_oversubscribed, *s_dtype, *s_t1;
 enum { O_ALL_REDUCE, O_BROADCAST, O_REDUCE, O_ALL_GATHER, O_REDUCE_SCATTER, O_ALL_TO_ALL,
        O_BARRIER, O_SEND, O_RECV, O_COALESCED, N_OPS };
 static PyObject *s_ops[N_OPS];
@@ -325,8 +324,9 @@ static int finish(PyObject *entry) {
     if (entry == Py_None) return 0;
     PyObject *t = PyFloat_FromDouble(now());
     if (t == NULL) return -1;
-    return PyList_Check(entry) && PyList_GET_SIZE(entry) > t1_index
-        ? PyList_SetItem(entry, t1_index, t) : (Py_DECREF(t), 0);
+    int err = PyObject_SetAttr(entry, s_t1, t);   /* the Entry's end time */
+    Py_DECREF(t);
+    return err;
 }
 
 /* Test the request until it completes: the group's timeout, signals, the GIL handed
@@ -751,7 +751,7 @@ static void set_ref(PyObject **slot, PyObject *v) {
 
 /* bind(functions, handle_size, in_place, moved, reduced, ndarray, group_type,
  *      host_type, world_state, observers, recorder, expired, mpi_error, wait_module,
- *      t1_index, tag_ub, packing, shm_all_reduce)
+ *      tag_ub, packing, shm_all_reduce)
  *
  * functions: {MPI function name: address}; moved: [(dtype, type handle)]; reduced:
  * [(op, [(dtype, type handle, op handle)])].  Called once, by spmd.backends.mpi.fastcall. */
@@ -759,12 +759,11 @@ static PyObject *fc_bind(PyObject *m, PyObject *args) {
     PyObject *functions, *mv, *rd, *nd, *gt, *ht, *ws, *obs, *rec, *exp, *me, *wm, *pk, *sa;
     int hsize;
     long long ip;
-    Py_ssize_t t1;
     long ub;
-    if (!PyArg_ParseTuple(args, "O!iLO!O!O!O!O!OO!OOOOnlOO", &PyDict_Type, &functions, &hsize,
+    if (!PyArg_ParseTuple(args, "O!iLO!O!O!O!O!OO!OOOOlOO", &PyDict_Type, &functions, &hsize,
                           &ip, &PyList_Type, &mv, &PyList_Type, &rd, &PyType_Type, &nd,
                           &PyType_Type, &gt, &PyType_Type, &ht, &ws, &PyList_Type, &obs,
-                          &rec, &exp, &me, &wm, &t1, &ub, &pk, &sa))
+                          &rec, &exp, &me, &wm, &ub, &pk, &sa))
         return NULL;
     if (hsize != 4 && hsize != (int)sizeof(void *)) {
         PyErr_Format(PyExc_ValueError, "bind: MPI handles of %d bytes are not supported", hsize);
@@ -841,7 +840,6 @@ static PyObject *fc_bind(PyObject *m, PyObject *args) {
     PyObject *b = PyObject_GetAttrString(rec, "begin");
     if (b == NULL) return NULL;
     Py_XSETREF(begin, b);
-    t1_index = t1;
     tag_ub = ub;
     bound = 1;
     Py_RETURN_NONE;
@@ -893,6 +891,7 @@ PyMODINIT_FUNC PyInit__fastcall(void) {
     INTERN(s_index, "_index");
     INTERN(s_timeout, "_timeout");
     INTERN(s_oversubscribed, "oversubscribed");
+    INTERN(s_t1, "t1");
     INTERN(s_dtype, "dtype");
     INTERN(s_gather_from, "all_gather_from");
     INTERN(s_gather_to, "all_gather_to");

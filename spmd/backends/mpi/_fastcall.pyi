@@ -7,7 +7,7 @@ class FastComm:
 def bind(functions: dict[str, int], handle_size: int, in_place: int, moved: list[Any],
          reduced: list[Any], ndarray: type, group_type: type, host_type: type,
          world_state: Any, observers: list[Any], recorder: Any, expired: Any,
-         mpi_error: Any, wait_module: Any, t1_index: int, tag_ub: int,
+         mpi_error: Any, wait_module: Any, tag_ub: int,
          packing: Any, shm_all_reduce: Any) -> None: ...
 def all_reduce(tensor: Any, op: Any, group: Any, async_op: Any, /) -> bool: ...
 def reduce(tensor: Any, dst: Any, op: Any, group: Any, async_op: Any, group_dst: Any,

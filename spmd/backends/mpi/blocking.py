@@ -23,9 +23,9 @@ from mpi4py import MPI
 
 from spmd.backends.reduction import simple_plan
 from spmd.core.dtypes import MOVE_AS
-from spmd.core.flight_recorder import COUNTER, SEQ, TIMED_OUT, recorder
+from spmd.core.flight_recorder import recorder
 from spmd.core.wait import wait_until
-from spmd.core.work import _observers
+from spmd.core.work import observers
 
 __all__ = ["BlockingHost"]
 
@@ -58,20 +58,20 @@ class BlockingHost:
     def _run(self, req: MPI.Request, op: str, a: np.ndarray | None) -> None:
         """Record, test, wait: the blocking op's whole life after its request started."""
         g = self.group
-        e = recorder.begin(op, g, a) if _observers else None
+        e = recorder.begin(op, g, a) if observers else None
         if not req.Test():
             if e is None:
                 wait_until(req.Test, g._timeout, op, g)
             else:
-                wait_until(req.Test, g._timeout, op, g, seq=e[SEQ], kind=e[COUNTER].kind,
-                           on_timeout=lambda: e.__setitem__(TIMED_OUT, True))
+                wait_until(req.Test, g._timeout, op, g, seq=e.seq, kind=e.counter.kind,
+                           on_timeout=e.mark_timed_out)
         if e is not None:
             recorder.end(e)
 
     @staticmethod
     def _declines() -> bool:
         # Observers other than the recorder (comms log, timelines) need a Work.
-        return bool(_observers) and (len(_observers) != 1 or _observers[0] is not recorder)
+        return bool(observers) and (len(observers) != 1 or observers[0] is not recorder)
 
     def all_reduce(self, a: np.ndarray, op: Any) -> bool:
         plan = simple_plan(a.dtype, op)

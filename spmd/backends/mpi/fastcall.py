@@ -26,14 +26,14 @@ from typing import Any
 import numpy as np
 from mpi4py import MPI
 
-from spmd.backends.reduction import _MPI_OPS, PLANS, simple_plan
+from spmd.backends.reduction import MPI_OPS, PLANS, simple_plan
 from spmd.core import packing
 from spmd.core import wait as _wait
 from spmd.core.dtypes import MOVE_AS
-from spmd.core.flight_recorder import COUNTER, SEQ, T1, TIMED_OUT, recorder
-from spmd.core.launch import _loaded_libmpi
+from spmd.core.flight_recorder import Entry, recorder
+from spmd.core.launch import loaded_libmpi
 from spmd.core.ops import ReduceOp
-from spmd.core.work import _observers
+from spmd.core.work import observers
 
 __all__ = ["compiled", "reason", "bind", "comm_of", "function"]
 
@@ -64,7 +64,7 @@ def _addresses() -> dict[str, int]:
     (where a PMPI tool preloaded with LD_PRELOAD comes first), then in mpi4py's module and
     the libmpi it loaded."""
     libs = [ctypes.CDLL(None)]
-    for path in (MPI.__file__, _loaded_libmpi()):
+    for path in (MPI.__file__, loaded_libmpi()):
         if path:
             try:
                 libs.append(ctypes.CDLL(path))
@@ -112,7 +112,7 @@ def _moved() -> list[tuple[np.dtype, int]]:
 def _reduced() -> list[tuple[ReduceOp, list[tuple[np.dtype, int, int]]]]:
     """(op, [(dtype, MPI datatype, MPI op)]) for every pair MPI reduces itself."""
     out = []
-    for name in _MPI_OPS:
+    for name in MPI_OPS:
         op = getattr(ReduceOp, name)
         pairs = []
         for dt in PLANS[name]:
@@ -126,12 +126,12 @@ def _reduced() -> list[tuple[ReduceOp, list[tuple[np.dtype, int, int]]]]:
     return out
 
 
-def _expired(op: str, group: Any, entry: list | None, waited: float) -> None:
+def _expired(op: str, group: Any, entry: Entry | None, waited: float) -> None:
     """A compiled wait passed the group's timeout: the Python path's error."""
     if entry is None:
         raise _wait.timeout_error(op, group, waited)
-    entry[TIMED_OUT] = True
-    raise _wait.timeout_error(op, group, waited, seq=entry[SEQ], kind=entry[COUNTER].kind)
+    entry.mark_timed_out()
+    raise _wait.timeout_error(op, group, waited, seq=entry.seq, kind=entry.counter.kind)
 
 
 def _mpi_error(code: int) -> None:
@@ -165,8 +165,8 @@ def bind(group_type: type, host_type: type, world_state: Any) -> None:
         return
     tag_ub = int(MPI.COMM_WORLD.Get_attr(MPI.TAG_UB) or 32767)   # 32767: MPI's minimum
     _module.bind(functions, sizes.pop(), int(MPI.IN_PLACE), _moved(), _reduced(), np.ndarray,
-                 group_type, host_type, world_state, _observers, recorder, _expired,
-                 _mpi_error, _wait, T1, tag_ub, packing, _shm_all_reduce)
+                 group_type, host_type, world_state, observers, recorder, _expired,
+                 _mpi_error, _wait, tag_ub, packing, _shm_all_reduce)
     compiled = _module
     reason = ""
 

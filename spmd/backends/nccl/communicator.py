@@ -254,7 +254,7 @@ class Communicator:
         several operations, as a batch of sends and receives does)."""
         work = NcclWork(self, launch.end, op or launch.op, outputs, keep, blocking, peer)
         self.inflight.append(InFlight(launch.end, keep, weakref.ref(work),
-                                      getattr(work, "_fr", None)))
+                                      getattr(work, "_fr_entry", None)))
         return work
 
 

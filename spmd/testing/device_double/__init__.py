@@ -9,7 +9,7 @@ the watchdog, the flight recorder and the diagnoses run their real code on it, u
 - **Work runs later, in stream order.**  Copies, elementwise operations and NCCL calls
   issued on a stream are queued there; the device runs a stream's queue in order, and a
   task only ``lag`` seconds after it was queued (``SPMD_DEVICE_DOUBLE_LAG``, default
-  1 ms), so an operation nobody synchronised is still pending, as on a GPU.  The host
+  0.2 ms), so an operation nobody synchronised is still pending, as on a GPU.  The host
   sees results only through ``get()``/``asnumpy`` (which synchronise the current stream).
 - **Events** are done once their stream has run everything queued before the record;
   ``stream.wait_event`` orders one stream after another.

@@ -23,7 +23,7 @@ class _DeviceState:
 
     def __init__(self) -> None:
         self.lock = threading.RLock()
-        self.lag = float(os.environ.get("SPMD_DEVICE_DOUBLE_LAG", "0.001"))
+        self.lag = float(os.environ.get("SPMD_DEVICE_DOUBLE_LAG", "0.0002"))
         self.held = False
         self.busy: list[Stream] = []          # streams with queued tasks
         self.by_ptr: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
