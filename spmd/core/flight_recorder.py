@@ -30,7 +30,7 @@ from mpi4py import MPI
 from spmd.core.lines import write_lines
 from spmd.core.optable import P2P_OPS
 
-__all__ = ["FlightRecorder", "dump_flight_recorder", "recorder", "write_private"]
+__all__ = ["Entry", "FlightRecorder", "dump_flight_recorder", "recorder", "write_private"]
 
 _monotonic = time.monotonic
 
@@ -87,11 +87,10 @@ class Entry:
         self.size = size
         self.dtype = dtype
         self.t0 = t0
-        self.t1: float | None = None
-        self.failed = False
-        self.timed_out = False
         self.engine = engine
-        self.device: Any = None
+        self.t1: float | None
+        self.device: Any
+        self.t1, self.failed, self.timed_out, self.device = None, False, False, None
 
     def mark_timed_out(self) -> None:
         """A timeout was reported for this operation (the watchdog reports it no more)."""
