@@ -1,7 +1,7 @@
 """Flight recorder: the last N operations of this process, for post-mortems of hangs.
 
 Every Work is recorded when it starts and updated when it completes, as one entry of a
-preallocated ring (op, group, sequence number in the group, element count and dtype of
+fixed-size ring (op, group, sequence number in the group, element count and dtype of
 its first array, start and end times, state).  Collectives and point-to-point operations are
 numbered separately per group, as c10d does: the n-th collective of a group is the same
 call on every member, so sequence numbers line up across ranks.
@@ -103,7 +103,8 @@ class Entry:
         return "failed" if self.failed else COMPLETED
 
     def __repr__(self) -> str:
-        return f"<Entry {self.op} #{self.seq} on {getattr(self.group, '_name', None)}: {self.state()}>"
+        group = getattr(self.group, "_name", None)
+        return f"<Entry {self.op} #{self.seq} on {group}: {self.state()}>"
 
 
 def ring_size(requested: int) -> int:

@@ -40,7 +40,9 @@ def answer(request: dict) -> dict:
     out: dict = {"where": where()}
     if g is None:
         out["no_group"] = True
-        out["elsewhere"] = [flight_recorder.brief(e, _monotonic()) for e in flight_recorder.recorder.in_flight()][-3:]
+        now = _monotonic()
+        out["elsewhere"] = [flight_recorder.brief(e, now)
+                            for e in flight_recorder.recorder.in_flight()][-3:]
     else:
         out.update(flight_recorder.recorder.group_summary(g, request.get("seq")))
         out["broken"] = g._error
@@ -58,8 +60,9 @@ def answer(request: dict) -> dict:
     if request.get("dump") and state.config.dump_dir and _monotonic() - state.dumped_at > 10.0:
         state.dumped_at = _monotonic()
         try:
-            out["dump"] = flight_recorder.dump(state.config.dump_dir, f"asked by rank {request.get('from')}: "
-                                   f"{request.get('reason', '')}")
+            out["dump"] = flight_recorder.dump(
+                state.config.dump_dir,
+                f"asked by rank {request.get('from')}: {request.get('reason', '')}")
         except OSError as exc:
             out["dump"] = f"failed: {exc}"
     return out
@@ -209,7 +212,7 @@ def diagnose_timeout(op: str, g, seq: int | None, kind: str, waited: float, sour
         engine = work.engine
         e = getattr(work, "_fr_entry", None)
         if e is not None:
-            e.timed_out = True
+            e.mark_timed_out()
             seq, kind = e.seq, e.counter.kind
         else:
             kind = "p2p" if is_p2p(op) else "collective"

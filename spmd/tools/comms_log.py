@@ -29,8 +29,8 @@ from spmd.core.optable import bus_factor, work_bytes
 from spmd.core.work import Work
 from spmd.runtime.group import GroupArg, resolve, world_state
 
-__all__ = ["CommsLogger", "Key", "Timing", "logger", "enable", "disable", "is_enabled", "reset", "stats",
-           "summary", "format_size"]
+__all__ = ["CommsLogger", "Key", "Timing", "logger", "enable", "disable", "is_enabled",
+           "reset", "stats", "summary", "format_size"]
 
 _clock = time.perf_counter
 

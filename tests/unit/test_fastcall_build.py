@@ -23,3 +23,21 @@ def test_the_extension_is_built_where_a_compiler_is():
 
     if os.environ.get("SPMD_FASTCALL", "1") != "0":
         assert fastcall.compiled is not None, fastcall.reason
+
+
+def test_an_extension_of_another_version_turns_the_path_off(monkeypatch):
+    """An extension built from other sources (bind's arguments differ) leaves the Python
+    path in charge with the reason said, instead of failing spmd's import."""
+    class Stale:
+        def bind(self, *args):
+            raise TypeError(f"bind() takes 18 arguments ({len(args)} given)")
+
+    if fastcall._module is None:
+        pytest.skip("the extension is not built")
+    monkeypatch.setenv("SPMD_FASTCALL", "1")
+    monkeypatch.setattr(fastcall, "_module", Stale())
+    monkeypatch.setattr(fastcall, "compiled", None)
+    monkeypatch.setattr(fastcall, "reason", "")
+    fastcall.bind(object, object, object)
+    assert fastcall.compiled is None
+    assert "does not match spmd" in fastcall.reason and "18 arguments" in fastcall.reason

@@ -88,7 +88,7 @@ def test_annotations_resolve_at_run_time():
         for fn, label in members:
             # Functions spmd wrote: a NamedTuple's __new__ is the standard library's,
             # made where builtins are not visible, so its hints never resolve.
-            if not inspect.isfunction(fn) or not fn.__module__.startswith("spmd"):
+            if not inspect.isfunction(fn) or not (fn.__module__ or "").startswith("spmd."):
                 continue
             checked += 1
             try:

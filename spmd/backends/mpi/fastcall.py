@@ -164,9 +164,13 @@ def bind(group_type: type, host_type: type, world_state: Any) -> None:
         reason = str(err)
         return
     tag_ub = int(MPI.COMM_WORLD.Get_attr(MPI.TAG_UB) or 32767)   # 32767: MPI's minimum
-    _module.bind(functions, sizes.pop(), int(MPI.IN_PLACE), _moved(), _reduced(), np.ndarray,
-                 group_type, host_type, world_state, observers, recorder, _expired,
-                 _mpi_error, _wait, tag_ub, packing, _shm_all_reduce)
+    try:
+        _module.bind(functions, sizes.pop(), int(MPI.IN_PLACE), _moved(), _reduced(),
+                     np.ndarray, group_type, host_type, world_state, observers, recorder,
+                     _expired, _mpi_error, _wait, tag_ub, packing, _shm_all_reduce)
+    except TypeError as err:  # an extension built from another version of this module
+        reason = f"the built extension does not match spmd ({err}); reinstall spmd"
+        return
     compiled = _module
     reason = ""
 
