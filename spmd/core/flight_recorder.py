@@ -80,14 +80,10 @@ class Entry:
 
     def __init__(self, op: str, group: Any, seq: int, counter: Any, size: int | None,
                  dtype: Any, t0: float, engine: str):
-        self.op = op
-        self.group = group
-        self.seq = seq
-        self.counter = counter
-        self.size = size
-        self.dtype = dtype
-        self.t0 = t0
-        self.engine = engine
+        # Pairs and triples: as fast as one store a line (no tuple is built).
+        self.op, self.group, self.seq = op, group, seq
+        self.counter, self.size, self.dtype = counter, size, dtype
+        self.t0, self.engine = t0, engine
         self.t1: float | None
         self.device: Any
         self.t1, self.failed, self.timed_out, self.device = None, False, False, None
