@@ -98,7 +98,7 @@ class _Recorder:
         if name.startswith("_"):
             raise AttributeError(name)
         raise located(ValueError, name, "cannot run inside coalescing_manager(): only "
-                      f"{', '.join(_FUSABLE)} are fused there", self._cm.group)
+                      f"{', '.join(_FUSABLE)} are fused there", self._cm.group.context)
 
 
 class CoalescingManager:
@@ -135,12 +135,12 @@ class CoalescingManager:
         elif kind != self._kind:
             raise located(ValueError, kind, f"cannot join a coalescing_manager() batch of "
                           f"{self._kind}: all ops of a block must be the same collective",
-                          self.group)
+                          self.group.context)
         elif op is not None and (self._op is None or op.name != self._op.name
                                  or op.factor is not self._op.factor):
             raise located(ValueError, kind, f"{op!r} cannot join a batch reduced with "
                           f"{self._op!r}: all ops of a block must use the same ReduceOp",
-                          self.group)
+                          self.group.context)
         self._ops.append((out, inp))
         return _Pending(self)
 
@@ -151,18 +151,18 @@ class CoalescingManager:
         if self._kind == "all_reduce":
             self.append(backend.all_reduce_coalesced([o for o, _ in self._ops], self._op))
         elif self._kind == "all_gather_into_tensor":
-            self.append(_all_gather(backend, self._ops, self.group._size))
+            self.append(_all_gather(backend, self._ops, self.group.context.size))
         else:
             by_dtype: dict = {}
             for out, inp in self._ops:
                 by_dtype.setdefault(inp.dtype, []).append((out, inp))
             for pairs in by_dtype.values():
-                self.append(_reduce_scatter(backend, pairs, self._op, self.group._size))
+                self.append(_reduce_scatter(backend, pairs, self._op, self.group.context.size))
 
     def __repr__(self) -> str:
         state = "issued" if self._issued else "recording"
         return (f"<CoalescingManager {self._kind or 'empty'} x{len(self._ops)} {state} "
-                f"group={self.group._name}>")
+                f"group={self.group.context.name}>")
 
 
 def _all_gather(backend, ops, n: int):
@@ -247,7 +247,7 @@ def coalescing_manager(group: GroupArg = None, device: object = None,
     key = _device_key(device)
     backend = pg._backend_for(key)
     if isinstance(backend, _Recorder):
-        raise RuntimeError(f"coalescing_manager: a block is already open on group {pg._name} "
+        raise RuntimeError(f"coalescing_manager: a block is already open on group {pg.context.name} "
                            "(they do not nest)")
     cm = CoalescingManager(pg)
     pg._backends[key] = _Recorder(cm, backend)

@@ -27,12 +27,13 @@ from spmd.core.arrays import (
     same_dtype,
     same_size,
 )
+from spmd.core.context import GroupContext
 from spmd.core.errors import located
 from spmd.core.futures import Future
 from spmd.core.ops import ReduceOp
 from spmd.core.typing import Array, Timeout
 from spmd.core.work import Work
-from spmd.runtime.group import GroupArg, resolve
+from spmd.runtime.group import GroupArg, ProcessGroup, resolve
 
 __all__ = [
     "broadcast",
@@ -83,77 +84,89 @@ def _done(work: Work, async_op: bool) -> Work | None:
     return None
 
 
-def group_rank_of(pg, op: str, rank, group_rank, arg: str) -> int | None:
+def group_rank_of(pg: ProcessGroup, op: str, rank, group_rank, arg: str) -> int | None:
     """The group rank named by a global rank (``src``/``dst``/``peer``) or by a group rank
     (``group_src``/...): at most one may be given; None if neither is."""
     if group_rank is not None:
         if rank is not None:
             raise located(ValueError, op, f"give either {arg} or group_{arg}, not both "
-                          f"(got {arg}={rank}, group_{arg}={group_rank})", pg)
+                          f"(got {arg}={rank}, group_{arg}={group_rank})", pg.context)
         if isinstance(group_rank, bool) or not isinstance(group_rank, int):
             raise located(TypeError, op, f"group_{arg} must be an int, got "
-                          f"{type(group_rank).__name__}", pg)
-        if not 0 <= group_rank < pg._size:
+                          f"{type(group_rank).__name__}", pg.context)
+        if not 0 <= group_rank < pg.context.size:
             raise located(ValueError, op, f"group_{arg}={group_rank} is out of range "
-                          f"[0, {pg._size})", pg)
+                          f"[0, {pg.context.size})", pg.context)
         return group_rank
     if rank is None:
         return None
     if isinstance(rank, bool) or not isinstance(rank, int):
         raise located(TypeError, op, f"{arg} must be an int (a global rank), got "
-                      f"{type(rank).__name__}", pg)
-    r = pg._group_rank(rank)
+                      f"{type(rank).__name__}", pg.context)
+    r = pg.context.group_rank(rank)
     if r < 0:
         raise located(ValueError, op, f"{arg}={rank} is not a member of the group "
-                      f"(global ranks {list(pg._ranks)})", pg)
+                      f"(global ranks {list(pg.context.ranks)})", pg.context)
     return r
 
 
-def root_rank(pg, op: str, root, group_root, arg: str, default: int | None = None) -> int:
+def root_rank(pg: ProcessGroup, op: str, root, group_root, arg: str, default: int | None = None) -> int:
     """The group rank of a collective's root; with neither form given, the global rank
     ``default`` where torch has one (gather, scatter and the object collectives use
     global rank 0)."""
     if group_root is None and type(root) is int:  # the common case: one lookup
-        r = pg._group_rank(root)
+        r = pg.context.group_rank(root)
         if r >= 0:
             return r
     if root is None and group_root is None:
         root = default
-    r = group_rank_of(pg, op, root, group_root, arg)
-    if r is None:
+    given = group_rank_of(pg, op, root, group_root, arg)
+    if given is None:
         raise located(ValueError, op, f"{arg} (a global rank) or group_{arg} (a group rank) "
-                      "must be given", pg)
-    return r
+                      "must be given", pg.context)
+    return given
 
 
-def _root_list(arrays, ref, is_root: bool, op: str, arg: str, role: str, out: bool, pg):
+def _root_list(arrays, ref, is_root: bool, op: str, arg: str, role: str, out: bool, pg: ProcessGroup):
     """The per-rank list of gather/scatter: required on the root, None or empty elsewhere."""
     if not is_root:
         if arrays:
             raise located(ValueError, op, f"{arg} must be None or empty on ranks other than the "
-                          f"{role}", pg)
+                          f"{role}", pg.context)
         return None
     if arrays is None:
-        raise located(ValueError, op, f"{arg} is required on the {role} rank", pg)
-    checked = array_list(arrays, op, arg, pg, pg._size, out=out)
-    same_dtype(checked, ref, op, arg, "tensor", pg)
-    same_size(checked, ref, op, arg, "tensor", pg)
+        raise located(ValueError, op, f"{arg} is required on the {role} rank", pg.context)
+    checked = array_list(arrays, op, arg, pg.context, pg.context.size, out=out)
+    same_dtype(checked, ref, op, arg, "tensor", pg.context)
+    same_size(checked, ref, op, arg, "tensor", pg.context)
     return checked
 
 
-def _split_counts(splits, n: int, rows: int, row_size: int, op: str, arg: str, pg) -> list[int]:
+def _split_counts(splits, n: int, rows: int, row_size: int, op: str, arg: str, pg: ProcessGroup) -> list[int]:
     if not isinstance(splits, (list, tuple)):
-        raise located(TypeError, op, f"{arg} must be a list of ints, got {type(splits).__name__}", pg)
+        raise located(TypeError, op, f"{arg} must be a list of ints, got {type(splits).__name__}", pg.context)
     if len(splits) != n:
         raise located(ValueError, op, f"{arg} has {len(splits)} entries, expected {n} "
-                      "(the group size)", pg)
+                      "(the group size)", pg.context)
     for s in splits:
         if isinstance(s, bool) or not isinstance(s, int) or s < 0:
-            raise located(ValueError, op, f"{arg} must hold non-negative ints, got {list(splits)}", pg)
+            raise located(ValueError, op, f"{arg} must hold non-negative ints, got {list(splits)}", pg.context)
     if sum(splits) != rows:
         raise located(ValueError, op, f"{arg} adds up to {sum(splits)}, expected {rows} "
-                      "(the array's first dimension)", pg)
+                      "(the array's first dimension)", pg.context)
     return [s * row_size for s in splits]
+
+
+def _one_per_rank(xs, ref, op: str, arg: str, ref_arg: str, out: bool,
+                  ctx: GroupContext) -> list:
+    """``xs`` as one array per rank of the group, of ``ref``'s dtype, this rank's own of
+    ``ref``'s size (all_gather's outputs, reduce_scatter's inputs)."""
+    arrays = array_list(xs, op, arg, ctx, ctx.size, out=out)
+    same_dtype(arrays, ref, op, arg, ref_arg, ctx)
+    if arrays[ctx.rank].size != ref.size:
+        raise located(ValueError, op, f"{arg}[{ctx.rank}] has {arrays[ctx.rank].size} elements, "
+                      f"expected {ref.size} (the size of {ref_arg} on this rank)", ctx)
+    return arrays
 
 
 def broadcast(tensor: Array, src: int | None = None, group: GroupArg = None,
@@ -169,7 +182,7 @@ def broadcast(tensor: Array, src: int | None = None, group: GroupArg = None,
         host = pg._backends.get("cpu")
         if type(host) is HostBackend and host.blocking.broadcast(tensor, root):
             return None
-    a = array_out(tensor, "broadcast", "tensor", pg)
+    a = array_out(tensor, "broadcast", "tensor", pg.context)
     work = pg._backend_for("cpu" if type(a) is _ndarray else array_device(a)).broadcast(a, root)
     if async_op:
         return work
@@ -189,7 +202,7 @@ def all_reduce(tensor: Array, op: ReduceOp = _SUM, group: GroupArg = None,
         host = pg._backends.get("cpu")
         if type(host) is HostBackend and host.blocking.all_reduce(tensor, op):
             return None
-    a = array_out(tensor, "all_reduce", "tensor", pg)
+    a = array_out(tensor, "all_reduce", "tensor", pg.context)
     work = pg._backend_for("cpu" if type(a) is _ndarray else array_device(a)).all_reduce(a, op)
     if async_op:
         return work
@@ -209,10 +222,10 @@ def all_reduce_coalesced(tensors: Sequence[Array], op: ReduceOp = _SUM, group: G
     pg = resolve(group, "all_reduce_coalesced")
     if pg is None:
         return None
-    dev = common_device("all_reduce_coalesced", pg, ("tensors", tensors))
-    arrays = array_list(tensors, "all_reduce_coalesced", "tensors", pg, None, out=True)
+    dev = common_device("all_reduce_coalesced", pg.context, ("tensors", tensors))
+    arrays = array_list(tensors, "all_reduce_coalesced", "tensors", pg.context, None, out=True)
     if not arrays:
-        raise located(ValueError, "all_reduce_coalesced", "tensors is empty", pg)
+        raise located(ValueError, "all_reduce_coalesced", "tensors is empty", pg.context)
     work = pg._backend_for(dev).all_reduce_coalesced(arrays, op)
     # torch returns the Future here, not the Work: its value is the list of arrays.
     if async_op:
@@ -232,9 +245,9 @@ def reduce(tensor: Array, dst: int | None = None, op: ReduceOp = _SUM, group: Gr
     root = root_rank(pg, "reduce", dst, group_dst, "dst")
     if not async_op and type(tensor) is _ndarray:
         host = pg._backends.get("cpu")
-        if type(host) is HostBackend and host.blocking.reduce(tensor, root, op, pg._rank == root):
+        if type(host) is HostBackend and host.blocking.reduce(tensor, root, op, pg.context.rank == root):
             return None
-    a = (array_out if pg._rank == root else array_in)(tensor, "reduce", "tensor", pg)
+    a = (array_out if pg.context.rank == root else array_in)(tensor, "reduce", "tensor", pg.context)
     work = pg._backend_for("cpu" if type(a) is _ndarray else array_device(a)).reduce(a, root, op)
     if async_op:
         return work
@@ -251,14 +264,9 @@ def all_gather(tensor_list: Sequence[Array], tensor: Array, group: GroupArg = No
     pg = resolve(group, "all_gather")
     if pg is None:
         return None
-    dev = common_device("all_gather", pg, ("tensor", tensor), ("tensor_list", tensor_list))
-    a = array_in(tensor, "all_gather", "tensor", pg)
-    outs = array_list(tensor_list, "all_gather", "tensor_list", pg, pg._size, out=True)
-    same_dtype(outs, a, "all_gather", "tensor_list", "tensor", pg)
-    if outs[pg._rank].size != a.size:
-        raise located(ValueError, "all_gather", f"tensor_list[{pg._rank}] has "
-                      f"{outs[pg._rank].size} elements, expected {a.size} (the size of tensor "
-                      "on this rank)", pg)
+    dev = common_device("all_gather", pg.context, ("tensor", tensor), ("tensor_list", tensor_list))
+    a = array_in(tensor, "all_gather", "tensor", pg.context)
+    outs = _one_per_rank(tensor_list, a, "all_gather", "tensor_list", "tensor", True, pg.context)
     return _done(pg._backend_for(dev).all_gather(outs, a), async_op)
 
 
@@ -281,17 +289,17 @@ def all_gather_into_tensor(output_tensor: Array, input_tensor: Array, group: Gro
                                                                               input_tensor):
             return None
     dev = "cpu" if type(output_tensor) is _ndarray and type(input_tensor) is _ndarray else \
-        common_device("all_gather_into_tensor", pg, ("output_tensor", output_tensor),
+        common_device("all_gather_into_tensor", pg.context, ("output_tensor", output_tensor),
                       ("input_tensor", input_tensor))
-    a = array_in(input_tensor, "all_gather_into_tensor", "input_tensor", pg)
-    out = array_out(output_tensor, "all_gather_into_tensor", "output_tensor", pg)
+    a = array_in(input_tensor, "all_gather_into_tensor", "input_tensor", pg.context)
+    out = array_out(output_tensor, "all_gather_into_tensor", "output_tensor", pg.context)
     if out.dtype != a.dtype:
         raise located(TypeError, "all_gather_into_tensor", f"output_tensor has dtype {out.dtype}, "
-                      f"expected {a.dtype} (the dtype of input_tensor)", pg)
-    if out.size != pg._size * a.size:
+                      f"expected {a.dtype} (the dtype of input_tensor)", pg.context)
+    if out.size != pg.context.size * a.size:
         raise located(ValueError, "all_gather_into_tensor", f"output_tensor has {out.size} "
-                      f"elements, expected world_size ({pg._size}) x input ({a.size}) = "
-                      f"{pg._size * a.size}", pg)
+                      f"elements, expected world_size ({pg.context.size}) x input ({a.size}) = "
+                      f"{pg.context.size * a.size}", pg.context)
     return _done(pg._backend_for(dev).all_gather_into_tensor(out, a), async_op)
 
 
@@ -309,22 +317,22 @@ def all_gather_coalesced(output_tensor_lists: Sequence[Sequence[Array]],
     if pg is None:
         return None
     nested = output_tensor_lists if isinstance(output_tensor_lists, (list, tuple)) else ()
-    dev = common_device(op, pg, ("input_tensor_list", input_tensor_list),
+    dev = common_device(op, pg.context, ("input_tensor_list", input_tensor_list),
                         *((f"output_tensor_lists[{i}]", x) for i, x in enumerate(nested)))
-    ins = array_list(input_tensor_list, op, "input_tensor_list", pg, None, out=False)
-    if not isinstance(output_tensor_lists, (list, tuple)) or len(output_tensor_lists) != pg._size:
+    ins = array_list(input_tensor_list, op, "input_tensor_list", pg.context, None, out=False)
+    if not isinstance(output_tensor_lists, (list, tuple)) or len(output_tensor_lists) != pg.context.size:
         got = len(output_tensor_lists) if isinstance(output_tensor_lists, (list, tuple)) else \
             type(output_tensor_lists).__name__
-        raise located(ValueError, op, f"output_tensor_lists must be a list of {pg._size} lists "
-                      f"(the group size), got {got}", pg)
+        raise located(ValueError, op, f"output_tensor_lists must be a list of {pg.context.size} lists "
+                      f"(the group size), got {got}", pg.context)
     outs = []
     for i, lst in enumerate(output_tensor_lists):
-        arrays = array_list(lst, op, f"output_tensor_lists[{i}]", pg, len(ins), out=True)
+        arrays = array_list(lst, op, f"output_tensor_lists[{i}]", pg.context, len(ins), out=True)
         for j, (o, x) in enumerate(zip(arrays, ins)):
             if o.dtype != x.dtype or o.size != x.size:
                 raise located(ValueError, op, f"output_tensor_lists[{i}][{j}] is {o.dtype} with "
                               f"{o.size} elements, expected {x.dtype} with {x.size} (like "
-                              f"input_tensor_list[{j}])", pg)
+                              f"input_tensor_list[{j}])", pg.context)
         outs.append(arrays)
     work = pg._backend_for(dev).all_gather_coalesced(outs, ins)
     # torch returns the Future here: its value is output_tensor_lists.
@@ -346,9 +354,9 @@ def gather(tensor: Array, gather_list: Sequence[Array] | None = None, dst: int |
     if pg is None:
         return None
     root = root_rank(pg, "gather", dst, group_dst, "dst", default=0)
-    dev = common_device("gather", pg, ("tensor", tensor), ("gather_list", gather_list))
-    a = array_in(tensor, "gather", "tensor", pg)
-    outs = _root_list(gather_list, a, pg._rank == root, "gather", "gather_list", "destination",
+    dev = common_device("gather", pg.context, ("tensor", tensor), ("gather_list", gather_list))
+    a = array_in(tensor, "gather", "tensor", pg.context)
+    outs = _root_list(gather_list, a, pg.context.rank == root, "gather", "gather_list", "destination",
                       True, pg)
     return _done(pg._backend_for(dev).gather(a, outs, root), async_op)
 
@@ -365,9 +373,9 @@ def scatter(tensor: Array, scatter_list: Sequence[Array] | None = None, src: int
     if pg is None:
         return None
     root = root_rank(pg, "scatter", src, group_src, "src", default=0)
-    dev = common_device("scatter", pg, ("tensor", tensor), ("scatter_list", scatter_list))
-    out = array_out(tensor, "scatter", "tensor", pg)
-    ins = _root_list(scatter_list, out, pg._rank == root, "scatter", "scatter_list", "source",
+    dev = common_device("scatter", pg.context, ("tensor", tensor), ("scatter_list", scatter_list))
+    out = array_out(tensor, "scatter", "tensor", pg.context)
+    ins = _root_list(scatter_list, out, pg.context.rank == root, "scatter", "scatter_list", "source",
                      False, pg)
     return _done(pg._backend_for(dev).scatter(out, ins, root), async_op)
 
@@ -382,13 +390,9 @@ def reduce_scatter(output: Array, input_list: Sequence[Array], op: ReduceOp = _S
     pg = resolve(group, "reduce_scatter")
     if pg is None:
         return None
-    dev = common_device("reduce_scatter", pg, ("output", output), ("input_list", input_list))
-    out = array_out(output, "reduce_scatter", "output", pg)
-    ins = array_list(input_list, "reduce_scatter", "input_list", pg, pg._size, out=False)
-    same_dtype(ins, out, "reduce_scatter", "input_list", "output", pg)
-    if ins[pg._rank].size != out.size:
-        raise located(ValueError, "reduce_scatter", f"input_list[{pg._rank}] has "
-                      f"{ins[pg._rank].size} elements, expected {out.size} (the size of output)", pg)
+    dev = common_device("reduce_scatter", pg.context, ("output", output), ("input_list", input_list))
+    out = array_out(output, "reduce_scatter", "output", pg.context)
+    ins = _one_per_rank(input_list, out, "reduce_scatter", "input_list", "output", False, pg.context)
     return _done(pg._backend_for(dev).reduce_scatter(out, ins, op), async_op)
 
 
@@ -407,16 +411,16 @@ def reduce_scatter_tensor(output: Array, input: Array, op: ReduceOp = _SUM,  # n
         if type(host) is HostBackend and host.blocking.reduce_scatter_tensor(output, input, op):
             return None
     dev = "cpu" if type(output) is _ndarray and type(input) is _ndarray else \
-        common_device("reduce_scatter_tensor", pg, ("output", output), ("input", input))
-    out = array_out(output, "reduce_scatter_tensor", "output", pg)
-    a = array_in(input, "reduce_scatter_tensor", "input", pg)
+        common_device("reduce_scatter_tensor", pg.context, ("output", output), ("input", input))
+    out = array_out(output, "reduce_scatter_tensor", "output", pg.context)
+    a = array_in(input, "reduce_scatter_tensor", "input", pg.context)
     if out.dtype != a.dtype:
         raise located(TypeError, "reduce_scatter_tensor", f"output has dtype {out.dtype}, "
-                      f"expected {a.dtype} (the dtype of input)", pg)
-    if a.size != pg._size * out.size:
+                      f"expected {a.dtype} (the dtype of input)", pg.context)
+    if a.size != pg.context.size * out.size:
         raise located(ValueError, "reduce_scatter_tensor", f"input has {a.size} elements, "
-                      f"expected world_size ({pg._size}) x output ({out.size}) = "
-                      f"{pg._size * out.size}", pg)
+                      f"expected world_size ({pg.context.size}) x output ({out.size}) = "
+                      f"{pg.context.size * out.size}", pg.context)
     return _done(pg._backend_for(dev).reduce_scatter_tensor(out, a, op), async_op)
 
 
@@ -427,16 +431,16 @@ def all_to_all(output_tensor_list: Sequence[Array], input_tensor_list: Sequence[
     pg = resolve(group, "all_to_all")
     if pg is None:
         return None
-    dev = common_device("all_to_all", pg, ("output_tensor_list", output_tensor_list),
+    dev = common_device("all_to_all", pg.context, ("output_tensor_list", output_tensor_list),
                         ("input_tensor_list", input_tensor_list))
-    ins = array_list(input_tensor_list, "all_to_all", "input_tensor_list", pg, pg._size, out=False)
-    outs = array_list(output_tensor_list, "all_to_all", "output_tensor_list", pg, pg._size, out=True)
-    same_dtype(ins, outs[0], "all_to_all", "input_tensor_list", "output_tensor_list[0]", pg)
-    same_dtype(outs, outs[0], "all_to_all", "output_tensor_list", "output_tensor_list[0]", pg)
-    if ins[pg._rank].size != outs[pg._rank].size:
-        raise located(ValueError, "all_to_all", f"input_tensor_list[{pg._rank}] has "
-                      f"{ins[pg._rank].size} elements but output_tensor_list[{pg._rank}] has "
-                      f"{outs[pg._rank].size}; this rank sends the one to itself into the other", pg)
+    ins = array_list(input_tensor_list, "all_to_all", "input_tensor_list", pg.context, pg.context.size, out=False)
+    outs = array_list(output_tensor_list, "all_to_all", "output_tensor_list", pg.context, pg.context.size, out=True)
+    same_dtype(ins, outs[0], "all_to_all", "input_tensor_list", "output_tensor_list[0]", pg.context)
+    same_dtype(outs, outs[0], "all_to_all", "output_tensor_list", "output_tensor_list[0]", pg.context)
+    if ins[pg.context.rank].size != outs[pg.context.rank].size:
+        raise located(ValueError, "all_to_all", f"input_tensor_list[{pg.context.rank}] has "
+                      f"{ins[pg.context.rank].size} elements but output_tensor_list[{pg.context.rank}] has "
+                      f"{outs[pg.context.rank].size}; this rank sends the one to itself into the other", pg.context)
     return _done(pg._backend_for(dev).all_to_all(outs, ins), async_op)
 
 
@@ -464,46 +468,46 @@ def all_to_all_single(output: Array, input: Array,  # noqa: A002
         if type(host) is HostBackend and host.blocking.all_to_all_single(output, input):
             return None
     dev = "cpu" if type(output) is _ndarray and type(input) is _ndarray else \
-        common_device(op, pg, ("output", output), ("input", input))
-    a = array_in(input, op, "input", pg)
-    out = array_out(output, op, "output", pg)
-    n = pg._size
+        common_device(op, pg.context, ("output", output), ("input", input))
+    a = array_in(input, op, "input", pg.context)
+    out = array_out(output, op, "output", pg.context)
+    n = pg.context.size
     if out.dtype != a.dtype:
         raise located(TypeError, op, f"output has dtype {out.dtype}, expected {a.dtype} "
-                      "(the dtype of input)", pg)
+                      "(the dtype of input)", pg.context)
     if a.ndim == 0 or out.ndim == 0:
-        raise located(ValueError, op, "input and output need at least one dimension to split", pg)
+        raise located(ValueError, op, "input and output need at least one dimension to split", pg.context)
     in_row, out_row = _row_size(a), _row_size(out)
     if in_row != out_row:
         raise located(ValueError, op, f"rows of input have {in_row} elements but rows of output "
-                      f"have {out_row}; they must match", pg)
+                      f"have {out_row}; they must match", pg.context)
     if output_split_sizes is None and input_split_sizes is None:
         if a.shape[0] % n:
             raise located(ValueError, op, f"input's first dimension ({a.shape[0]}) is not "
-                          f"divisible by the group size ({n}); pass split sizes", pg)
+                          f"divisible by the group size ({n}); pass split sizes", pg.context)
         if out.size != a.size:
             raise located(ValueError, op, f"output has {out.size} elements, expected {a.size} "
-                          "(like input, without split sizes)", pg)
+                          "(like input, without split sizes)", pg.context)
         in_counts = out_counts = None
     else:
         if input_split_sizes is None:
             if a.shape[0] % n:
                 raise located(ValueError, op, f"input's first dimension ({a.shape[0]}) is not "
-                              f"divisible by the group size ({n}); pass input_split_sizes", pg)
+                              f"divisible by the group size ({n}); pass input_split_sizes", pg.context)
             input_split_sizes = [a.shape[0] // n] * n
         if output_split_sizes is None:
             if out.shape[0] % n:
                 raise located(ValueError, op, f"output's first dimension ({out.shape[0]}) is not "
-                              f"divisible by the group size ({n}); pass output_split_sizes", pg)
+                              f"divisible by the group size ({n}); pass output_split_sizes", pg.context)
             output_split_sizes = [out.shape[0] // n] * n
         in_counts = _split_counts(input_split_sizes, n, a.shape[0], in_row, op,
                                   "input_split_sizes", pg)
         out_counts = _split_counts(output_split_sizes, n, out.shape[0], out_row, op,
                                    "output_split_sizes", pg)
-        if in_counts[pg._rank] != out_counts[pg._rank]:
-            raise located(ValueError, op, f"input_split_sizes[{pg._rank}] "
-                          f"({input_split_sizes[pg._rank]}) != output_split_sizes[{pg._rank}] "
-                          f"({output_split_sizes[pg._rank]}): this rank sends that piece to itself", pg)
+        if in_counts[pg.context.rank] != out_counts[pg.context.rank]:
+            raise located(ValueError, op, f"input_split_sizes[{pg.context.rank}] "
+                          f"({input_split_sizes[pg.context.rank]}) != output_split_sizes[{pg.context.rank}] "
+                          f"({output_split_sizes[pg.context.rank]}): this rank sends that piece to itself", pg.context)
     return _done(pg._backend_for(dev).all_to_all_single(out, a, out_counts, in_counts), async_op)
 
 
@@ -514,14 +518,14 @@ def _row_size(a) -> int:
     return size
 
 
-def _barrier_device(pg, device_ids) -> str:
+def _barrier_device(pg: ProcessGroup, device_ids) -> str:
     """MPI's barrier when the group has a host backend (or device_ids is empty), else the
     GPU backend's (a group made with backend="nccl" has only that)."""
     if not device_ids and "cpu" in pg._backends:
         return "cpu"
     from spmd.runtime.world import Backend
 
-    devices = Backend.device_map(pg._backend_name)
+    devices = Backend.device_map(pg.context.backend_name)
     if "cpu" in devices and not device_ids:
         return "cpu"
     return "cuda" if "cuda" in devices else "cpu"

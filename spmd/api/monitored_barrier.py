@@ -37,17 +37,18 @@ def monitored_barrier(group: GroupArg = None, timeout: Timeout | None = None,
     """
     op = "monitored_barrier"
     pg = resolve(group, op)
-    if pg is None or pg._size == 1:
+    if pg is None or pg.context.size == 1:
         return
-    seconds = pg._timeout if timeout is None else seconds_of(timeout)
+    ctx = pg.context
+    seconds = ctx.timeout if timeout is None else seconds_of(timeout)
     ch = reliability.state.channel
     if ch is None:
-        raise RuntimeError(f"{op}: the control channel is not running [rank {pg._rank}, "
-                           f"group {pg._name}]")
+        raise RuntimeError(f"{op}: the control channel is not running [rank {ctx.rank}, "
+                           f"group {ctx.name}]")
     count = _barrier_counts.get(pg, 0) + 1
     _barrier_counts[pg] = count
-    arrive = TAG_BARRIER + 2 * (zlib.crc32(f"{pg._name}{pg._ranks}".encode()) % 4096)
-    root, me = pg._ranks[0], pg._ranks[pg._rank]
+    arrive = TAG_BARRIER + 2 * (zlib.crc32(f"{ctx.name}{ctx.ranks}".encode()) % 4096)
+    root, me = ctx.ranks[0], ctx.ranks[ctx.rank]
     if me != root:
         ch.send({"count": count}, root, arrive)
         deadline = time.monotonic() + seconds + reliability.config().query_timeout + 5.0
@@ -58,13 +59,13 @@ def monitored_barrier(group: GroupArg = None, timeout: Timeout | None = None,
             elif msg["count"] == count:
                 if msg.get("error"):
                     raise DistTimeoutError(msg["error"].replace(
-                        f"[rank 0, group {pg._name}]", f"[rank {pg._rank}, group {pg._name}]"))
+                        f"[rank 0, group {ctx.name}]", f"[rank {ctx.rank}, group {ctx.name}]"))
                 return
-        text = diagnosis.diagnose(op, pg, None, "barrier", seconds, "monitored_barrier")
-        raise DistTimeoutError(f"{op}: {diagnosis.who(pg, root)}, which runs the barrier, did "
-                               f"not release this rank [rank {pg._rank}, group {pg._name}]\n"
+        text = diagnosis.diagnose(op, ctx, None, "barrier", seconds, "monitored_barrier")
+        raise DistTimeoutError(f"{op}: {diagnosis.who(ctx, root)}, which runs the barrier, did "
+                               f"not release this rank [rank {ctx.rank}, group {ctx.name}]\n"
                                + "\n".join(text.splitlines()[1:]))
-    pending = list(pg._ranks[1:])
+    pending = list(ctx.ranks[1:])
     deadline = time.monotonic() + seconds
     while pending and time.monotonic() < deadline:
         for r in list(pending):
@@ -78,17 +79,17 @@ def monitored_barrier(group: GroupArg = None, timeout: Timeout | None = None,
     error = None
     if pending:
         named = pending if wait_all_ranks else pending[:1]
-        request = {"q": "state", "group": diagnosis.group_key(pg), "seq": None, "from": me,
+        request = {"q": "state", "group": diagnosis.group_key(ctx), "seq": None, "from": me,
                    "dump": False}
         replies = ch.query(named, request, reliability.config().query_timeout)
-        who = ", ".join(diagnosis.who(pg, r) for r in named)
+        who = ", ".join(diagnosis.who(ctx, r) for r in named)
         more = "" if wait_all_ranks or len(pending) == 1 else \
             f" (and {len(pending) - 1} more; wait_all_ranks=True names them all)"
         error = (f"{op}: {who} did not arrive within {seconds:g} s{more} "
-                 f"[rank 0, group {pg._name}]\n" +
-                 "\n".join("  " + diagnosis.peer_text(pg, r, replies.get(r), None, op)
+                 f"[rank 0, group {ctx.name}]\n" +
+                 "\n".join("  " + diagnosis.peer_text(ctx, r, replies.get(r), None, op)
                            for r in named))
-    for r in pg._ranks[1:]:
+    for r in ctx.ranks[1:]:
         ch.send({"count": count, "error": error}, r, arrive + 1)
     if error is not None:
         raise DistTimeoutError(error)

@@ -29,7 +29,7 @@ from spmd.api.p2p import OBJECT_TAG, peer_rank
 from spmd.backends import checked as _checked
 from spmd.core.errors import DistTimeoutError, located
 from spmd.core.work import Work
-from spmd.runtime.group import GroupArg, resolve
+from spmd.runtime.group import GroupArg, ProcessGroup, resolve
 
 __all__ = [
     "all_gather_object",
@@ -72,29 +72,29 @@ def _pieces(buf: np.ndarray) -> list[np.ndarray]:
     return [buf[i:i + per] for i in range(0, buf.size, per)] or [buf]
 
 
-def _wait(pg, op: str, reqs, keep=None, status=None) -> Work:
-    work = Work(reqs if isinstance(reqs, list) else [reqs], op, pg, None, keep=keep, status=status)
+def _wait(pg: ProcessGroup, op: str, reqs, keep=None, status=None) -> Work:
+    work = Work(reqs if isinstance(reqs, list) else [reqs], op, pg.context, None, keep=keep, status=status)
     work.wait()
     return work
 
 
-def _gather_bytes(pg, op: str, data: np.ndarray, sizes: list[int], root: int | None):
+def _gather_bytes(pg: ProcessGroup, op: str, data: np.ndarray, sizes: list[int], root: int | None):
     """Every rank's ``data`` concatenated in rank order: on every rank (root None,
     all-gather) or on ``root`` (gather; None elsewhere).  ``sizes`` are all ranks' sizes."""
     nrounds, per = _rounds(sizes)
-    gets = root is None or pg._rank == root
+    gets = root is None or pg.context.rank == root
     _, offsets = _displs(sizes)
     out = np.empty(sum(sizes), _U8) if gets else None
     for k in range(nrounds):
         counts = [min(per, max(0, s - k * per)) for s in sizes]
         counts, displs = _displs(counts)
-        piece = data[k * per:k * per + counts[pg._rank]]
+        piece = data[k * per:k * per + counts[pg.context.rank]]
         tmp = out if nrounds == 1 else (np.empty(sum(counts), _U8) if gets else None)
         rspec = [tmp, (counts, displs)] if gets else None
         if root is None:
-            req = pg._comm.Iallgatherv(piece, rspec)
+            req = pg.context.comm.Iallgatherv(piece, rspec)
         else:
-            req = pg._comm.Igatherv(piece, rspec, root)
+            req = pg.context.comm.Igatherv(piece, rspec, root)
         _wait(pg, op, req, (piece, tmp))
         if gets and nrounds > 1:
             assert out is not None and tmp is not None  # both are made where gets
@@ -105,9 +105,9 @@ def _gather_bytes(pg, op: str, data: np.ndarray, sizes: list[int], root: int | N
     return [out[o:o + s] for o, s in zip(offsets, sizes)]
 
 
-def _all_sizes(pg, op: str, data: np.ndarray) -> list[int]:
-    sizes = np.empty(pg._size, _I64)
-    _wait(pg, op, pg._comm.Iallgather(np.array([data.size], _I64), sizes), sizes)
+def _all_sizes(pg: ProcessGroup, op: str, data: np.ndarray) -> list[int]:
+    sizes = np.empty(pg.context.size, _I64)
+    _wait(pg, op, pg.context.comm.Iallgather(np.array([data.size], _I64), sizes), sizes)
     return [int(x) for x in sizes]
 
 
@@ -120,12 +120,12 @@ def _displs(sizes) -> tuple[list[int], list[int]]:
     return counts, displs
 
 
-def _check_list(obj_list, op: str, arg: str, pg, length: int | None = None) -> list:
+def _check_list(obj_list, op: str, arg: str, pg: ProcessGroup, length: int | None = None) -> list:
     if not isinstance(obj_list, list):
-        raise located(TypeError, op, f"{arg} must be a list, got {type(obj_list).__name__}", pg)
+        raise located(TypeError, op, f"{arg} must be a list, got {type(obj_list).__name__}", pg.context)
     if length is not None and len(obj_list) != length:
         raise located(ValueError, op, f"{arg} has {len(obj_list)} entries, expected {length} "
-                      "(the group size)", pg)
+                      "(the group size)", pg.context)
     return obj_list
 
 
@@ -135,9 +135,9 @@ def all_gather_object(object_list: list[Any], obj: object, group: GroupArg = Non
     pg = resolve(group, op)
     if pg is None:
         return None
-    _check_list(object_list, op, "object_list", pg, pg._size)
+    _check_list(object_list, op, "object_list", pg, pg.context.size)
     if _checked.active:
-        _checked.check_op(pg, op)
+        _checked.check_op(pg.context, op)
     data = _dumps(obj)
     for i, buf in enumerate(_gather_bytes(pg, op, data, _all_sizes(pg, op, data), None)):
         object_list[i] = _loads(buf)
@@ -153,11 +153,11 @@ def gather_object(obj: object, object_gather_list: list[Any] | None = None,
     if pg is None:
         return None
     root = root_rank(pg, op, dst, group_dst, "dst", default=0)
-    is_root = pg._rank == root
+    is_root = pg.context.rank == root
     if is_root:
-        _check_list(object_gather_list, op, "object_gather_list", pg, pg._size)
+        _check_list(object_gather_list, op, "object_gather_list", pg, pg.context.size)
     if _checked.active:
-        _checked.check_op(pg, op, root)
+        _checked.check_op(pg.context, op, root)
     data = _dumps(obj)
     # every rank learns every size: all of them need the number of rounds
     bufs = _gather_bytes(pg, op, data, _all_sizes(pg, op, data), root)
@@ -181,21 +181,21 @@ def broadcast_object_list(object_list: list[Any], src: int | None = None, group:
     root = root_rank(pg, op, src, group_src, "src", default=0)
     _check_list(object_list, op, "object_list", pg)
     if _checked.active:
-        _checked.check_op(pg, op, object_list, root)
-    is_root = pg._rank == root
+        _checked.check_op(pg.context, op, object_list, root)
+    is_root = pg.context.rank == root
     data = _dumps(object_list) if is_root else None
     size = np.array([data.size if data is not None else 0], _I64)
-    _wait(pg, op, pg._comm.Ibcast(size, root), size)
+    _wait(pg, op, pg.context.comm.Ibcast(size, root), size)
     if data is None:  # not the root
         data = np.empty(int(size[0]), _U8)
-    _wait(pg, op, [pg._comm.Ibcast(p, root) for p in _pieces(data)], data)
+    _wait(pg, op, [pg.context.comm.Ibcast(p, root) for p in _pieces(data)], data)
     if is_root:
         return None
     received = _loads(data)
     if len(received) != len(object_list):
         raise located(ValueError, op, f"object_list has {len(object_list)} entries but the "
                       f"source sent {len(received)}; the list must have the same length on "
-                      "every rank", pg)
+                      "every rank", pg.context)
     object_list[:] = received
     return None
 
@@ -213,26 +213,26 @@ def scatter_object_list(scatter_object_output_list: list[Any],
     root = root_rank(pg, op, src, group_src, "src", default=0)
     out = _check_list(scatter_object_output_list, op, "scatter_object_output_list", pg)
     if not out:
-        raise located(ValueError, op, "scatter_object_output_list must have at least one entry", pg)
-    is_root = pg._rank == root
+        raise located(ValueError, op, "scatter_object_output_list must have at least one entry", pg.context)
+    is_root = pg.context.rank == root
     if is_root:
-        _check_list(scatter_object_input_list, op, "scatter_object_input_list", pg, pg._size)
+        _check_list(scatter_object_input_list, op, "scatter_object_input_list", pg, pg.context.size)
     if _checked.active:
-        _checked.check_op(pg, op, root)
+        _checked.check_op(pg.context, op, root)
     if is_root:
         assert scatter_object_input_list is not None  # _check_list raised otherwise
         pieces = [_dumps(o) for o in scatter_object_input_list]
         sizes = np.array([p.size for p in pieces], _I64)
         sbuf = np.concatenate(pieces)
     else:
-        sizes = np.empty(pg._size, _I64)
+        sizes = np.empty(pg.context.size, _I64)
         sbuf = None
     # every rank learns every size: all of them need the number of rounds
-    _wait(pg, op, pg._comm.Ibcast(sizes, root), sizes)
+    _wait(pg, op, pg.context.comm.Ibcast(sizes, root), sizes)
     nbytes = [int(x) for x in sizes]
     nrounds, per = _rounds(nbytes)
     _, offsets = _displs(nbytes)
-    rbuf = np.empty(nbytes[pg._rank], _U8)
+    rbuf = np.empty(nbytes[pg.context.rank], _U8)
     for k in range(nrounds):
         counts, displs = _displs([min(per, max(0, s - k * per)) for s in nbytes])
         sspec = None
@@ -240,8 +240,8 @@ def scatter_object_list(scatter_object_output_list: list[Any],
             send = sbuf if nrounds == 1 else np.concatenate(
                 [sbuf[o + k * per:o + k * per + c] for o, c in zip(offsets, counts)])
             sspec = [send, (counts, displs)]
-        mine = rbuf[k * per:k * per + counts[pg._rank]]
-        _wait(pg, op, pg._comm.Iscatterv(sspec, mine, root), (sspec, mine))
+        mine = rbuf[k * per:k * per + counts[pg.context.rank]]
+        _wait(pg, op, pg.context.comm.Iscatterv(sspec, mine, root), (sspec, mine))
     out[0] = _loads(rbuf)
     return None
 
@@ -265,8 +265,8 @@ def send_object_list(object_list: list[Any], dst: int | None = None, group: Grou
     # messages between two ranks on one tag in order
     header = np.array([data.size], _I64)
     pieces = _pieces(data)
-    reqs = [pg._comm.Isend(header, peer, OBJECT_TAG)]
-    reqs += [pg._comm.Isend(p, peer, OBJECT_TAG) for p in pieces]
+    reqs = [pg.context.comm.Isend(header, peer, OBJECT_TAG)]
+    reqs += [pg.context.comm.Isend(p, peer, OBJECT_TAG) for p in pieces]
     _wait(pg, op, reqs, (header, data))
     return None
 
@@ -290,20 +290,20 @@ def recv_object_list(object_list: list[Any], src: int | None = None, group: Grou
     # A matched probe pairs the size with its own message, even with other threads.
     start = time.monotonic()
     while True:
-        msg = pg._comm.Improbe(source, OBJECT_TAG, status)
+        msg = pg.context.comm.Improbe(source, OBJECT_TAG, status)
         if msg is not None:
             break
-        if time.monotonic() - start > pg._timeout:
-            raise DistTimeoutError(f"{op}: no message arrived within {pg._timeout:.1f} s "
-                                   f"[rank {pg._rank}, group {pg._name}]")
+        if time.monotonic() - start > pg.context.timeout:
+            raise DistTimeoutError(f"{op}: no message arrived within {pg.context.timeout:.1f} s "
+                                   f"[rank {pg.context.rank}, group {pg.context.name}]")
     header = np.empty(1, _I64)
     _wait(pg, op, msg.Irecv(header), header)
     sender = status.Get_source()
     data = np.empty(int(header[0]), _U8)
-    _wait(pg, op, [pg._comm.Irecv(p, sender, OBJECT_TAG) for p in _pieces(data)], data)
+    _wait(pg, op, [pg.context.comm.Irecv(p, sender, OBJECT_TAG) for p in _pieces(data)], data)
     received = _loads(data)
     if len(received) != len(object_list):
         raise located(ValueError, op, f"object_list has {len(object_list)} entries but the "
-                      f"sender sent {len(received)}", pg)
+                      f"sender sent {len(received)}", pg.context)
     object_list[:] = received
-    return pg._global_rank(sender)
+    return pg.context.global_rank(sender)

@@ -13,10 +13,11 @@ from spmd.backends.base import P2PItem
 from spmd.backends.host import HostBackend
 from spmd.backends.mpi.fastcall import function
 from spmd.core.arrays import array_in, array_out
+from spmd.core.context import GroupContext
 from spmd.core.errors import located
 from spmd.core.typing import Array
 from spmd.core.work import Work
-from spmd.runtime.group import GroupArg, resolve
+from spmd.runtime.group import GroupArg, ProcessGroup, resolve
 
 __all__ = ["send", "recv", "isend", "irecv", "P2POp", "batch_isend_irecv"]
 
@@ -38,7 +39,7 @@ _c_send = function("send")
 _c_recv = function("recv")
 
 
-def check_tag(tag, op: str, pg) -> int:
+def check_tag(tag, op: str, pg: GroupContext) -> int:
     if isinstance(tag, bool) or not isinstance(tag, int):
         raise located(TypeError, op, f"tag must be an int, got {type(tag).__name__}", pg)
     if not 0 <= tag < OBJECT_TAG:
@@ -47,15 +48,15 @@ def check_tag(tag, op: str, pg) -> int:
 
 
 @overload
-def peer_rank(pg, op: str, peer, group_peer, arg: str,
+def peer_rank(pg: ProcessGroup, op: str, peer, group_peer, arg: str,
               any_source: Literal[False] = False) -> int: ...
 
 
 @overload
-def peer_rank(pg, op: str, peer, group_peer, arg: str, any_source: bool) -> int | None: ...
+def peer_rank(pg: ProcessGroup, op: str, peer, group_peer, arg: str, any_source: bool) -> int | None: ...
 
 
-def peer_rank(pg, op: str, peer, group_peer, arg: str, any_source: bool = False) -> int | None:
+def peer_rank(pg: ProcessGroup, op: str, peer, group_peer, arg: str, any_source: bool = False) -> int | None:
     """Group rank of the peer given as a global rank or as ``group_<arg>``; None means
     any source (receives only)."""
     r = group_rank_of(pg, op, peer, group_peer, arg)
@@ -63,10 +64,10 @@ def peer_rank(pg, op: str, peer, group_peer, arg: str, any_source: bool = False)
         if any_source:
             return None
         raise located(ValueError, op, f"{arg} (a global rank) or group_{arg} (a group rank) "
-                      "must be given", pg)
-    if r == pg._rank:
+                      "must be given", pg.context)
+    if r == pg.context.rank:
         raise located(ValueError, op, f"{arg} is this rank itself; send and receive need "
-                      "two different ranks", pg)
+                      "two different ranks", pg.context)
     return r
 
 
@@ -77,8 +78,8 @@ def isend(tensor: Array, dst: int | None = None, group: GroupArg = None, tag: in
     if pg is None:
         return None
     peer = peer_rank(pg, "isend", dst, group_dst, "dst")
-    a = array_in(tensor, "isend", "tensor", pg)
-    return pg._backend_for(array_device(a)).send(a, peer, check_tag(tag, "isend", pg))
+    a = array_in(tensor, "isend", "tensor", pg.context)
+    return pg._backend_for(array_device(a)).send(a, peer, check_tag(tag, "isend", pg.context))
 
 
 def irecv(tensor: Array, src: int | None = None, group: GroupArg = None, tag: int = 0,
@@ -89,8 +90,8 @@ def irecv(tensor: Array, src: int | None = None, group: GroupArg = None, tag: in
     if pg is None:
         return None
     peer = peer_rank(pg, "irecv", src, group_src, "src", any_source=True)
-    a = array_out(tensor, "irecv", "tensor", pg)
-    return pg._backend_for(array_device(a)).recv(a, peer, check_tag(tag, "irecv", pg))
+    a = array_out(tensor, "irecv", "tensor", pg.context)
+    return pg._backend_for(array_device(a)).recv(a, peer, check_tag(tag, "irecv", pg.context))
 
 
 def send(tensor: Array, dst: int | None = None, group: GroupArg = None, tag: int = 0,
@@ -102,12 +103,12 @@ def send(tensor: Array, dst: int | None = None, group: GroupArg = None, tag: int
     if pg is None:
         return None
     peer = peer_rank(pg, "send", dst, group_dst, "dst")
-    tag = check_tag(tag, "send", pg)
+    tag = check_tag(tag, "send", pg.context)
     if type(tensor) is _ndarray:
         host = pg._backends.get("cpu")
         if type(host) is HostBackend and host.blocking.send(tensor, peer, tag):
             return None
-    a = array_in(tensor, "send", "tensor", pg)
+    a = array_in(tensor, "send", "tensor", pg.context)
     pg._backend_for(array_device(a)).send(a, peer, tag).wait()
     return None
 
@@ -127,12 +128,12 @@ def recv(tensor: Array, src: int | None = None, group: GroupArg = None, tag: int
     if pg is None:
         return -1
     peer = peer_rank(pg, "recv", src, group_src, "src", any_source=True)
-    tag = check_tag(tag, "recv", pg)
+    tag = check_tag(tag, "recv", pg.context)
     if peer is not None and type(tensor) is _ndarray:
         host = pg._backends.get("cpu")
         if type(host) is HostBackend and host.blocking.recv(tensor, peer, tag):
-            return pg._global_rank(peer)
-    a = array_out(tensor, "recv", "tensor", pg)
+            return pg.context.global_rank(peer)
+    a = array_out(tensor, "recv", "tensor", pg.context)
     work = pg._backend_for(array_device(a)).recv(a, peer, tag)
     return work.source_rank()
 
@@ -179,8 +180,8 @@ def batch_isend_irecv(p2p_op_list: Sequence[P2POp]) -> list[Work | None]:
         sending = p.op is isend
         peer = peer_rank(pg, f"batch_isend_irecv[{i}] {name}", p.peer, p.group_peer, "peer")
         check = array_in if sending else array_out
-        a = check(p.tensor, f"batch_isend_irecv[{i}] {name}", "tensor", pg)
-        started.append((pg, sending, a, peer, check_tag(p.tag, "batch_isend_irecv", pg)))
+        a = check(p.tensor, f"batch_isend_irecv[{i}] {name}", "tensor", pg.context)
+        started.append((pg, sending, a, peer, check_tag(p.tag, "batch_isend_irecv", pg.context)))
     # One batch per backend: NCCL must see a group's sends and receives together.
     works: list[Work | None] = [None] * len(started)
     batches: dict = {}

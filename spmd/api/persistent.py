@@ -115,8 +115,8 @@ class Plan:
         ok = native_init is not None and available()
         # Both sides of a plan must be the same kind on every rank (an MPI_Start does
         # not match a nonblocking collective), so the ranks agree before either starts.
-        if pg._size > 1:
-            ok = pg._comm.allreduce(ok, op=MPI.LAND)
+        if pg.context.size > 1:
+            ok = pg.context.comm.allreduce(ok, op=MPI.LAND)
         if ok:
             assert native_init is not None  # ok is False on every rank without it
             try:
@@ -133,10 +133,10 @@ class Plan:
         """
         if self._freed:
             raise located(RuntimeError, f"persistent {self.name}", "start() on a freed plan",
-                          self.group)
+                          self.group.context)
         if self._work is not None and not self._work.is_completed():
             raise located(RuntimeError, f"persistent {self.name}", "start() while the previous "
-                          "start is in flight; wait for its Work first", self.group)
+                          "start is in flight; wait for its Work first", self.group.context)
         if _checked.active:
             self._check("start")
         work: Work | None
@@ -145,13 +145,13 @@ class Plan:
             assert work is not None  # the plan's group holds this rank: a Work, not None
         elif type(self._req) is not list:
             self._req.Start()
-            work = Work([self._req], self.name, self.group, self._outputs, finish=self._finish,
+            work = Work([self._req], self.name, self.group.context, self._outputs, finish=self._finish,
                         keep=self._keep)
         else:
             if self._prepare is not None:
                 self._prepare()
             _startall(self._req)
-            work = Work([_AllOf(self._req)], self.name, self.group, self._outputs,
+            work = Work([_AllOf(self._req)], self.name, self.group.context, self._outputs,
                         finish=self._finish, keep=self._keep)
         self._work = work
         return work
@@ -163,7 +163,7 @@ class Plan:
         fingerprint = OPS[op].fingerprint
         assert fingerprint is not None  # every persistent op has one (spmd.core.optable)
         fields, pairs = fingerprint(self.group, *self._args)
-        _checked.check_call(self.group, op, {"call": call, "plan": self._number, **fields},
+        _checked.check_call(self.group.context, op, {"call": call, "plan": self._number, **fields},
                             pairs)
 
     def free(self) -> None:
@@ -189,13 +189,13 @@ class Plan:
     def __repr__(self) -> str:
         kind = "native" if self.native else "fallback"
         state = "freed" if self._freed else kind
-        return f"<persistent.Plan {self.name} {state} group={self.group._name}>"
+        return f"<persistent.Plan {self.name} {state} group={self.group.context.name}>"
 
 
-def _reduction(a, op, name: str, pg):
+def _reduction(a, op, name: str, pg: ProcessGroup):
     """The reduction plan for ``a`` (raises on a refused dtype/op pair), and whether
     MPI can reduce ``a`` itself with an optional division afterwards."""
-    plan = checked_plan(PLANS, a.dtype, op, name, pg)
+    plan = checked_plan(PLANS, a.dtype, op, name, pg.context)
     direct = (type(a) is _ndarray and a.flags.c_contiguous and plan.upcast is None
               and not plan.premul)
     return plan, direct
@@ -208,7 +208,7 @@ def _averager(plan, buf, n):
     return lambda: avg(buf, n)
 
 
-def _group(group, name: str):
+def _group(group: GroupArg, name: str) -> ProcessGroup:
     pg = resolve(group, f"persistent.{name}")
     if pg is None:
         raise ValueError(f"persistent.{name}: this rank is not a member of the group; only "
@@ -219,13 +219,13 @@ def _group(group, name: str):
 def all_reduce(tensor: Array, op: ReduceOp = _SUM, group: GroupArg = None) -> Plan:
     """Plan ``spmd.all_reduce(tensor, op, group)``: in place, on every rank."""
     pg = _group(group, "all_reduce")
-    a = array_out(tensor, "persistent.all_reduce", "tensor", pg)
+    a = array_out(tensor, "persistent.all_reduce", "tensor", pg.context)
     plan, direct = _reduction(a, op, "persistent.all_reduce", pg)
-    init = (lambda: pg._comm.Allreduce_init(_IN_PLACE, mpi_view(a, plan), plan.mpi_op)) \
+    init = (lambda: pg.context.comm.Allreduce_init(_IN_PLACE, mpi_view(a, plan), plan.mpi_op)) \
         if direct else None
     return Plan("all_reduce", pg, [a], init,
                 lambda: _c.all_reduce(a, op, pg, async_op=True),
-                _averager(plan, a, pg._size), a, (a, op))
+                _averager(plan, a, pg.context.size), a, (a, op))
 
 
 def all_reduce_coalesced(tensors: list[Array], op: ReduceOp = _SUM,
@@ -240,14 +240,14 @@ def all_reduce_coalesced(tensors: list[Array], op: ReduceOp = _SUM,
     """
     name = "persistent.all_reduce_coalesced"
     pg = _group(group, "all_reduce_coalesced")
-    dev = common_device(name, pg, ("tensors", tensors))
-    arrays = array_list(tensors, name, "tensors", pg, None, out=True)
+    dev = common_device(name, pg.context, ("tensors", tensors))
+    arrays = array_list(tensors, name, "tensors", pg.context, None, out=True)
     if not arrays:
-        raise located(ValueError, name, "tensors is empty", pg)
+        raise located(ValueError, name, "tensors is empty", pg.context)
     by_dtype: dict[Any, list] = {}
     for a in arrays:
         by_dtype.setdefault(a.dtype, []).append(a)
-    plans = {dt: checked_plan(PLANS, dt, op, name, pg) for dt in by_dtype}
+    plans = {dt: checked_plan(PLANS, dt, op, name, pg.context) for dt in by_dtype}
     direct = dev == "cpu" and all(p.upcast is None and not p.premul for p in plans.values()) \
         and all(a.flags.c_contiguous for a in arrays)
     packs: list[tuple[PackPlan, Any]] = []
@@ -263,7 +263,7 @@ def all_reduce_coalesced(tensors: list[Array], op: ReduceOp = _SUM,
             for dt, run in by_dtype.items():
                 packs.append((PackPlan(run, dt), plans[dt]))
                 plan = plans[dt]
-                reqs.extend(pg._comm.Allreduce_init(_IN_PLACE, mpi_view(buf, plan), plan.mpi_op)
+                reqs.extend(pg.context.comm.Allreduce_init(_IN_PLACE, mpi_view(buf, plan), plan.mpi_op)
                             for buf in packs[-1][0].bufs)
         except BaseException:
             for req in reqs:
@@ -276,7 +276,7 @@ def all_reduce_coalesced(tensors: list[Array], op: ReduceOp = _SUM,
         for pack, _ in packs:
             pack.pack()
 
-    n = pg._size
+    n = pg.context.size
 
     def finish():
         for pack, plan in packs:
@@ -295,9 +295,9 @@ def broadcast(tensor: Array, src: int | None = None, group: GroupArg = None,
     """Plan ``spmd.broadcast(tensor, src, group)``."""
     pg = _group(group, "broadcast")
     root = _c.root_rank(pg, "persistent.broadcast", src, group_src, "src")
-    a = array_out(tensor, "persistent.broadcast", "tensor", pg)
+    a = array_out(tensor, "persistent.broadcast", "tensor", pg.context)
     direct = type(a) is _ndarray and a.flags.c_contiguous
-    init = (lambda: pg._comm.Bcast_init(movable(a), root)) if direct else None
+    init = (lambda: pg.context.comm.Bcast_init(movable(a), root)) if direct else None
     return Plan("broadcast", pg, [a], init,
                 lambda: _c.broadcast(a, group=pg, async_op=True, group_src=root), None, a,
                 (a, root))
@@ -308,10 +308,10 @@ def reduce(tensor: Array, dst: int | None = None, op: ReduceOp = _SUM, group: Gr
     """Plan ``spmd.reduce(tensor, dst, op, group)``: the result lands on ``dst`` only."""
     pg = _group(group, "reduce")
     root = _c.root_rank(pg, "persistent.reduce", dst, group_dst, "dst")
-    is_root = pg._rank == root
-    a = (array_out if is_root else array_in)(tensor, "persistent.reduce", "tensor", pg)
+    is_root = pg.context.rank == root
+    a = (array_out if is_root else array_in)(tensor, "persistent.reduce", "tensor", pg.context)
     plan, direct = _reduction(a, op, "persistent.reduce", pg)
-    comm = pg._comm
+    comm = pg.context.comm
     if not direct:
         init = None
     elif is_root:
@@ -322,19 +322,19 @@ def reduce(tensor: Array, dst: int | None = None, op: ReduceOp = _SUM, group: Gr
             return comm.Reduce_init(mpi_view(a, plan), None, plan.mpi_op, root)
     return Plan("reduce", pg, [a], init,
                 lambda: _c.reduce(a, op=op, group=pg, async_op=True, group_dst=root),
-                _averager(plan, a, pg._size) if is_root else None, a, (a, root, op))
+                _averager(plan, a, pg.context.size) if is_root else None, a, (a, root, op))
 
 
-def _gather_shapes(out, a, name: str, pg, n_out_per_in: bool) -> None:
+def _gather_shapes(out, a, name: str, pg: ProcessGroup, n_out_per_in: bool) -> None:
     if out.dtype != a.dtype:
         raise located(TypeError, name, f"output has dtype {out.dtype}, expected {a.dtype} "
-                      "(the dtype of input)", pg)
+                      "(the dtype of input)", pg.context)
     big, small = (out, a) if n_out_per_in else (a, out)
-    if big.size != pg._size * small.size:
+    if big.size != pg.context.size * small.size:
         which = "output" if n_out_per_in else "input"
         other = "input" if n_out_per_in else "output"
         raise located(ValueError, name, f"{which} has {big.size} elements, expected world_size "
-                      f"({pg._size}) x {other} ({small.size}) = {pg._size * small.size}", pg)
+                      f"({pg.context.size}) x {other} ({small.size}) = {pg.context.size * small.size}", pg.context)
 
 
 def all_gather_into_tensor(output_tensor: Array, input_tensor: Array,
@@ -342,12 +342,12 @@ def all_gather_into_tensor(output_tensor: Array, input_tensor: Array,
     """Plan ``spmd.all_gather_into_tensor(output_tensor, input_tensor, group)``."""
     name = "persistent.all_gather_into_tensor"
     pg = _group(group, "all_gather_into_tensor")
-    a = array_in(input_tensor, name, "input_tensor", pg)
-    out = array_out(output_tensor, name, "output_tensor", pg)
+    a = array_in(input_tensor, name, "input_tensor", pg.context)
+    out = array_out(output_tensor, name, "output_tensor", pg.context)
     _gather_shapes(out, a, name, pg, True)
     direct = type(a) is _ndarray and type(out) is _ndarray and a.flags.c_contiguous \
         and out.flags.c_contiguous
-    init = (lambda: pg._comm.Allgather_init(movable(a), movable(out))) if direct else None
+    init = (lambda: pg.context.comm.Allgather_init(movable(a), movable(out))) if direct else None
     return Plan("all_gather_into_tensor", pg, [out], init,
                 lambda: _c.all_gather_into_tensor(out, a, pg, async_op=True), None, (a, out),
                 (out, a))
@@ -358,16 +358,16 @@ def reduce_scatter_tensor(output: Array, input: Array, op: ReduceOp = _SUM,  # n
     """Plan ``spmd.reduce_scatter_tensor(output, input, op, group)``."""
     name = "persistent.reduce_scatter_tensor"
     pg = _group(group, "reduce_scatter_tensor")
-    out = array_out(output, name, "output", pg)
-    a = array_in(input, name, "input", pg)
+    out = array_out(output, name, "output", pg.context)
+    a = array_in(input, name, "input", pg.context)
     _gather_shapes(out, a, name, pg, False)
     plan, direct = _reduction(a, op, name, pg)
     direct = direct and type(out) is _ndarray and out.flags.c_contiguous
-    init = (lambda: pg._comm.Reduce_scatter_block_init(mpi_view(a, plan), mpi_view(out, plan),
+    init = (lambda: pg.context.comm.Reduce_scatter_block_init(mpi_view(a, plan), mpi_view(out, plan),
                                                        plan.mpi_op)) if direct else None
     return Plan("reduce_scatter_tensor", pg, [out], init,
                 lambda: _c.reduce_scatter_tensor(out, a, op, pg, async_op=True),
-                _averager(plan, out, pg._size), (a, out), (out, a, op))
+                _averager(plan, out, pg.context.size), (a, out), (out, a, op))
 
 
 def all_to_all_single(output: Array, input: Array,  # noqa: A002
@@ -375,15 +375,15 @@ def all_to_all_single(output: Array, input: Array,  # noqa: A002
     """Plan ``spmd.all_to_all_single(output, input, group=group)`` with equal splits."""
     name = "persistent.all_to_all_single"
     pg = _group(group, "all_to_all_single")
-    a = array_in(input, name, "input", pg)
-    out = array_out(output, name, "output", pg)
-    if out.dtype != a.dtype or out.size != a.size or a.ndim == 0 or a.shape[0] % pg._size:
+    a = array_in(input, name, "input", pg.context)
+    out = array_out(output, name, "output", pg.context)
+    if out.dtype != a.dtype or out.size != a.size or a.ndim == 0 or a.shape[0] % pg.context.size:
         raise located(ValueError, name, f"input and output need the same dtype and size and a "
-                      f"first dimension divisible by the group size ({pg._size}); got input "
-                      f"{a.dtype}{list(a.shape)}, output {out.dtype}{list(out.shape)}", pg)
+                      f"first dimension divisible by the group size ({pg.context.size}); got input "
+                      f"{a.dtype}{list(a.shape)}, output {out.dtype}{list(out.shape)}", pg.context)
     direct = type(a) is _ndarray and type(out) is _ndarray and a.flags.c_contiguous \
         and out.flags.c_contiguous
-    init = (lambda: pg._comm.Alltoall_init(movable(a), movable(out))) if direct else None
+    init = (lambda: pg.context.comm.Alltoall_init(movable(a), movable(out))) if direct else None
     return Plan("all_to_all_single", pg, [out], init,
                 lambda: _c.all_to_all_single(out, a, group=pg, async_op=True), None, (a, out),
                 (out, a, None, None))
@@ -392,5 +392,5 @@ def all_to_all_single(output: Array, input: Array,  # noqa: A002
 def barrier(group: GroupArg = None) -> Plan:
     """Plan ``spmd.barrier(group)``."""
     pg = _group(group, "barrier")
-    return Plan("barrier", pg, [], lambda: pg._comm.Barrier_init(),
+    return Plan("barrier", pg, [], lambda: pg.context.comm.Barrier_init(),
                 lambda: _c.barrier(pg, async_op=True))

@@ -16,6 +16,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, NamedTuple, NoReturn, TypeAlias
 
+from spmd.core.context import GroupContext
 from spmd.core.optable import ENGINE_OPS, OPS
 
 if TYPE_CHECKING:
@@ -47,13 +48,13 @@ class DeviceBackend:
 
     name: str = "?"
 
-    def __init__(self, group: Any):
+    def __init__(self, group: GroupContext):
         self.group = group
 
     def shutdown(self) -> None:
         """Release what the engine holds; the group's communicator is freed by the group."""
 
-    def on_split(self, child: Any, color: int, key: int) -> None:
+    def on_split(self, child: GroupContext | None, color: int, key: int) -> None:
         """Called on every member after ``Comm.Split`` of the group (``child`` is this
         rank's new group or None): engines with communicators of their own split them
         too (NCCL's ``ncclCommSplit``)."""
@@ -72,7 +73,7 @@ class DeviceBackend:
 
     def _missing(self, name: str) -> NoReturn:
         raise NotImplementedError(f"{name}: the {self.name} backend does not implement it "
-                                  f"[rank {self.group._rank}, group {self.group._name}]")
+                                  f"[rank {self.group.rank}, group {self.group.name}]")
 
     # -- the ops of the op table (spmd.core.optable.ENGINE_OPS), in its order ----------
 

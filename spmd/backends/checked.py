@@ -22,6 +22,7 @@ import os
 import sys
 import time
 import weakref
+from collections.abc import Sequence
 from types import FrameType
 from typing import Any
 
@@ -29,6 +30,7 @@ import numpy as np
 from mpi4py import MPI
 
 from spmd.backends.base import DeviceBackend, install_op_methods
+from spmd.core.context import GroupContext
 from spmd.core.errors import CollectiveMismatchError
 from spmd.core.flight_recorder import next_seq, ranks_text
 from spmd.core.optable import OPS
@@ -92,8 +94,9 @@ def _show(key: str, value) -> str:
     return str(value)
 
 
-def compare(records: list[dict], pg) -> list[str]:
-    """What differs between the ranks' fingerprints, one sentence per field."""
+def compare(records: list[dict], ranks: Sequence[int]) -> list[str]:
+    """What differs between the ranks' fingerprints, one sentence per field (``records[i]``
+    came from global rank ``ranks[i]``)."""
     fps = [r["fp"] for r in records]
     keys: list[str] = []
     for fp in fps:
@@ -102,7 +105,7 @@ def compare(records: list[dict], pg) -> list[str]:
     for key in keys:
         groups: dict[str, list[int]] = {}
         for i, fp in enumerate(fps):
-            groups.setdefault(json.dumps(fp.get(key)), []).append(pg._ranks[i])
+            groups.setdefault(json.dumps(fp.get(key)), []).append(ranks[i])
         if len(groups) > 1:
             parts = sorted(groups.items(), key=lambda kv: kv[1])
             shown = [f"{_show(key, json.loads(v))} on {ranks_text(rs)}" for v, rs in parts]
@@ -119,8 +122,8 @@ def compare(records: list[dict], pg) -> list[str]:
             for j, count in enumerate(p["send"]):
                 expect = pairs[j]["recv"][i]
                 if count != expect:
-                    problems.append(f"sizes: rank {pg._ranks[i]} sends {count} elements to rank "
-                                    f"{pg._ranks[j]}, which expects {expect} from it")
+                    problems.append(f"sizes: rank {ranks[i]} sends {count} elements to rank "
+                                    f"{ranks[j]}, which expects {expect} from it")
     elif any(p is not None for p in pairs) and len({json.dumps(p) for p in pairs}) > 1 \
             and any(isinstance(p, dict) and isinstance(p.get("send"), str) for p in pairs):
         problems.append("sizes: the per-rank split sizes do not agree (too many to show)")
@@ -132,125 +135,118 @@ def compare(records: list[dict], pg) -> list[str]:
 _check_comms: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def _wait(req, op: str, pg, seq: int, what: str) -> None:
-    wait_until(req.Test, pg._timeout, op, pg, seq=seq, source=f"in debug mode, {what}")
+def _wait(req, op: str, ctx: GroupContext, seq: int, what: str) -> None:
+    wait_until(req.Test, ctx.timeout, op, ctx, seq=seq, source=f"in debug mode, {what}")
 
 
-def check_call(pg, op: str, fields: dict, pairs: dict | None = None) -> None:
-    """Compare this call's fingerprint with the other ranks of ``pg``; raise
+def check_call(ctx: GroupContext, op: str, fields: dict, pairs: dict | None = None) -> None:
+    """Compare this call's fingerprint with the other ranks of ``ctx``; raise
     CollectiveMismatchError on every rank where they differ.  Every member calls it."""
-    n = pg._size
+    n = ctx.size
     if n == 1:
         return
-    seq = next_seq(pg)
+    seq = next_seq(ctx)
     record = {"fp": {"op": op, "seq": seq, **fields}, "pairs": pairs, "site": call_site()}
     data = _encode(record)
     buf = np.zeros(FP_BYTES, np.uint8)
     buf[:len(data)] = np.frombuffer(data, np.uint8)
     rbuf = np.empty((n, FP_BYTES), np.uint8)
-    checking[pg] = (op, seq, time.monotonic())
+    checking[ctx] = (op, seq, time.monotonic())
     try:
-        comm = _check_comms.get(pg)
+        comm = _check_comms.get(ctx)
         if comm is None:
-            comm, req = pg._comm.Idup()
-            _wait(req, op, pg, seq, "creating the communicator that compares calls")
-            comm.Set_name(f"spmd:debug:{pg._name}")
-            _check_comms[pg] = comm
-        _wait(comm.Iallgather(buf, rbuf), op, pg, seq, "comparing call fingerprints")
+            comm, req = ctx.comm.Idup()
+            _wait(req, op, ctx, seq, "creating the communicator that compares calls")
+            comm.Set_name(f"spmd:debug:{ctx.name}")
+            _check_comms[ctx] = comm
+        _wait(comm.Iallgather(buf, rbuf), op, ctx, seq, "comparing call fingerprints")
     finally:
-        checking.pop(pg, None)
+        checking.pop(ctx, None)
     records = [json.loads(bytes(row).rstrip(b"\0")) for row in rbuf]
-    problems = compare(records, pg)
+    problems = compare(records, ctx.ranks)
     if problems:
-        calls = _sites(records, list(pg._ranks))
+        calls = _sites(records, list(ctx.ranks))
         raise CollectiveMismatchError(
-            f"{op}: ranks of group {pg._name} called collective #{seq} with different "
-            f"arguments: " + "; ".join(problems) + f" [rank {pg._rank}, group {pg._name}]"
+            f"{op}: ranks of group {ctx.name} called collective #{seq} with different "
+            f"arguments: " + "; ".join(problems) + f" [rank {ctx.rank}, group {ctx.name}]"
             f"\n  called from: {calls}")
 
 
-def check_op(pg, op: str, *args) -> None:
+def check_op(ctx: GroupContext, op: str, *args) -> None:
     """:func:`check_call` with ``op``'s fingerprint from the op table, computed from
-    ``args`` (the arguments its table entry names).  Every member of ``pg`` calls it."""
+    ``args`` (the arguments its table entry names).  Every member of ``ctx`` calls it."""
     fingerprint = OPS[op].fingerprint
     assert fingerprint is not None, f"{op} has no fingerprint in the op table"
-    fields, pairs = fingerprint(pg, *args)
-    check_call(pg, op, fields, pairs)
+    fields, pairs = fingerprint(ctx, *args)
+    check_call(ctx, op, fields, pairs)
 
 
-def free_check_comm(pg) -> None:
-    """Release the comparing communicator(s) of ``pg`` (when the group is destroyed)."""
-    comm = _check_comms.pop(pg, None)
+def free_check_comm(ctx: GroupContext) -> None:
+    """Release the comparing communicator(s) of ``ctx`` (when the group is destroyed)."""
+    comm = _check_comms.pop(ctx, None)
     for c in comm if isinstance(comm, tuple) else (comm,):
         if c is not None:
             c.Free()
-    _link_seqs.pop(pg, None)
+    _link_seqs.pop(ctx, None)
 
 
 # A link's checked calls, numbered on the link (both programs count the same calls).
 _link_seqs: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-class _Ranks:
-    """The ranks :func:`compare` names: both programs of a link, in one order."""
-
-    def __init__(self, ranks: list[int]):
-        self._ranks = ranks
-
-
-def check_link_call(pg, local_comm, remote_ranks, op: str, fields: dict) -> None:
+def check_link_call(ctx: GroupContext, local_comm, remote_ranks, op: str, fields: dict) -> None:
     """Compare this call's fingerprint with every rank of both programs of a link;
     raise CollectiveMismatchError on every rank of both where they differ.
 
     Every rank of both programs calls it.  The program's ranks gather their records on
     a duplicate of ``local_comm``, the two programs' rank 0s swap them over a duplicate
-    of the intercommunicator ``pg._comm``, and each rank 0 broadcasts the other
+    of the intercommunicator ``ctx.comm``, and each rank 0 broadcasts the other
     program's records to its ranks: only intracommunicator collectives and
     point-to-point messages, so it works wherever links do.
 
     Args:
-        pg: the link's group (its intercommunicator, this program's world ranks).
+        ctx: the link's group (its intercommunicator, this program's world ranks).
         local_comm: this program's ranks (an intracommunicator).
         remote_ranks: the other program's world ranks, in its rank order.
         op: the operation's name; fields: its fingerprint.
     """
-    seq = _link_seqs.get(pg, 0) + 1
-    _link_seqs[pg] = seq
+    seq = _link_seqs.get(ctx, 0) + 1
+    _link_seqs[ctx] = seq
     record = {"fp": {"op": op, "seq": seq, **fields}, "pairs": None, "site": call_site()}
     data = _encode(record)
     buf = np.zeros(FP_BYTES, np.uint8)
     buf[:len(data)] = np.frombuffer(data, np.uint8)
-    mine = np.empty((pg._size, FP_BYTES), np.uint8)
+    mine = np.empty((ctx.size, FP_BYTES), np.uint8)
     theirs = np.empty((len(remote_ranks), FP_BYTES), np.uint8)
-    checking[pg] = (op, seq, time.monotonic())
+    checking[ctx] = (op, seq, time.monotonic())
     try:
-        comms = _check_comms.get(pg)
+        comms = _check_comms.get(ctx)
         if comms is None:
-            inter, r1 = pg._comm.Idup()
+            inter, r1 = ctx.comm.Idup()
             local, r2 = local_comm.Idup()
-            _wait_all([r1, r2], op, pg, seq, "creating the communicators that compare calls")
-            inter.Set_name(f"spmd:debug:{pg._name}")
-            _check_comms[pg] = comms = (inter, local)
+            _wait_all([r1, r2], op, ctx, seq, "creating the communicators that compare calls")
+            inter.Set_name(f"spmd:debug:{ctx.name}")
+            _check_comms[ctx] = comms = (inter, local)
         inter, local = comms
-        _wait(local.Iallgather(buf, mine), op, pg, seq, "comparing call fingerprints")
-        if pg._rank == 0:
+        _wait(local.Iallgather(buf, mine), op, ctx, seq, "comparing call fingerprints")
+        if ctx.rank == 0:
             reqs = [inter.Isend(mine, 0, 0), inter.Irecv(theirs, 0, 0)]
-            _wait_all(reqs, op, pg, seq, "comparing call fingerprints with the other program")
-        _wait(local.Ibcast(theirs, 0), op, pg, seq, "comparing call fingerprints")
+            _wait_all(reqs, op, ctx, seq, "comparing call fingerprints with the other program")
+        _wait(local.Ibcast(theirs, 0), op, ctx, seq, "comparing call fingerprints")
     finally:
-        checking.pop(pg, None)
+        checking.pop(ctx, None)
     # Both programs list the records in the same order (lower world ranks first), so
     # every rank of both computes, and raises, the same thing.
-    blocks = [(list(pg._ranks), mine), (list(remote_ranks), theirs)]
+    blocks = [(list(ctx.ranks), mine), (list(remote_ranks), theirs)]
     blocks.sort(key=lambda b: b[0][0])
     ranks = blocks[0][0] + blocks[1][0]
     records = [json.loads(bytes(row).rstrip(b"\0")) for _, rows in blocks for row in rows]
-    problems = compare(records, _Ranks(ranks))
+    problems = compare(records, ranks)
     if problems:
         raise CollectiveMismatchError(
-            f"{op}: the ranks of link {pg._name} called link operation #{seq} with "
+            f"{op}: the ranks of link {ctx.name} called link operation #{seq} with "
             f"different arguments: " + "; ".join(problems) + " (ranks are world ranks)"
-            f" [rank {pg._rank}, group {pg._name}]\n  called from: "
+            f" [rank {ctx.rank}, group {ctx.name}]\n  called from: "
             + _sites(records, ranks))
 
 
@@ -262,8 +258,8 @@ def _sites(records: list[dict], ranks: list[int]) -> str:
                      sorted(sites.items(), key=lambda kv: kv[1]))
 
 
-def _wait_all(reqs, op: str, pg, seq: int, what: str) -> None:
-    wait_until(lambda: MPI.Request.Testall(reqs), pg._timeout, op, pg, seq=seq,
+def _wait_all(reqs, op: str, ctx: GroupContext, seq: int, what: str) -> None:
+    wait_until(lambda: MPI.Request.Testall(reqs), ctx.timeout, op, ctx, seq=seq,
                source=f"in debug mode, {what}")
 
 
@@ -279,7 +275,7 @@ class CheckedBackend(DeviceBackend):
         free_check_comm(self.group)
         self.inner.shutdown()
 
-    def on_split(self, child, color: int, key: int) -> None:
+    def on_split(self, child: GroupContext | None, color: int, key: int) -> None:
         self.inner.on_split(child, color, key)
 
     def batch_p2p(self, ops):

@@ -31,6 +31,7 @@ from spmd.backends.reduction import PLANS, counts_displs
 from spmd.backends.registry import Backend
 from spmd.core import cuda as _gpu
 from spmd.core.arrays import movable
+from spmd.core.context import GroupContext
 from spmd.core.work import Work
 
 __all__ = ["CudaMPIBackend"]
@@ -58,17 +59,18 @@ class CudaMPIBackend(DeviceBackend):
 
     name = "mpi"
 
-    def __init__(self, group):
+    def __init__(self, group: GroupContext):
         super().__init__(group)
         self.cp = _gpu.need_cupy("spmd", "the MPI backend for GPU arrays", group)
         # The group's own host backend when it is MPI (one engine per group), else ours.
         # The engine itself, not debug mode's wrapper: the GPU call was checked already.
-        host = group._backend_for("cpu") if self._cpu_is_mpi(group) else None
+        engine_for = group.engine_for if self._cpu_is_mpi(group) else None
+        host = engine_for("cpu") if engine_for is not None else None
         host = getattr(host, "inner", host)
         self._own_host = not isinstance(host, HostBackend)
-        self.host = HostBackend(group) if self._own_host else host
-        self.comm = group._comm
-        self.rank = group._rank
+        self.host = host if isinstance(host, HostBackend) else HostBackend(group)
+        self.comm = group.comm
+        self.rank = group.rank
         support = _gpu.mpi_gpu_support()
         self.support = support
         self.direct = support.aware  # point to point
@@ -80,8 +82,8 @@ class CudaMPIBackend(DeviceBackend):
             self.host.shutdown()
 
     @staticmethod
-    def _cpu_is_mpi(group) -> bool:
-        return Backend.device_map(group._backend_name).get("cpu") == "mpi"
+    def _cpu_is_mpi(group: GroupContext) -> bool:
+        return Backend.device_map(group.backend_name).get("cpu") == "mpi"
 
     # -- staging -------------------------------------------------------------------
 

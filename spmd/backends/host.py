@@ -15,6 +15,7 @@ from spmd.backends.mpi.engine import MPIBackend
 from spmd.backends.mpi.fastcall import comm_of
 from spmd.backends.reduction import simple_plan
 from spmd.backends.shm.engine import engine_for
+from spmd.core.context import GroupContext
 from spmd.core.optable import ENGINE_OPS
 from spmd.core.packing import get_bucket_bytes, pack_buckets
 from spmd.core.work import then
@@ -46,7 +47,7 @@ class HostBackend(DeviceBackend):
 
     name = "mpi"
 
-    def __init__(self, group: Any):
+    def __init__(self, group: GroupContext):
         super().__init__(group)
         self.mpi = MPIBackend(group)
         # The engine falls back to MPI for a call its window cannot take.

@@ -12,6 +12,7 @@ from __future__ import annotations
 import numpy as np
 from mpi4py import MPI
 
+from spmd.core.context import GroupContext
 from spmd.core.dtypes import SUPPORTED_DTYPES, family
 from spmd.core.errors import located
 from spmd.core.ops import ReduceOp
@@ -120,7 +121,7 @@ def simple_plan(dtype, op) -> Plan | None:
     return plan if type(plan) is Plan and plan.simple else None
 
 
-def checked_plan(plans: dict, dtype, op, opname: str, group):
+def checked_plan(plans: dict, dtype, op, opname: str, group: GroupContext):
     """``plans[op.name][dtype]`` (a backend's reduction plans), or the error that says
     why ``op`` cannot reduce ``dtype`` arrays (plans hold a message where it cannot)."""
     try:

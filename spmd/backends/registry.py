@@ -12,6 +12,7 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from spmd.core import cuda as _gpu
+from spmd.core.context import GroupContext
 
 __all__ = ["Backend", "register_backend", "DEVICES"]
 
@@ -83,9 +84,11 @@ def register_backend(name: str, factory: Callable[[Any], Any],
 
     Args:
         name: the backend's name (case-insensitive); it must not be taken.
-        factory: ``factory(group) -> spmd.backends.base.DeviceBackend``, called once per group
-            and device the first time an array of that device meets the group; the
-            group's MPI communicator is ``group.comm``.
+        factory: ``factory(context) -> spmd.backends.base.DeviceBackend``, called once per
+            group and device the first time an array of that device meets the group, with
+            the group's :class:`spmd.core.context.GroupContext` (``context.comm`` is its
+            MPI communicator; ``rank``, ``size``, ``ranks``, ``name``, ``timeout`` are
+            plain values).
         devices: the devices it serves, from ``("cpu", "cuda")`` (both if None).
 
     Raises:
@@ -120,15 +123,14 @@ def unavailable(name: str) -> str | None:
     return None
 
 
-def make_backend(group, device: str):
-    """The engine of ``group`` for ``device`` arrays, made on first use."""
-    name = Backend.device_map(group._backend_name).get(device)
+def make_backend(group: GroupContext, device: str):
+    """A new engine of ``group`` for ``device`` arrays (its ProcessGroup keeps it)."""
+    name = Backend.device_map(group.backend_name).get(device)
     if name is None:
-        raise RuntimeError(f"no backend handles {device} arrays in group {group._name} "
-                           f"(backend {group._backend_name!r})")
+        raise RuntimeError(f"no backend handles {device} arrays in group {group.name} "
+                           f"(backend {group.backend_name!r})")
     factory = device_factories.get((name, device)) or backend_factories[name]
     backend = factory(group)
     if wrapper is not None:
         backend = wrapper(backend)
-    group._backends[device] = backend
     return backend

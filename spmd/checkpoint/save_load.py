@@ -104,7 +104,7 @@ def _raise_first(op: str, errors: list, pg: ProcessGroup) -> None:
         if err is not None:
             kind, msg = err
             where = "" if pg.size() == 1 else f" (found on group rank {r})"
-            raise located(_KINDS.get(kind, RuntimeError), op, msg + where, pg)
+            raise located(_KINDS.get(kind, RuntimeError), op, msg + where, pg.context)
 
 
 def _dtype_name(dt: np.dtype) -> str:
@@ -275,7 +275,7 @@ def save(state: Mapping[str, Any], path: str | os.PathLike, group: Any = None, *
     try:
         entries = _agree(op, plans, pg)
     except Reject as rej:
-        raise located(rej.kind, op, rej.msg, pg) from None
+        raise located(rej.kind, op, rej.msg, pg.context) from None
     tmp = plans[0]["tmp"]
     leaves = {name: leaf for name, _, _, leaf in flatten(state, "state")}
 

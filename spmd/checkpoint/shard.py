@@ -109,7 +109,7 @@ class Shard:
             raise ValueError(f"{op}: this rank is not a member of the group")
         if not is_array(data):
             raise located(TypeError, op, f"data must be a numpy or cupy array, got "
-                          f"{type(data).__name__}", pg)
+                          f"{type(data).__name__}", pg.context)
         shapes: list = [None] * pg.size()
         all_gather_object(shapes, tuple(data.shape), group=pg)
         ndim = len(shapes[0])
@@ -117,15 +117,15 @@ class Shard:
         for r, s in enumerate(shapes):
             if not isinstance(d, int) or not 0 <= d < max(ndim, 1) or len(s) != ndim:
                 raise located(ValueError, op, f"cannot split along dim {dim}: pieces have "
-                              f"shapes {shapes} (group ranks in order)", pg)
+                              f"shapes {shapes} (group ranks in order)", pg.context)
             if s[:d] + s[d + 1:] != shapes[0][:d] + shapes[0][d + 1:]:
                 raise located(ValueError, op, f"pieces must agree outside dim {d}: group "
-                              f"rank {r} has {s}, group rank 0 has {shapes[0]}", pg)
+                              f"rank {r} has {s}, group rank 0 has {shapes[0]}", pg.context)
         gshape = list(shapes[0])
         gshape[d] = sum(s[d] for s in shapes)
         if global_shape is not None and tuple(gshape) != _int_tuple(global_shape, "global_shape"):
             raise located(ValueError, op, f"the pieces make a global array of shape "
-                          f"{tuple(gshape)}, expected global_shape {tuple(global_shape)}", pg)
+                          f"{tuple(gshape)}, expected global_shape {tuple(global_shape)}", pg.context)
         offset = [0] * ndim
         offset[d] = sum(s[d] for s in shapes[:pg.rank()])
         return cls(data, gshape, offset)
@@ -145,7 +145,7 @@ class Shard:
         gshape = _int_tuple(global_shape, "global_shape")
         if not -len(gshape) <= dim < len(gshape):
             raise located(ValueError, op, f"dim {dim} is out of range for global_shape "
-                          f"{gshape}", pg)
+                          f"{gshape}", pg.context)
         dim %= len(gshape)
         base, extra = divmod(gshape[dim], pg.size())
         r = pg.rank()

@@ -7,6 +7,7 @@ from typing import Any
 
 import numpy as np
 
+from spmd.core.context import GroupContext
 from spmd.core.dtypes import FAMILY, MOVE_AS, SUPPORTED_DTYPES, SUPPORTED_NAMES, bfloat16, family
 from spmd.core.errors import located
 
@@ -16,14 +17,14 @@ __all__ = ["SUPPORTED_DTYPES", "MOVE_AS", "bfloat16", "family", "common_device",
 _ndarray = np.ndarray
 
 
-def _check_dtype(a: np.ndarray, op: str, arg: str, group) -> None:
+def _check_dtype(a: np.ndarray, op: str, arg: str, group: GroupContext) -> None:
     if a.dtype not in FAMILY:
         hint = " (install ml_dtypes for bfloat16)" if a.dtype.name == "bfloat16" else ""
         raise located(TypeError, op, f"{arg} has unsupported dtype {a.dtype}; "
                       f"expected one of {SUPPORTED_NAMES}{hint}", group)
 
 
-def _not_array(x, op: str, arg: str, group) -> TypeError:
+def _not_array(x, op: str, arg: str, group: GroupContext) -> TypeError:
     what = type(x).__name__
     hint = " (wrap it with numpy.asarray)" if isinstance(x, (list, tuple, int, float, complex)) else ""
     return located(TypeError, op, f"{arg} must be a numpy array (or a cupy array, a torch tensor, "
@@ -73,7 +74,7 @@ class _Capsule:
 _to_dlpack: Any = None
 
 
-def tensor_as_numpy(t, op: str, arg: str, group, bits_as=None) -> np.ndarray:
+def tensor_as_numpy(t, op: str, arg: str, group: GroupContext, bits_as=None) -> np.ndarray:
     """A numpy array sharing dense CPU tensor ``t``'s memory (``bits_as``: a torch dtype
     of the same width to see the bits as, for dtypes numpy lacks).
 
@@ -99,7 +100,7 @@ def tensor_as_numpy(t, op: str, arg: str, group, bits_as=None) -> np.ndarray:
         raise located(TypeError, op, f"{arg} {why}", group) from exc
 
 
-def _torch_cpu_view(x, op: str, arg: str, group) -> np.ndarray:
+def _torch_cpu_view(x, op: str, arg: str, group: GroupContext) -> np.ndarray:
     """A numpy array sharing a torch CPU tensor's memory, so results land in the tensor."""
     t = x.detach()
     if str(t.dtype) == "torch.bfloat16":
@@ -147,7 +148,7 @@ def _other_device(x) -> str | None:
     return None
 
 
-def common_device(op: str, group, *named) -> str:
+def common_device(op: str, group: GroupContext, *named) -> str:
     """The device of every array in ``named`` (pairs of argument name and array or list
     of arrays); raw arguments are fine.  Non-arrays are skipped (their own checks report
     them).
@@ -180,7 +181,7 @@ def is_device_array(a) -> bool:
     return type(a) is not _ndarray and not isinstance(a, _ndarray)
 
 
-def _host_array(x, op: str, arg: str, group):
+def _host_array(x, op: str, arg: str, group: GroupContext):
     """The slow path of the checks: subclasses of ndarray, torch tensors, cupy arrays,
     ``__cuda_array_interface__`` and DLPack objects.  Host arrays come back as numpy
     arrays sharing their memory, GPU arrays as cupy arrays sharing theirs."""
@@ -206,7 +207,7 @@ def _host_array(x, op: str, arg: str, group):
     raise _not_array(x, op, arg, group)
 
 
-def array_in(x, op: str, arg: str, group) -> np.ndarray:
+def array_in(x, op: str, arg: str, group: GroupContext) -> np.ndarray:
     """Check an array the operation only reads."""
     if type(x) is not _ndarray:
         x = _host_array(x, op, arg, group)
@@ -215,7 +216,7 @@ def array_in(x, op: str, arg: str, group) -> np.ndarray:
     return x
 
 
-def array_out(x, op: str, arg: str, group) -> np.ndarray:
+def array_out(x, op: str, arg: str, group: GroupContext) -> np.ndarray:
     """Check an array the operation writes."""
     if type(x) is not _ndarray:
         x = _host_array(x, op, arg, group)
@@ -230,7 +231,7 @@ def array_out(x, op: str, arg: str, group) -> np.ndarray:
     return x
 
 
-def array_list(xs, op: str, arg: str, group, length: int | None, out: bool) -> list:
+def array_list(xs, op: str, arg: str, group: GroupContext, length: int | None, out: bool) -> list:
     """Check a list of arrays (and its length when the op fixes it)."""
     if not isinstance(xs, (list, tuple)):
         raise located(TypeError, op, f"{arg} must be a list of numpy arrays, got {type(xs).__name__}", group)
@@ -245,14 +246,14 @@ def array_list(xs, op: str, arg: str, group, length: int | None, out: bool) -> l
     return [array_in(x, op, f"{arg}[{i}]", group) for i, x in enumerate(xs)]
 
 
-def same_dtype(arrays: list, ref: np.ndarray, op: str, arg: str, ref_arg: str, group) -> None:
+def same_dtype(arrays: list, ref: np.ndarray, op: str, arg: str, ref_arg: str, group: GroupContext) -> None:
     for i, a in enumerate(arrays):
         if a.dtype != ref.dtype:
             raise located(TypeError, op, f"{arg}[{i}] has dtype {a.dtype}, expected {ref.dtype} "
                           f"(the dtype of {ref_arg})", group)
 
 
-def same_size(arrays: list, ref: np.ndarray, op: str, arg: str, ref_arg: str, group) -> None:
+def same_size(arrays: list, ref: np.ndarray, op: str, arg: str, ref_arg: str, group: GroupContext) -> None:
     for i, a in enumerate(arrays):
         if a.size != ref.size:
             raise located(ValueError, op, f"{arg}[{i}] has {a.size} elements, expected {ref.size} "

@@ -9,6 +9,7 @@ import json
 
 from mpi4py import MPI
 
+from spmd.core.context import GroupContext
 from spmd.core.errors import located
 
 __all__ = ["broadcast_value", "check_distinct_gpus", "check_same_installation", "duplicate_gpus",
@@ -17,64 +18,64 @@ __all__ = ["broadcast_value", "check_distinct_gpus", "check_same_installation", 
 _next_seq = 0  # this process's next group-creation sequence number for store keys
 
 
-def _key(pg, name: str) -> str:
+def _key(ctx: GroupContext, name: str) -> str:
     """A store key no other group's exchange can use: the members, a sequence number
     the members agree on (over the group's communicator, the first time the group
     needs one: a re-created group, or another with the same members, gets a new
     one), and the group's own count of exchanges."""
     global _next_seq
-    seq = pg._bootstrap_seq
+    seq = ctx.bootstrap_seq
     if seq is None:
-        seq = pg._bootstrap_seq = pg._comm.allreduce(_next_seq, op=MPI.MAX)
+        seq = ctx.bootstrap_seq = ctx.comm.allreduce(_next_seq, op=MPI.MAX)
         _next_seq = seq + 1
-    pg._bootstrap_count += 1
-    members = ",".join(map(str, pg._ranks))
-    if pg._size > 16:
-        members = f"{pg._size}:{hashlib.sha1(members.encode()).hexdigest()[:20]}"
-    return f"spmd/bootstrap/[{members}]/{seq}/{pg._bootstrap_count}/{name}"
+    ctx.bootstrap_count += 1
+    members = ",".join(map(str, ctx.ranks))
+    if ctx.size > 16:
+        members = f"{ctx.size}:{hashlib.sha1(members.encode()).hexdigest()[:20]}"
+    return f"spmd/bootstrap/[{members}]/{seq}/{ctx.bootstrap_count}/{name}"
 
 
-def broadcast_value(pg, store, name: str, value: bytes | None, root: int = 0) -> bytes:
+def broadcast_value(ctx: GroupContext, store, name: str, value: bytes | None, root: int = 0) -> bytes:
     """Every member gets group rank ``root``'s ``value`` (bytes; other ranks may pass
     None).  Through a store, the last member to read it deletes the key."""
     if store is None:
-        return pg._comm.bcast(value, root)
-    if pg._size == 1:
+        return ctx.comm.bcast(value, root)
+    if ctx.size == 1:
         assert value is not None  # the only rank is the root
         return value
-    key = _key(pg, name)
-    if pg._rank == root:
+    key = _key(ctx, name)
+    if ctx.rank == root:
         assert value is not None, f"{name}: the root rank must give the value"
         store.set(key, value)
         return value
     got = store.get(key)
-    if store.add(f"{key}/read", 1) == pg._size - 1:
+    if store.add(f"{key}/read", 1) == ctx.size - 1:
         store.delete_key(key)
         store.delete_key(f"{key}/read")
     return got
 
 
-def gather_values(pg, store, name: str, value: bytes) -> list[bytes] | None:
+def gather_values(ctx: GroupContext, store, name: str, value: bytes) -> list[bytes] | None:
     """Group rank 0 gets every member's ``value`` in rank order; others get None.
     Through a store, rank 0 deletes the keys once it has read them."""
     if store is None:
-        return pg._comm.gather(value, 0)
-    if pg._size == 1:
+        return ctx.comm.gather(value, 0)
+    if ctx.size == 1:
         return [value]
-    key = _key(pg, name)
-    store.set(f"{key}/{pg._rank}", value)
-    if pg._rank != 0:
+    key = _key(ctx, name)
+    store.set(f"{key}/{ctx.rank}", value)
+    if ctx.rank != 0:
         return None
-    rows = [store.get(f"{key}/{r}") for r in range(pg._size)]
-    for r in range(pg._size):
+    rows = [store.get(f"{key}/{r}") for r in range(ctx.size)]
+    for r in range(ctx.size):
         store.delete_key(f"{key}/{r}")
     return rows
 
 
-def check_same_installation(pg, store, facts: dict) -> None:
+def check_same_installation(ctx: GroupContext, store, facts: dict) -> None:
     """Raise on every rank when ranks run different spmd/mpi4py/MPI installations (mixed
     virtual environments across nodes, or an mpi4py built for another MPI)."""
-    rows = gather_values(pg, store, "installation", json.dumps(facts, sort_keys=True).encode())
+    rows = gather_values(ctx, store, "installation", json.dumps(facts, sort_keys=True).encode())
     verdict = b""
     if rows is not None:
         first = json.loads(rows[0])
@@ -86,7 +87,7 @@ def check_same_installation(pg, store, facts: dict) -> None:
                 verdict = (f"rank {r} runs a different installation than rank 0: " + ", ".join(
                     f"{k} {a!r} on rank 0 vs {b!r}" for k, (a, b) in sorted(diff.items()))).encode()
                 break
-    verdict = broadcast_value(pg, store, "installation-verdict", verdict)
+    verdict = broadcast_value(ctx, store, "installation-verdict", verdict)
     if verdict:
         raise RuntimeError(f"init_process_group: {verdict.decode()}")
 
@@ -114,17 +115,17 @@ def duplicate_gpus(rows: list, ranks) -> str:
     return ""
 
 
-def check_distinct_gpus(pg, store, host: str, bus_id: str, op: str) -> None:
+def check_distinct_gpus(ctx: GroupContext, store, host: str, bus_id: str, op: str) -> None:
     """Raise on every rank, before any NCCL call, when two members would give NCCL the
     same GPU (see :func:`duplicate_gpus`); every member must call it.
 
     Raises:
         RuntimeError: two members share a (host identity, GPU), naming them and the fixes.
     """
-    rows = gather_values(pg, store, "nccl-gpus", json.dumps([host, bus_id]).encode())
+    rows = gather_values(ctx, store, "nccl-gpus", json.dumps([host, bus_id]).encode())
     verdict = b""
     if rows is not None:
-        verdict = duplicate_gpus([json.loads(r) for r in rows], pg._ranks).encode()
-    verdict = broadcast_value(pg, store, "nccl-gpus-verdict", verdict)
+        verdict = duplicate_gpus([json.loads(r) for r in rows], ctx.ranks).encode()
+    verdict = broadcast_value(ctx, store, "nccl-gpus-verdict", verdict)
     if verdict:
-        raise located(RuntimeError, op, verdict.decode(), pg)
+        raise located(RuntimeError, op, verdict.decode(), ctx)

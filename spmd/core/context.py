@@ -1,12 +1,14 @@
 """What an engine and a Work know of their group: communicator, identity, timeout.
 
-Backends and Works are given a ``GroupContext`` and read nothing else of the group
-layer; ``spmd.runtime.group.ProcessGroup`` extends it with the public API and the engines.
+``spmd.runtime.group.ProcessGroup`` answers torch's API (``rank()``, ``size()``,
+``timeout`` as a timedelta...) and holds one ``GroupContext``, its ``context``: the
+plain fields below, which engines, Works, the flight recorder and the diagnosis read
+and nothing else of the group layer.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from mpi4py import MPI
@@ -19,56 +21,77 @@ __all__ = ["GroupContext"]
 class GroupContext:
     """A group's communicator and identity, as its engines and Works see it.
 
-    Engines read these attributes; each is set once, except ``_error``.
+    Read-only to its readers; each field is set once by the group layer except these:
+    ``comm`` becomes None when the group is destroyed, ``error`` is set once when a
+    timeout breaks the group, and three fields hold the state of one lower module each
+    (``op_counters``: the flight recorder; ``inherited``: the NCCL engine's split;
+    ``bootstrap_seq``/``bootstrap_count``: the start-up exchange).
 
     Attributes:
-        _comm: the group's private communicator (None once destroyed).
-        _rank: this process's rank in the group.
-        _size: the group's size.
-        _ranks: the members' global ranks in group-rank order.
-        _name: the group's name in messages.
-        _desc: the group's description.
-        _timeout: seconds a blocking operation may take.
-        _backend_name: the backend string (``"mpi"``, ``"cpu:mpi,cuda:nccl"``...).
-        _store: the key-value store given to init_process_group, or None.
-        _error: why the group is broken (a timeout), or None.
-        _inherited: device -> a communicator a split of the parent made for this
+        comm: the group's private communicator (None once destroyed).
+        rank: this process's rank in the group.
+        size: the group's size.
+        ranks: the members' global ranks in group-rank order.
+        index: global rank -> group rank, for the members.
+        name: the group's name in messages.
+        desc: the group's description.
+        timeout: seconds a blocking operation may take.
+        backend_name: the backend string (``"mpi"``, ``"cpu:mpi,cuda:nccl"``...).
+        store: the key-value store given to init_process_group, or None.
+        error: why the group is broken (a timeout), or None.
+        op_counters: the flight recorder's sequence counters of this group (None until
+            its first recorded op).
+        inherited: device -> a communicator a split of the parent made for this
             group's engine of that device to adopt (NCCL's ``commSplit``).
-        _bootstrap_seq: the number the members agreed on for this group's store keys
+        bootstrap_seq: the number the members agreed on for this group's store keys
             (None until its first start-up exchange through a store).
-        _bootstrap_count: how many start-up exchanges ran on this group.
+        bootstrap_count: how many start-up exchanges ran on this group.
+        engine_for: device -> the group's engine of that device, made on first use
+            (an engine that moves device arrays through the host engine asks for it);
+            None where no ProcessGroup holds the context.
     """
+
+    __slots__ = ("comm", "rank", "size", "ranks", "index", "name", "desc", "timeout",
+                 "backend_name", "store", "error", "op_counters", "inherited",
+                 "bootstrap_seq", "bootstrap_count", "engine_for",
+                 "__weakref__")  # debug mode keeps per-group state in weak dicts
 
     def __init__(self, comm: MPI.Intracomm, ranks: Sequence[int], name: str, timeout: float,
                  backend: str, desc: str | None = None, store: Any = None):
-        # None only once destroyed; every op checks that first (_check_alive), so engines
+        # None only once destroyed; every op checks that first (check_alive), so engines
         # read it as a communicator.
-        self._comm: MPI.Intracomm = comm
-        self._rank = comm.Get_rank()
-        self._size = comm.Get_size()
-        self._ranks = tuple(int(r) for r in ranks)
-        self._index = {g: i for i, g in enumerate(self._ranks)}
-        self._name = name
-        self._desc = desc or name
-        self._timeout = timeout
-        self._backend_name = backend
-        self._store = store
-        self._error: str | None = None
-        self._op_counters: Any = None  # the flight recorder's sequence counters for this group
-        self._inherited: dict[str, Any] = {}
-        self._bootstrap_seq: int | None = None
-        self._bootstrap_count = 0
+        self.comm: MPI.Intracomm = comm
+        self.rank: int = comm.Get_rank()
+        self.size: int = comm.Get_size()
+        self.ranks = tuple(int(r) for r in ranks)
+        self.index = {g: i for i, g in enumerate(self.ranks)}
+        self.name = name
+        self.desc = desc or name
+        self.timeout = timeout
+        self.backend_name = backend
+        self.store = store
+        self.error: str | None = None
+        self.op_counters: Any = None
+        self.inherited: dict[str, Any] = {}
+        self.bootstrap_seq: int | None = None
+        self.bootstrap_count = 0
+        self.engine_for: Callable[[str], Any] | None = None
 
-    def _check_alive(self, op: str) -> None:
-        if self._comm is None:
-            raise RuntimeError(f"{op}: group {self._name} was destroyed by destroy_process_group()")
-        if self._error is not None:
-            raise GroupBrokenError(f"{op}: group {self._name} is broken since {self._error}; "
+    def check_alive(self, op: str) -> None:
+        """Raise if the group was destroyed or a timeout broke it."""
+        if self.comm is None:
+            raise RuntimeError(f"{op}: group {self.name} was destroyed by destroy_process_group()")
+        if self.error is not None:
+            raise GroupBrokenError(f"{op}: group {self.name} is broken since {self.error}; "
                                    "its ranks are out of step, so make a new group or restart "
-                                   f"the job [rank {self._rank}, group {self._name}]")
+                                   f"the job [rank {self.rank}, group {self.name}]")
 
-    def _group_rank(self, global_rank: int) -> int:
-        return self._index.get(global_rank, -1)
+    def group_rank(self, global_rank: int) -> int:
+        """The group rank of a global rank; -1 for a non-member."""
+        return self.index.get(global_rank, -1)
 
-    def _global_rank(self, group_rank: int) -> int:
-        return self._ranks[group_rank]
+    def global_rank(self, group_rank: int) -> int:
+        return self.ranks[group_rank]
+
+    def __repr__(self) -> str:
+        return f"<GroupContext {self.name} rank={self.rank} size={self.size}>"

@@ -15,6 +15,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from spmd.core.context import GroupContext
 from spmd.core.dtypes import bfloat16
 from spmd.core.errors import located
 
@@ -92,11 +93,11 @@ def cupy_problem() -> str | None:
     return _cupy_problem
 
 
-def need_cupy(op: str, what: str, group=None):
+def need_cupy(op: str, what: str, group: GroupContext | None = None):
     """The cupy module; RuntimeError naming the op and the fix when it is missing."""
     cp = cupy_or_none()
     if cp is None:
-        where = f" [rank {group._rank}, group {group._name}]" if group is not None else ""
+        where = f" [rank {group.rank}, group {group.name}]" if group is not None else ""
         raise RuntimeError(f"{op}: {what} needs CuPy: {_cupy_problem}{where}")
     return cp
 
@@ -356,7 +357,7 @@ def _torch_to_cupy(cp, x):
     return cp.from_dlpack(t)
 
 
-def as_device_array(x, op: str, arg: str, group):
+def as_device_array(x, op: str, arg: str, group: GroupContext):
     """A cupy array sharing ``x``'s device memory (cupy arrays come back as they are).
 
     Raises:

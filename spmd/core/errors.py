@@ -7,7 +7,7 @@ what happens *between* ranks: timeouts, mismatched calls, broken groups, stores.
 
 from __future__ import annotations
 
-from typing import Any, TypeVar
+from typing import Protocol, TypeVar
 
 __all__ = [
     "DistError",
@@ -51,9 +51,18 @@ class GroupBrokenError(DistError):
 _E = TypeVar("_E", bound=Exception)
 
 
-def located(exc_type: type[_E], op: str, msg: str, group: Any) -> _E:
+class GroupIdentity(Protocol):
+    """What an error message names of a group (``GroupContext`` has it)."""
+
+    @property
+    def rank(self) -> int: ...
+    @property
+    def name(self) -> str: ...
+
+
+def located(exc_type: type[_E], op: str, msg: str, group: GroupIdentity) -> _E:
     """Build an error that names the op, the rank and the group, as every check does.
 
     ``all_gather_into_tensor: output has 10 elements, expected 12 [rank 2, group tp:1]``
     """
-    return exc_type(f"{op}: {msg} [rank {group._rank}, group {group._name}]")
+    return exc_type(f"{op}: {msg} [rank {group.rank}, group {group.name}]")

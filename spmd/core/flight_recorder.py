@@ -23,10 +23,11 @@ import socket
 import sys
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 from mpi4py import MPI
 
+from spmd.core.context import GroupContext
 from spmd.core.lines import write_lines
 from spmd.core.optable import P2P_OPS
 
@@ -78,7 +79,7 @@ class Entry:
     __slots__ = ("op", "group", "seq", "counter", "size", "dtype", "t0", "t1", "failed",
                  "timed_out", "engine", "device")
 
-    def __init__(self, op: str, group: Any, seq: int, counter: Any, size: int | None,
+    def __init__(self, op: str, group: GroupContext, seq: int, counter: Any, size: int | None,
                  dtype: Any, t0: float, engine: str):
         # Pairs and triples: as fast as one store a line (no tuple is built).
         self.op, self.group, self.seq = op, group, seq
@@ -99,7 +100,7 @@ class Entry:
         return "failed" if self.failed else COMPLETED
 
     def __repr__(self) -> str:
-        group = getattr(self.group, "_name", None)
+        group = self.group.name if self.group is not None else None
         return f"<Entry {self.op} #{self.seq} on {group}: {self.state()}>"
 
 
@@ -110,7 +111,8 @@ def ring_size(requested: int) -> int:
 
 def _placeholder() -> Entry:
     """A finished entry of no operation: what the ring starts full of."""
-    e = Entry("", None, 0, None, None, None, 0.0, MPI_ENGINE)
+    # It names no group; entries() leaves it out, so every entry a reader sees has one.
+    e = Entry("", cast(GroupContext, None), 0, None, None, None, 0.0, MPI_ENGINE)
     e.t1 = 0.0
     return e
 
@@ -118,27 +120,27 @@ def _placeholder() -> Entry:
 _COLL, _P2P = "\0collective", "\0p2p"   # keys of a group's two counters
 
 
-def _counter(group, op: str) -> Counter:
+def _counter(group: GroupContext, op: str) -> Counter:
     """The counter of ``op`` on ``group`` (first use of the group or of the op name).
 
-    ``group._op_counters`` maps op names to their kind's Counter, so the hot path finds it with
+    ``group.op_counters`` maps op names to their kind's Counter, so the hot path finds it with
     one dict lookup."""
-    table = group._op_counters
+    table = group.op_counters
     if table is None:
-        table = group._op_counters = {_COLL: Counter("collective"), _P2P: Counter("p2p")}
+        table = group.op_counters = {_COLL: Counter("collective"), _P2P: Counter("p2p")}
     c = table[op] = table[_P2P if op in P2P_OPS else _COLL]
     return c
 
 
-def counters(group) -> tuple[Counter, Counter]:
+def counters(group: GroupContext) -> tuple[Counter, Counter]:
     """(collectives, point-to-point) counters of ``group``."""
-    table = group._op_counters
+    table = group.op_counters
     if table is None:
         return Counter("collective"), Counter("p2p")
     return table[_COLL], table[_P2P]
 
 
-def next_seq(group) -> int:
+def next_seq(group: GroupContext) -> int:
     """The sequence number the next collective on ``group`` will get."""
     return counters(group)[0].seq + 1
 
@@ -150,7 +152,8 @@ class FlightRecorder:
         self.resize(size)
         # Set by the reliability layer at init: () -> (WORLD, every live group), for the
         # dump's group table; and where dumps go by default (None: stderr).
-        self.groups_source: Callable[[], tuple[Any, list[Any]]] = lambda: (None, [])
+        self.groups_source: Callable[[], tuple[GroupContext | None, list[GroupContext]]] = \
+            lambda: (None, [])
         self.dump_dir: str | None = None
 
     def resize(self, size: int) -> None:
@@ -166,11 +169,11 @@ class FlightRecorder:
 
     # -- the hot path: called for every Work --------------------------------------
 
-    def begin(self, op: str, g, a, engine: str = MPI_ENGINE) -> Entry:
+    def begin(self, op: str, g: GroupContext, a, engine: str = MPI_ENGINE) -> Entry:
         """Record ``op`` starting on group ``g`` (``a``: its first array, or None) on
         ``engine``; return the entry, which :meth:`end` completes."""
         try:
-            c = g._op_counters[op]
+            c = g.op_counters[op]
         except (TypeError, KeyError):  # the group's or the op's first time
             c = _counter(g, op)
         c.seq = seq = c.seq + 1
@@ -240,7 +243,7 @@ class FlightRecorder:
         """Entries of operations that have started and not completed, oldest first."""
         return [e for e in self.entries() if e.t1 is None]
 
-    def group_summary(self, group, seq: int | None = None) -> dict:
+    def group_summary(self, group: GroupContext, seq: int | None = None) -> dict:
         """Where this process is on ``group``: counts, last finished and current ops."""
         coll_count, p2p_count = counters(group)
         now = _monotonic()
@@ -270,15 +273,15 @@ class FlightRecorder:
         for g in all_groups:
             coll, p2p = counters(g)
             groups[_group_id(g)] = {
-                "name": g._name, "ranks": list(g._ranks),
+                "name": g.name, "ranks": list(g.ranks),
                 "seq": coll.seq, "p2p_seq": p2p.seq,
-                "broken": g._error,
+                "broken": g.error,
             }
         entries = []
         for i, e in enumerate(self.entries()):
             g = e.group
             entries.append({
-                "id": i, "op": e.op, "group": g._name, "group_id": _group_id(g),
+                "id": i, "op": e.op, "group": g.name, "group_id": _group_id(g),
                 "kind": e.counter.kind, "seq": e.seq,
                 "size": e.size if isinstance(e.size, int) else None,
                 "dtype": _dtype_name(e.dtype),
@@ -288,8 +291,8 @@ class FlightRecorder:
             })
         return {
             "format": FORMAT, "version": VERSION, "reason": reason,
-            "rank": world._rank if world is not None else MPI.COMM_WORLD.Get_rank(),
-            "world_size": world._size if world is not None else MPI.COMM_WORLD.Get_size(),
+            "rank": world.rank if world is not None else MPI.COMM_WORLD.Get_rank(),
+            "world_size": world.size if world is not None else MPI.COMM_WORLD.Get_size(),
             "host": socket.gethostname(), "pid": os.getpid(), "dumped_at": now_wall,
             "capacity": self._size, "groups": groups, "entries": entries,
         }
@@ -298,11 +301,11 @@ class FlightRecorder:
 recorder = FlightRecorder()
 
 
-def _group_id(g) -> str:
-    ranks = g._ranks
+def _group_id(g: GroupContext) -> str:
+    ranks = g.ranks
     shown = ",".join(map(str, ranks)) if len(ranks) <= 16 else \
         f"{ranks[0]},{ranks[1]},...,{ranks[-1]}({len(ranks)})"
-    return f"{g._name}[{shown}]"
+    return f"{g.name}[{shown}]"
 
 
 def _dtype_name(dtype) -> str | None:
@@ -313,7 +316,7 @@ def _dtype_name(dtype) -> str | None:
 
 def brief(e: Entry, now: float) -> dict:
     """One entry in the short form the diagnosis and the control channel use."""
-    return {"op": e.op, "seq": e.seq, "kind": e.counter.kind, "group": e.group._name,
+    return {"op": e.op, "seq": e.seq, "kind": e.counter.kind, "group": e.group.name,
             "engine": e.engine, "state": e.state(), "age": round(now - e.t0, 3),
             "took": round(e.t1 - e.t0, 6) if e.t1 is not None else None}
 

@@ -17,6 +17,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from spmd.core.context import GroupContext
+
 __all__ = ["OpSpec", "OPS", "ENGINE_OPS", "P2P_OPS", "is_p2p", "bus_factor", "work_bytes"]
 
 Fingerprint = Callable[..., "tuple[dict, dict | None]"]
@@ -52,12 +54,12 @@ def _array(a: Any) -> dict:
     return {"dtype": a.dtype.name, "shape": list(a.shape)}
 
 
-def _root(group: Any, root: int) -> dict:
-    return {"root": group._ranks[root]}
+def _root(group: GroupContext, root: int) -> dict:
+    return {"root": group.ranks[root]}
 
 
-def _split_counts(group: Any, out: Any, a: Any, output_counts: Any, input_counts: Any) -> dict:
-    n = group._size
+def _split_counts(group: GroupContext, out: Any, a: Any, output_counts: Any, input_counts: Any) -> dict:
+    n = group.size
     send = list(input_counts) if input_counts is not None else [a.size // n] * n
     recv = list(output_counts) if output_counts is not None else [out.size // n] * n
     return {"send": send, "recv": recv}
@@ -190,11 +192,11 @@ def work_bytes(work: Any) -> int:
     outputs = work._outputs
     if outputs and len(outputs) == 1 and hasattr(outputs[0], "nbytes"):  # most ops
         size = outputs[0].nbytes
-        return size * work._group._size if share else size
+        return size * work._group.size if share else size
     size = _nbytes(outputs) if outputs else 0
     if size == 0 and work._keep is not None:
         # gather on a non-root rank: only the buffer it sends is known
-        size = _nbytes(work._keep) * (work._group._size if op == "gather" else 1)
+        size = _nbytes(work._keep) * (work._group.size if op == "gather" else 1)
     elif share:
-        size *= work._group._size
+        size *= work._group.size
     return size

@@ -14,6 +14,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from spmd.core.context import GroupContext
 from spmd.core.errors import DistTimeoutError
 
 __all__ = ["wait_until", "timeout_error", "set_oversubscribed", "set_diagnosis"]
@@ -40,12 +41,12 @@ def set_diagnosis(fn: Callable[..., str] | None) -> None:
     _diagnose = fn
 
 
-def timeout_error(op: str, group: Any, waited: float, *, seq: int | None = None,
+def timeout_error(op: str, group: GroupContext, waited: float, *, seq: int | None = None,
                   kind: str = "collective", source: str = "wait",
                   work: Any = None) -> DistTimeoutError:
     """The DistTimeoutError for ``op`` on ``group`` after ``waited`` seconds."""
     plain = (f"{op}: did not complete within {waited:.1f} s "
-             f"[rank {group._rank}, group {group._name}]")
+             f"[rank {group.rank}, group {group.name}]")
     if _diagnose is None:
         return DistTimeoutError(plain)
     try:
@@ -54,7 +55,7 @@ def timeout_error(op: str, group: Any, waited: float, *, seq: int | None = None,
         return DistTimeoutError(f"{plain} (diagnosis failed: {type(err).__name__}: {err})")
 
 
-def wait_until(test: Callable[[], Any], seconds: float, op: str, group: Any, *,
+def wait_until(test: Callable[[], Any], seconds: float, op: str, group: GroupContext, *,
                seq: int | None = None, kind: str = "collective", source: str = "wait",
                work: Any = None, nap: Callable[[], None] | None = None,
                on_timeout: Callable[[], None] | None = None) -> None:

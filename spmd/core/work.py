@@ -130,7 +130,7 @@ class Work:
             # Inlined _test(): this is every blocking call's path.
             reqs = self._reqs
             if not (reqs[0].Test(self._status) if len(reqs) == 1 else _testall(reqs)):
-                self._poll(self._group._timeout if seconds is None else seconds)
+                self._poll(self._group.timeout if seconds is None else seconds)
             if self._finish is None and not observers and self._future is None:
                 self._done = True  # _complete() with nothing to run
                 self._keep = None
@@ -173,7 +173,7 @@ class Work:
         if self._status is None:
             raise RuntimeError(f"{self._op}: source_rank() is only defined for receives")
         self.wait()
-        return self._group._global_rank(self._status.Get_source())
+        return self._group.global_rank(self._status.Get_source())
 
     def get_future(self) -> Future:
         """Return a Future completed with the output arrays when this Work completes."""
@@ -188,6 +188,6 @@ class Work:
 
     def __repr__(self) -> str:
         state = "completed" if self._done else "pending"
-        return f"<Work {self._op} {state} group={self._group._name}>"
+        return f"<Work {self._op} {state} group={self._group.name}>"
 
 

@@ -69,7 +69,7 @@ def _dim_group(root: DeviceMesh, modes: lay.Modes, label: str, backend, timeout)
     op = "DeviceMesh"
     world = default_group(op)
     size = lay.size(modes)
-    if size == world._size and backend is None and timeout is None:
+    if size == world.context.size and backend is None and timeout is None:
         return world
     # The groups are the copies of the dimension; name each by its copy's index, which
     # for a root dimension is the row-major index of the other coordinates.
@@ -81,10 +81,10 @@ def _dim_group(root: DeviceMesh, modes: lay.Modes, label: str, backend, timeout)
     if size == 1:  # every rank decides alike, from the layout: no message needed
         if root._pos is None:
             return None
-        return register_group(MPI.COMM_SELF.Dup(), [world._rank], f"{label}:{color}",
+        return register_group(MPI.COMM_SELF.Dup(), [world.context.rank], f"{label}:{color}",
                          timeout_seconds(timeout, op), backend_name_of(backend, op),
                          f"mesh_{label}")
-    return split_comm(world, color, world._rank, lambda m: f"{label}:{color}", timeout, backend,
+    return split_comm(world, color, world.context.rank, lambda m: f"{label}:{color}", timeout, backend,
                   f"mesh_{label}", op)
 
 
@@ -111,10 +111,10 @@ class DeviceMesh:
         if mesh is None:
             raise TypeError(f"{op}: mesh (an array-like of global ranks) is required")
         world = _default_or_init()
-        full = check_mesh(mesh, world._size, op)
+        full = check_mesh(mesh, world.context.size, op)
         names = check_names(mesh_dim_names, full.ndim, op)
         backends = check_overrides(backend_override, full.ndim, names, op)
-        self._init_root(device_type, full, names, world._rank)
+        self._init_root(device_type, full, names, world.context.rank)
         self._groups = tuple(_dim_group(self, self._layout[d], self._label(d), backends[d], None)
                              for d in range(full.ndim))
 
@@ -140,7 +140,7 @@ class DeviceMesh:
         """A root mesh whose dimension groups are given (an entry None: split one here,
         with ``timeout``, as later flattened dimensions will be)."""
         mesh = cls.__new__(cls)
-        mesh._init_root(device_type, full, names, default_group("DeviceMesh")._rank)
+        mesh._init_root(device_type, full, names, default_group("DeviceMesh").context.rank)
         mesh._timeout = timeout
         mesh._groups = tuple(g if g is not None else
                              _dim_group(mesh, mesh._layout[d], mesh._label(d), None, timeout)
@@ -488,12 +488,12 @@ class DeviceMesh:
         if mesh is None or mesh_dim_names is None:
             raise ValueError(f"{op}: mesh and mesh_dim_names are required with "
                              f"{len(groups)} groups")
-        full = check_mesh(mesh, world._size, op)
+        full = check_mesh(mesh, world.context.size, op)
         if full.ndim != len(groups):
             raise ValueError(f"{op}: mesh has {full.ndim} dimensions, expected one per group "
                              f"({len(groups)})")
         names = check_names(mesh_dim_names, full.ndim, op)
-        coord = _locate(full, world._rank)
+        coord = _locate(full, world.context.rank)
         checked: list[ProcessGroup | _NonGroupMember] = []
         for d, g in enumerate(groups):
             if coord is None:
@@ -504,7 +504,7 @@ class DeviceMesh:
             line = full[tuple(slice(None) if a == d else coord[a] for a in range(full.ndim))]
             if sorted(line.tolist()) != sorted(g.ranks):
                 raise ValueError(f"{op}: group {d} holds ranks {g.ranks}, but along dimension "
-                                 f"{d} the mesh gives {line.tolist()} for rank {world._rank}")
+                                 f"{d} the mesh gives {line.tolist()} for rank {world.context.rank}")
             checked.append(g)
         return DeviceMesh._with_groups(device_type, full, names, checked)
 
@@ -573,8 +573,8 @@ def init_device_mesh(device_type: str, mesh_shape: int | Sequence[int], *,
     shape = tuple(int(s) for s in mesh_shape)
     names = check_names(mesh_dim_names, len(shape), op)
     world = _default_or_init()
-    if math.prod(shape) != world._size:
+    if math.prod(shape) != world.context.size:
         raise ValueError(f"{op}: mesh_shape {shape} holds {math.prod(shape)} ranks, expected "
-                         f"the world size ({world._size})")
-    return DeviceMesh(device_type, np.arange(world._size).reshape(shape), mesh_dim_names=names,
+                         f"the world size ({world.context.size})")
+    return DeviceMesh(device_type, np.arange(world.context.size).reshape(shape), mesh_dim_names=names,
                       backend_override=backend_override)

@@ -32,6 +32,7 @@ from spmd.backends import checked as _checked
 from spmd.backends.staging import Staging, use_device_pointer
 from spmd.core import cuda as _gpu
 from spmd.core.arrays import array_in, array_out, contiguous, is_device_array, movable
+from spmd.core.context import GroupContext
 from spmd.core.errors import DistTimeoutError, located
 from spmd.core.optable import OPS
 from spmd.core.typing import Array, Timeout
@@ -105,7 +106,7 @@ def init_program(name: str | None = None, *, timeout: Timeout | None = None,
     world = default_group(op)
     if name is not None and (not isinstance(name, str) or not name.strip()):
         raise TypeError(f"{op}: name must be a non-empty str or None, got {name!r}")
-    rows = world._comm.allgather((name, _appnum()))
+    rows = world.context.comm.allgather((name, _appnum()))
     # Every rank sees the same rows, so every rank raises the same error.
     unnamed = [r for r, (n, a) in enumerate(rows) if n is None and a is None]
     if unnamed:
@@ -123,12 +124,12 @@ def init_program(name: str | None = None, *, timeout: Timeout | None = None,
     order = list(dict.fromkeys(names))  # by lowest world rank
     programs = [Program(n, i, tuple(r for r, m in enumerate(names) if m == n),
                         rows[names.index(n)][1]) for i, n in enumerate(order)]
-    mine = programs[order.index(names[world._rank])]
-    group = split_comm(world, mine.index, world._rank, lambda m: f"program:{mine.name}", timeout,
+    mine = programs[order.index(names[world.context.rank])]
+    group = split_comm(world, mine.index, world.context.rank, lambda m: f"program:{mine.name}", timeout,
                    backend, f"program_{mine.name}", op)
     if _job is not None and _job.world is world and _job.peer_comm is not None:
         _job.peer_comm.Free()
-    _job = _Job(world, programs, mine, group, world._comm.Dup())
+    _job = _Job(world, programs, mine, group, world.context.comm.Dup())
     return group
 
 
@@ -177,19 +178,22 @@ def new_link(peer: str, *, timeout: Timeout | None = None) -> Link:
     if remote.name == job.mine.name:
         raise ValueError(f"{op}: peer {peer!r} is this rank's own program; a link joins two "
                          f"different programs of {[p.name for p in job.programs]}")
-    seconds = job.group._timeout if timeout is None else timeout_seconds(timeout, op)
+    seconds = job.group.context.timeout if timeout is None else timeout_seconds(timeout, op)
     lo, hi = sorted((job.mine.index, remote.index))
     tag = 1 + lo * len(job.programs) + hi  # the same on both sides, distinct per pair
-    comm = job.group._comm.Create_intercomm(0, job.peer_comm, remote.ranks[0], tag)
+    comm = job.group.context.comm.Create_intercomm(0, job.peer_comm, remote.ranks[0], tag)
     # spmd's own link traffic (objects, broadcast relays) never meets the user's.
-    return Link(comm, comm.Dup(), job.group._comm.Dup(), job.mine, remote, seconds)
+    return Link(comm, comm.Dup(), job.group.context.comm.Dup(), job.mine, remote, seconds)
 
 
-class _LinkGroup(ProcessGroup):
-    """The link's intercommunicator as a group, so its Works look like every other Work
-    to timeouts and observers.  Not registered: destroy_process_group() leaves it alone."""
+class _LinkContext(GroupContext):
+    """The link's intercommunicator as a group context, so its Works look like every other
+    Work to timeouts and observers.  No ProcessGroup holds it: destroy_process_group()
+    leaves it alone."""
 
-    def _global_rank(self, group_rank: int) -> int:
+    __slots__ = ()
+
+    def global_rank(self, group_rank: int) -> int:
         # Work.source_rank() reports a sender through this: on a link, a remote rank.
         return group_rank
 
@@ -206,9 +210,9 @@ class Link:
                  local: Program, remote: Program, timeout: float):
         self.local = local
         self.remote = remote
-        # ProcessGroup is typed for intracommunicators; what Works, waits and free() call
-        # on the link's group (Isend/Irecv, sizes, Free) an intercommunicator has as well.
-        self._pg = _LinkGroup(cast(MPI.Intracomm, comm), local.ranks,
+        # GroupContext is typed for intracommunicators; what Works, waits and free() call
+        # on the link's context (Isend/Irecv, sizes, Free) an intercommunicator has as well.
+        self._ctx = _LinkContext(cast(MPI.Intracomm, comm), local.ranks,
                               f"link:{local.name}-{remote.name}", timeout, "mpi", "link")
         self._comm = comm              # the same communicator, as what it is
         self._lib = lib                # objects and broadcast relays
@@ -218,11 +222,11 @@ class Link:
 
     def rank(self) -> int:
         """This rank's rank in its own program."""
-        return self._pg._rank
+        return self._ctx.rank
 
     def size(self) -> int:
         """The size of this rank's program."""
-        return self._pg._size
+        return self._ctx.size
 
     def remote_size(self) -> int:
         """The size of the other program."""
@@ -234,8 +238,8 @@ class Link:
         return self._live("comm")
 
     def _live(self, op: str) -> MPI.Intercomm:
-        if self._pg._comm is None:
-            raise RuntimeError(f"{op}: link {self._pg._name} was freed")
+        if self._ctx.comm is None:
+            raise RuntimeError(f"{op}: link {self._ctx.name} was freed")
         return self._comm
 
     def _peer(self, peer, op: str, arg: str, any_source: bool = False) -> int:
@@ -243,18 +247,18 @@ class Link:
             return MPI.ANY_SOURCE
         if isinstance(peer, bool) or not isinstance(peer, int):
             raise located(TypeError, op, f"{arg} must be an int (a rank of program "
-                          f"{self.remote.name!r}), got {type(peer).__name__}", self._pg)
+                          f"{self.remote.name!r}), got {type(peer).__name__}", self._ctx)
         if not 0 <= peer < self._remote_size:
             raise located(ValueError, op, f"{arg}={peer} is out of range [0, "
                           f"{self._remote_size}) (the ranks of program {self.remote.name!r})",
-                          self._pg)
+                          self._ctx)
         return peer
 
     # -- arrays ------------------------------------------------------------------
 
     def _stager(self, op: str) -> Staging:
         if self._staging is None:
-            self._staging = Staging(_gpu.need_cupy(op, "a GPU array on a link", self._pg))
+            self._staging = Staging(_gpu.need_cupy(op, "a GPU array on a link", self._ctx))
         return self._staging
 
     def _device_source(self, a, op: str, collective: bool):
@@ -282,26 +286,26 @@ class Link:
     def _isend(self, tensor, dst, tag, op: str) -> Work:
         comm = self._live(op)
         peer = self._peer(dst, op, "dst")
-        a = array_in(tensor, op, "tensor", self._pg)
-        tag = check_tag(tag, op, self._pg)
+        a = array_in(tensor, op, "tensor", self._ctx)
+        tag = check_tag(tag, op, self._ctx)
         if is_device_array(a):
             buf = self._device_source(a, op, collective=False)
         else:
             buf = movable(contiguous(a))
-        return Work([comm.Isend(buf, peer, tag)], op, self._pg, [a], keep=(a, buf))
+        return Work([comm.Isend(buf, peer, tag)], op, self._ctx, [a], keep=(a, buf))
 
     def _irecv(self, tensor, src, tag, op: str) -> Work:
         comm = self._live(op)
         peer = self._peer(src, op, "src", any_source=True)
-        a = array_out(tensor, op, "tensor", self._pg)
-        tag = check_tag(tag, op, self._pg)
+        a = array_out(tensor, op, "tensor", self._ctx)
+        tag = check_tag(tag, op, self._ctx)
         if is_device_array(a):
             buf, finish = self._device_target(a, op, collective=False)
         else:
             buf, finish = self._host_target(a)
         status = MPI.Status()
         req = comm.Irecv(movable(buf), peer, tag)
-        return Work([req], op, self._pg, [a], finish=finish, keep=(a, buf), status=status)
+        return Work([req], op, self._ctx, [a], finish=finish, keep=(a, buf), status=status)
 
     def isend(self, tensor: Array, dst: int, tag: int = 0) -> Work:
         """Start sending ``tensor`` to rank ``dst`` of the other program; return a Work."""
@@ -325,16 +329,16 @@ class Link:
         if src_program not in (self.local.name, self.remote.name):
             first, second = sorted((self.local, self.remote), key=lambda p: p.index)
             raise located(ValueError, op, f"src_program must be {first.name!r} or "
-                          f"{second.name!r}, got {src_program!r}", self._pg)
+                          f"{second.name!r}, got {src_program!r}", self._ctx)
         sending = src_program == self.local.name
-        size = self._pg._size if sending else self._remote_size
+        size = self._ctx.size if sending else self._remote_size
         if isinstance(src, bool) or not isinstance(src, int) or not 0 <= src < size:
             raise located(ValueError, op, f"src must be a rank of program {src_program!r} "
-                          f"in [0, {size}), got {src!r}", self._pg)
+                          f"in [0, {size}), got {src!r}", self._ctx)
         return sending
 
     def _wait(self, req, op: str, keep=None, status=None) -> Work:
-        work = Work([req], op, self._pg, None, keep=keep, status=status)
+        work = Work([req], op, self._ctx, None, keep=keep, status=status)
         work.wait()
         return work
 
@@ -352,11 +356,11 @@ class Link:
         op = "Link.broadcast"
         self._live(op)
         sending = self._source(src, src_program, op)
-        if sending and self._pg._rank != src:
+        if sending and self._ctx.rank != src:
             if _checked.active:
-                self._check(op, array_in(tensor, op, "tensor", self._pg), src, src_program)
+                self._check(op, array_in(tensor, op, "tensor", self._ctx), src, src_program)
             return
-        a = (array_in if sending else array_out)(tensor, op, "tensor", self._pg)
+        a = (array_in if sending else array_out)(tensor, op, "tensor", self._ctx)
         if _checked.active:
             self._check(op, a, src, src_program)
         if sending:
@@ -367,7 +371,7 @@ class Link:
         # The relay ends in a nonblocking collective (Ibcast) on this program's ranks.
         buf, finish = self._device_target(a, op, True) if is_device_array(a) \
             else self._host_target(a)
-        if self._pg._rank == 0:
+        if self._ctx.rank == 0:
             self._wait(self._lib.Irecv(movable(buf), src, _RELAY_TAG), op, buf)
         self._wait(self._local_comm.Ibcast(movable(buf), 0), op, buf)
         if finish is not None:
@@ -378,8 +382,8 @@ class Link:
         """Debug mode: compare this call across every rank of both programs."""
         fingerprint = OPS[op].fingerprint
         assert fingerprint is not None, f"{op} has no fingerprint in the op table"
-        fields, _ = fingerprint(self._pg, *args)
-        _checked.check_link_call(self._pg, self._local_comm, self.remote.ranks, op, fields)
+        fields, _ = fingerprint(self._ctx, *args)
+        _checked.check_link_call(self._ctx, self._local_comm, self.remote.ranks, op, fields)
 
     # -- objects -----------------------------------------------------------------
 
@@ -398,9 +402,9 @@ class Link:
             msg = self._lib.Improbe(source, tag, status)
             if msg is not None:
                 break
-            if time.monotonic() - start > self._pg._timeout:
-                raise DistTimeoutError(f"{op}: nothing arrived within {self._pg._timeout:.1f} s "
-                                       f"[rank {self._pg._rank}, group {self._pg._name}]")
+            if time.monotonic() - start > self._ctx.timeout:
+                raise DistTimeoutError(f"{op}: nothing arrived within {self._ctx.timeout:.1f} s "
+                                       f"[rank {self._ctx.rank}, group {self._ctx.name}]")
             time.sleep(0)
         data = np.empty(status.Get_count(MPI.BYTE), _U8)
         self._wait(msg.Irecv(data), op, data)
@@ -431,27 +435,31 @@ class Link:
         if _checked.active:
             self._check(op, src, src_program)
         if sending:
-            if self._pg._rank == src:
+            if self._ctx.rank == src:
                 data = _dumps(obj)
                 self._wait(self._lib.Isend(data, 0, _RELAY_TAG), op, data)
             return obj
         size = np.zeros(1, _I64)
-        if self._pg._rank == 0:
+        if self._ctx.rank == 0:
             data, _ = self._recv_bytes(src, _RELAY_TAG, op)
             size[0] = data.size
         self._wait(self._local_comm.Ibcast(size, 0), op, size)
-        if self._pg._rank != 0:
+        if self._ctx.rank != 0:
             data = np.empty(int(size[0]), _U8)
         self._wait(self._local_comm.Ibcast(data, 0), op, data)
         return pickle.loads(data.data)
 
     def free(self) -> None:
         """Free the link's communicators.  Every rank of both programs must call it."""
-        if self._pg._comm is not None:
+        ctx = self._ctx
+        if ctx.comm is not None:
             self._lib.Free()
             self._local_comm.Free()
-        self._pg._free()
+        _checked.free_check_comm(ctx)
+        if ctx.comm is not None:
+            ctx.comm.Free()
+            ctx.comm = None  # type: ignore[assignment]  # freed (see GroupContext)
 
     def __repr__(self) -> str:
-        return (f"<Link {self.local.name}({self._pg._size}) <-> {self.remote.name}"
-                f"({self._remote_size}) rank={self._pg._rank}>")
+        return (f"<Link {self.local.name}({self._ctx.size}) <-> {self.remote.name}"
+                f"({self._remote_size}) rank={self._ctx.rank}>")

@@ -163,7 +163,7 @@ def initialize_model_parallel(tensor_model_parallel_size: int = 1,
         if pp <= 1:  # Megatron's check and exception type
             raise RuntimeError(f"{op}: virtual_pipeline_model_parallel_size ({vp}) needs "
                                f"pipeline_model_parallel_size > 1, got {pp}")
-    n = world._size
+    n = world.context.size
     if n % (tp * pp * cp):
         raise ValueError(f"{op}: world size {n} is not divisible by tensor_model_parallel_size "
                          f"({tp}) x pipeline_model_parallel_size ({pp}) x context_parallel_size "
@@ -220,7 +220,7 @@ def initialize_model_parallel(tensor_model_parallel_size: int = 1,
     for token, lists, desc in (("embd", embd, "embedding"), ("pos-embd", pos_embd,
                                                                "position_embedding")):
         groups[token], _ = new_subgroups_by_enumeration(lists, timeout=timeout, group_desc=desc)
-        mine[token] = next((r for r in lists if world._rank in r), None)
+        mine[token] = next((r for r in lists if world.context.rank in r), None)
     _layout = _Layout(world, decoder, expert, groups, mine)
     if vp is not None:  # as Megatron: without it, the globals are left as they are
         _vp_world_size, _vp_rank = vp, 0
@@ -250,7 +250,7 @@ def destroy_model_parallel() -> None:
         if not isinstance(pg, ProcessGroup) or pg is _layout.world or id(pg) in seen:
             continue
         seen.add(id(pg))
-        if pg._comm is not None:
+        if pg.context.comm is not None:
             destroy_process_group(pg)
     _layout = None
 
@@ -384,7 +384,7 @@ def _embedding_group(token: str, what: str, op: str, check_initialized: bool):
         assert _layout is not None  # _group raised if it were not initialized
         pipeline = _layout.groups["pp"]
         assert pipeline is not None  # every rank is in a pipeline group
-        raise RuntimeError(f"{op}: global rank {_layout.world._rank} is in no {what} group "
+        raise RuntimeError(f"{op}: global rank {_layout.world.context.rank} is in no {what} group "
                            f"(its pipeline: {pipeline.ranks})")
     return pg
 
@@ -409,7 +409,7 @@ def is_rank_in_embedding_group(ignore_virtual: bool = True, vp_stage: int | None
     if not model_parallel_is_initialized():
         return False
     assert _layout is not None  # model_parallel_is_initialized() says so
-    ranks, me = _layout.embedding["embd"], _layout.world._rank
+    ranks, me = _layout.embedding["embd"], _layout.world.context.rank
     if ranks is None:
         return False
     if ignore_virtual or me not in (ranks[0], ranks[-1]):

@@ -72,11 +72,11 @@ def node_topology(group: GroupArg = None, *, timeout: Timeout | None = None,
         raise ValueError(f"{op}: this rank is not a member of group {group!r}")
     seconds = timeout_seconds(timeout, op)
     backend_name = backend_name_of(backend, op)
-    node_comm = split_node(parent._comm)
+    node_comm = split_node(parent.context.comm)
     local_rank, local_size = node_comm.Get_rank(), node_comm.Get_size()
-    members = [parent._ranks[r] for r in node_comm.allgather(parent._rank)]
+    members = [parent.context.ranks[r] for r in node_comm.allgather(parent.context.rank)]
     # Group rank i of every cross-node group with local rank 0 is the i-th node.
-    cross = split_comm(parent, local_rank, parent._rank, lambda m: f"cross_node:{local_rank}",
+    cross = split_comm(parent, local_rank, parent.context.rank, lambda m: f"cross_node:{local_rank}",
                    timeout, backend, "cross_node", op)
     leader = (cross.rank(), cross.size()) if local_rank == 0 else None
     node_rank, num_nodes = node_comm.bcast(leader, root=0)

@@ -9,6 +9,7 @@ import time
 
 from spmd.backends.checked import checking
 from spmd.core import flight_recorder
+from spmd.core.context import GroupContext
 from spmd.core.optable import is_p2p
 from spmd.runtime.group import world_state
 from spmd.runtime.locations import where
@@ -20,15 +21,20 @@ __all__ = ["answer", "diagnose", "diagnose_timeout", "group_key", "handle_timeou
 _monotonic = time.monotonic
 
 
-def group_key(g) -> dict:
-    same = [x for x in list(world_state.groups) if x._name == g._name and x._ranks == g._ranks]
+def _contexts() -> list[GroupContext]:
+    return [pg.context for pg in list(world_state.groups)]
+
+
+def group_key(g: GroupContext) -> dict:
+    """How a peer finds ``g`` among its groups: name, members, and which of the groups
+    with both it is (groups can share members and name)."""
+    same = [x for x in _contexts() if x.name == g.name and x.ranks == g.ranks]
     index = next((i for i, x in enumerate(same) if x is g), 0)
-    return {"name": g._name, "ranks": list(g._ranks), "index": index}
+    return {"name": g.name, "ranks": list(g.ranks), "index": index}
 
 
-def find_group(key: dict):
-    same = [x for x in list(world_state.groups)
-            if x._name == key["name"] and list(x._ranks) == key["ranks"]]
+def find_group(key: dict) -> GroupContext | None:
+    same = [x for x in _contexts() if x.name == key["name"] and list(x.ranks) == key["ranks"]]
     return same[key["index"]] if len(same) > key["index"] else None
 
 
@@ -45,11 +51,11 @@ def answer(request: dict) -> dict:
                             for e in flight_recorder.recorder.in_flight()][-3:]
     else:
         out.update(flight_recorder.recorder.group_summary(g, request.get("seq")))
-        out["broken"] = g._error
+        out["broken"] = g.error
         pending = checking.get(g)
         if pending is not None:  # in a debug-mode fingerprint exchange: it reached the op
             op, seq, t0 = pending
-            b = {"op": op, "seq": seq, "kind": "collective", "group": g._name,
+            b = {"op": op, "seq": seq, "kind": "collective", "group": g.name,
                  "state": "comparing arguments (debug mode)", "age": round(_monotonic() - t0, 3),
                  "took": None}
             out["seq"] = max(out["seq"], seq)
@@ -68,8 +74,8 @@ def answer(request: dict) -> dict:
     return out
 
 
-def who(g, rank: int) -> str:
-    r = g._group_rank(rank)
+def who(g: GroupContext, rank: int) -> str:
+    r = g.group_rank(rank)
     return f"rank {rank}" if r == rank else f"rank {rank} (group rank {r})"
 
 
@@ -80,7 +86,7 @@ def _op_text(b: dict | None, here: str) -> str:
     return f"{b['op']} #{b['seq']}{where}"
 
 
-def peer_text(g, rank: int, rep: dict | None, target: int | None, op: str,
+def peer_text(g: GroupContext, rank: int, rep: dict | None, target: int | None, op: str,
                kind: str = "collective") -> str:
     name = who(g, rank)
     if rep is None:
@@ -90,25 +96,25 @@ def peer_text(g, rank: int, rep: dict | None, target: int | None, op: str,
         return f"{name}: could not answer ({rep['error']})"
     parts = []
     if rep.get("no_group"):
-        parts.append(f"has no group {g._name} (not created yet, or destroyed)")
+        parts.append(f"has no group {g.name} (not created yet, or destroyed)")
     elif kind == "p2p":
         cur = [c for c in rep.get("current", []) if c["kind"] == "p2p"]
-        parts.append(f"{rep.get('p2p_seq', 0)} point-to-point ops started on {g._name}; " +
+        parts.append(f"{rep.get('p2p_seq', 0)} point-to-point ops started on {g.name}; " +
                      ("in flight: " + ", ".join(f"{c['op']} #{c['seq']} (started {c['age']:.1f} "
                                                 "s ago)" for c in cur) if cur else "none in flight"))
     else:
         last = rep.get("last")
         if last is not None:
-            parts.append(f"last finished {_op_text(last, g._name)} "
+            parts.append(f"last finished {_op_text(last, g.name)} "
                          f"{last['age'] - (last['took'] or 0):.1f} s ago")
         cur = [c for c in rep.get("current", []) if c["kind"] == "collective"]
         if last is None and rep.get("seq", 0) <= len(cur):
-            parts.append(f"no collective on {g._name} finished yet")
+            parts.append(f"no collective on {g.name} finished yet")
         elif last is None:
             parts.append("its last finished collective is older than its flight recorder")
         parts.append("in flight here: " + ", ".join(
             f"{c['op']} #{c['seq']} (started {c['age']:.1f} s ago)" for c in cur)
-            if cur else f"nothing in flight on {g._name}")
+            if cur else f"nothing in flight on {g.name}")
         at = rep.get("at_seq")
         if target is not None and at is not None and at["op"] != op:
             parts.append(f"MISMATCH: its #{target} is {at['op']}, not {op} (SPMD_DEBUG=DETAIL "
@@ -134,17 +140,17 @@ _ALONE = {
 }
 
 
-def diagnose(op: str, g, seq: int | None, kind: str, waited: float, source: str,
+def diagnose(op: str, g: GroupContext, seq: int | None, kind: str, waited: float, source: str,
              engine: str = flight_recorder.MPI_ENGINE) -> str:
     """The text of a timeout: what this rank waited for on which engine, and where every
     other member is."""
-    me = g._ranks[g._rank]
+    me = g.ranks[g.rank]
     what = "" if seq is None else \
         f"collective #{seq} " if kind == "collective" else f"point-to-point op #{seq} "
-    lines = [(f"{op}: did not complete within {waited:.1f} s ({what}on group {g._name}, "
-              f"{engine}, group timeout {g._timeout:g} s) [rank {g._rank}, group {g._name}]")]
+    lines = [(f"{op}: did not complete within {waited:.1f} s ({what}on group {g.name}, "
+              f"{engine}, group timeout {g.timeout:g} s) [rank {g.rank}, group {g.name}]")]
     ch = state.channel
-    peers = [r for r in g._ranks if r != me]
+    peers = [r for r in g.ranks if r != me]
     if not peers:
         lines.append("  " + _ALONE.get(engine, "this rank is the only member; the operation "
                                                "can never complete"))
@@ -184,17 +190,17 @@ def diagnose(op: str, g, seq: int | None, kind: str, waited: float, source: str,
     return "\n".join(lines)
 
 
-def handle_timeout(op: str, g, seq: int | None, kind: str, waited: float, source: str,
+def handle_timeout(op: str, g: GroupContext, seq: int | None, kind: str, waited: float, source: str,
                    engine: str = flight_recorder.MPI_ENGINE) -> str:
     """Diagnose, break the group (collectives), dump the flight recorder; the message."""
     text = diagnose(op, g, seq, kind, waited, source, engine)
-    if kind == "collective" and g._error is None:
-        g._error = f"{op} #{seq} timed out on rank {state.rank} after {waited:.1f} s"
-        text += f"\n  group {g._name} is now broken: later calls on it raise GroupBrokenError"
+    if kind == "collective" and g.error is None:
+        g.error = f"{op} #{seq} timed out on rank {state.rank} after {waited:.1f} s"
+        text += f"\n  group {g.name} is now broken: later calls on it raise GroupBrokenError"
     if kind != "collective" and source == "wait":
         return text  # a receive can still complete: no dump for a polling wait(timeout)
     try:
-        path = flight_recorder.dump(state.config.dump_dir, f"{op} #{seq} on {g._name} timed out")
+        path = flight_recorder.dump(state.config.dump_dir, f"{op} #{seq} on {g.name} timed out")
     except OSError as exc:
         text += f"\n  flight recorder dump failed: {exc}"
     else:
@@ -204,7 +210,7 @@ def handle_timeout(op: str, g, seq: int | None, kind: str, waited: float, source
     return text
 
 
-def diagnose_timeout(op: str, g, seq: int | None, kind: str, waited: float, source: str,
+def diagnose_timeout(op: str, g: GroupContext, seq: int | None, kind: str, waited: float, source: str,
                       work) -> str:
     """The one wait helper's hook: the diagnosis of any wait that timed out."""
     engine = flight_recorder.MPI_ENGINE

@@ -33,7 +33,7 @@ __all__ = [
 DEFAULT_TIMEOUT = timedelta(minutes=30)  # torch's default for non-NCCL backends
 
 
-class ProcessGroup(GroupContext):
+class ProcessGroup:
     """A set of ranks that communicate together, backed by one MPI communicator.
 
     Groups are made by :func:`spmd.init_process_group` (the default group, WORLD),
@@ -41,71 +41,74 @@ class ProcessGroup(GroupContext):
     ``rank()`` and ``size()`` are this process's rank in the group and the group's
     size; ``ranks`` lists the members' global ranks in group-rank order; ``comm`` is
     the group's private mpi4py communicator for users who need raw MPI (spmd's own
-    traffic runs on it, so match collectives with care).
+    traffic runs on it, so match collectives with care).  ``context`` is what the
+    group's engines and Works read of it (:class:`spmd.core.context.GroupContext`).
     """
 
     def __init__(self, comm: MPI.Intracomm, ranks: Sequence[int], name: str,
                  timeout: float, backend: str, desc: str | None = None,
                  store: Store | None = None):
-        super().__init__(comm, ranks, name, timeout, backend, desc, store)
-        self._backends: dict = {}
+        self.context = GroupContext(comm, ranks, name, timeout, backend, desc, store)
+        self.context.engine_for = self._backend_for
+        self._backends: dict = {}  # device -> engine, made on first use
 
     def rank(self) -> int:
         """This process's rank in the group."""
-        return self._rank
+        return self.context.rank
 
     def size(self) -> int:
         """The number of ranks in the group."""
-        return self._size
+        return self.context.size
 
     @property
     def ranks(self) -> list[int]:
         """Global ranks of the members, in group-rank order."""
-        return list(self._ranks)
+        return list(self.context.ranks)
 
     @property
     def name(self) -> str:
-        return self._name
+        return self.context.name
 
     group_name = name
 
     @property
     def group_desc(self) -> str:
-        return self._desc
+        return self.context.desc
 
     @property
     def comm(self) -> MPI.Intracomm:
         """The group's mpi4py communicator (a private one, not the user's COMM_WORLD)."""
-        self._check_alive("comm")
-        return self._comm
+        self.context.check_alive("comm")
+        return self.context.comm
 
     @property
     def timeout(self) -> timedelta:
-        return timedelta(seconds=self._timeout)
+        return timedelta(seconds=self.context.timeout)
 
     def _backend_for(self, device: str):
         backend = self._backends.get(device)
         if backend is None:
-            backend = make_backend(self, device)
+            backend = self._backends[device] = make_backend(self.context, device)
         return backend
 
     def _free(self) -> None:
         for backend in self._backends.values():
             backend.shutdown()
         self._backends.clear()
-        free_check_comm(self)  # debug mode's, also where no engine was made (objects)
-        if self._comm is not None:
-            self._comm.Free()
-            self._comm = None  # type: ignore[assignment]  # destroyed (see GroupContext)
+        free_check_comm(self.context)  # debug mode's, also where no engine was made (objects)
+        ctx = self.context
+        if ctx.comm is not None:
+            ctx.comm.Free()
+            ctx.comm = None  # type: ignore[assignment]  # destroyed (see GroupContext)
 
     def __repr__(self) -> str:
-        return f"<ProcessGroup {self._name} rank={self._rank} size={self._size}>"
+        return f"<ProcessGroup {self.context.name} rank={self.context.rank} size={self.context.size}>"
 
 
 class _NonGroupMember:
     """What group constructors return on ranks outside the group (torch's sentinel)."""
 
-    _name = "NON_GROUP_MEMBER"
+    name = "NON_GROUP_MEMBER"
 
     def __repr__(self) -> str:
         return "GroupMember.NON_GROUP_MEMBER"
@@ -175,22 +178,24 @@ def resolve(group: GroupArg, op: str) -> ProcessGroup | None:
         pg = world_state.world
         if pg is None:
             raise _not_initialized(op)
-        if pg._error is not None:
-            pg._check_alive(op)
+        if pg.context.error is not None:
+            pg.context.check_alive(op)
         return pg
     if type(group) is ProcessGroup:
-        if group._comm is None or group._error is not None:
-            group._check_alive(op)
+        ctx = group.context
+        if ctx.comm is None or ctx.error is not None:
+            ctx.check_alive(op)
         return group
     if group is GroupMember.NON_GROUP_MEMBER:
         if world_state.world is None:
             raise _not_initialized(op)
-        warnings.warn(f"Running {op} on global rank {world_state.world._rank} which does not "
-                      "belong to the given group.", stacklevel=3)
+        warnings.warn(f"Running {op} on global rank {world_state.world.context.rank} which "
+                      "does not belong to the given group.", stacklevel=3)
         return None
     if isinstance(group, ProcessGroup):
-        if group._comm is None or group._error is not None:
-            group._check_alive(op)
+        ctx = group.context
+        if ctx.comm is None or ctx.error is not None:
+            ctx.check_alive(op)
         return group
     raise TypeError(f"{op}: group must be a ProcessGroup or None, got {type(group).__name__}")
 
@@ -199,7 +204,7 @@ def timeout_seconds(timeout, op: str) -> float:
     if timeout is None:
         world = world_state.world
         assert world is not None  # the callers found the default group first
-        return world._timeout
+        return world.context.timeout
     if isinstance(timeout, timedelta):
         seconds = timeout.total_seconds()
     elif isinstance(timeout, (int, float)) and not isinstance(timeout, bool):
@@ -215,7 +220,7 @@ def backend_name_of(backend, op: str) -> str:
     if backend is None:
         world = world_state.world
         assert world is not None  # the callers found the default group first
-        return world._backend_name
+        return world.context.backend_name
     Backend(backend)  # validates the spelling
     return str(backend).lower()
 
@@ -267,17 +272,17 @@ def new_group(ranks: Sequence[int] | None = None, timeout: Timeout | None = None
     seconds = timeout_seconds(timeout, "new_group")
     name = backend_name_of(backend, "new_group")
     if ranks is None:
-        ranks = list(range(world._size))
-    members = _check_rank_list(ranks, world._size, "new_group")
+        ranks = list(range(world.context.size))
+    members = _check_rank_list(ranks, world.context.size, "new_group")
     if sort_ranks:
         members.sort()
-    if world._rank not in members:
+    if world.context.rank not in members:
         return GroupMember.NON_GROUP_MEMBER
-    mpi_group = world._comm.Get_group().Incl(members)
+    mpi_group = world.context.comm.Get_group().Incl(members)
     # The tag keeps concurrent creations of different groups on one rank apart.
     tag = hash(tuple(members)) % 32768
     try:
-        comm = world._comm.Create_group(mpi_group, tag)
+        comm = world.context.comm.Create_group(mpi_group, tag)
     finally:
         mpi_group.Free()
     label = group_desc or _ranks_name(members)
@@ -286,14 +291,14 @@ def new_group(ranks: Sequence[int] | None = None, timeout: Timeout | None = None
 
 def split_comm(parent: ProcessGroup, color: int, key: int, name_of, timeout, backend, desc, op):
     """One ``Comm.Split`` of ``parent``: every member of parent must call it."""
-    comm = parent._comm.Split(color, key)
+    comm = parent.context.comm.Split(color, key)
     pg = None
     if comm != MPI.COMM_NULL:
-        members = [parent._ranks[r] for r in comm.allgather(parent._rank)]
+        members = [parent.context.ranks[r] for r in comm.allgather(parent.context.rank)]
         pg = register_group(comm, members, name_of(members), timeout_seconds(timeout, op),
                        backend_name_of(backend, op), desc)
     for backend in list(parent._backends.values()):  # e.g. NCCL's commSplit, collective
-        backend.on_split(pg, color, key)            # over the parent
+        backend.on_split(pg.context if pg else None, color, key)  # over the parent
     return pg
 
 
@@ -317,14 +322,14 @@ def new_subgroups(group_size: int | None = None, group: GroupArg = None,
         group_size = world_state.node_size
     if isinstance(group_size, bool) or not isinstance(group_size, int):
         raise TypeError(f"new_subgroups: group_size must be an int, got {type(group_size).__name__}")
-    if group_size <= 0 or parent._size % group_size:
+    if group_size <= 0 or parent.context.size % group_size:
         raise ValueError(f"new_subgroups: group_size ({group_size}) must be positive and divide "
-                         f"the group size ({parent._size}) [group {parent._name}]")
-    count = parent._size // group_size
-    ranks_lists = [list(parent._ranks[i * group_size:(i + 1) * group_size]) for i in range(count)]
-    mine = parent._rank // group_size
+                         f"the group size ({parent.context.size}) [group {parent.context.name}]")
+    count = parent.context.size // group_size
+    ranks_lists = [list(parent.context.ranks[i * group_size:(i + 1) * group_size]) for i in range(count)]
+    mine = parent.context.rank // group_size
     label = group_desc or "subgroup"
-    pg = split_comm(parent, mine, parent._rank, lambda m: f"{label}:{mine}", timeout, backend,
+    pg = split_comm(parent, mine, parent.context.rank, lambda m: f"{label}:{mine}", timeout, backend,
                 group_desc, "new_subgroups")
     subgroups = [pg if i == mine else GroupMember.NON_GROUP_MEMBER for i in range(len(ranks_lists))]
     return pg, subgroups
@@ -348,15 +353,15 @@ def new_subgroups_by_enumeration(ranks_per_subgroup_list: Sequence[Sequence[int]
                          "non-empty list of lists of ranks")
     owner: dict[int, int] = {}
     for i, ranks in enumerate(ranks_per_subgroup_list):
-        for r in _check_rank_list(ranks, world._size, "new_subgroups_by_enumeration",
+        for r in _check_rank_list(ranks, world.context.size, "new_subgroups_by_enumeration",
                                   f"ranks_per_subgroup_list[{i}]"):
             if r in owner:
                 raise ValueError(f"new_subgroups_by_enumeration: rank {r} is in subgroups "
                                  f"{owner[r]} and {i}; subgroups must not overlap")
             owner[r] = i
-    mine = owner.get(world._rank, MPI.UNDEFINED)
+    mine = owner.get(world.context.rank, MPI.UNDEFINED)
     label = group_desc or "subgroup"
-    pg = split_comm(world, mine, world._rank, lambda m: f"{label}:{mine}", timeout, backend,
+    pg = split_comm(world, mine, world.context.rank, lambda m: f"{label}:{mine}", timeout, backend,
                 group_desc, "new_subgroups_by_enumeration")
     subgroups = [pg if i == mine else GroupMember.NON_GROUP_MEMBER
                  for i in range(len(ranks_per_subgroup_list))]
@@ -382,13 +387,13 @@ def split_group(parent_pg: GroupArg = None, split_ranks: Sequence[Sequence[int]]
         raise ValueError("split_group: split_ranks must be a non-empty list of lists of group ranks")
     owner: dict[int, int] = {}
     for i, ranks in enumerate(split_ranks):
-        for r in _check_rank_list(ranks, parent._size, "split_group", f"split_ranks[{i}]"):
+        for r in _check_rank_list(ranks, parent.context.size, "split_group", f"split_ranks[{i}]"):
             if r in owner:
                 raise ValueError(f"split_group: group rank {r} is in splits {owner[r]} and {i}; "
                                  "splits must not overlap")
             owner[r] = i
-    mine = owner.get(parent._rank, MPI.UNDEFINED)
-    return split_comm(parent, mine, parent._rank, lambda m: group_desc or _ranks_name(m), timeout,
+    mine = owner.get(parent.context.rank, MPI.UNDEFINED)
+    return split_comm(parent, mine, parent.context.rank, lambda m: group_desc or _ranks_name(m), timeout,
                   backend, group_desc, "split_group")
 
 
@@ -397,7 +402,7 @@ def get_process_group_ranks(group: GroupArg) -> list[int]:
     pg = resolve(group, "get_process_group_ranks")
     if pg is None:
         return []
-    return list(pg._ranks)
+    return list(pg.context.ranks)
 
 
 def get_group_rank(group: GroupArg, global_rank: int) -> int:
@@ -407,10 +412,10 @@ def get_group_rank(group: GroupArg, global_rank: int) -> int:
         ValueError: ``global_rank`` is not a member of ``group``.
     """
     pg = resolve(group, "get_group_rank") if group is not None else default_group("get_group_rank")
-    r = pg._group_rank(global_rank) if pg is not None else -1
+    r = pg.context.group_rank(global_rank) if pg is not None else -1
     if r < 0:
         raise ValueError(f"get_group_rank: global rank {global_rank} is not part of group "
-                         f"{getattr(group, '_name', group)}")
+                         f"{getattr(group, 'name', group)}")
     return r
 
 
@@ -421,8 +426,8 @@ def get_global_rank(group: GroupArg, group_rank: int) -> int:
         ValueError: ``group_rank`` is out of range for ``group``.
     """
     pg = resolve(group, "get_global_rank") if group is not None else default_group("get_global_rank")
-    if pg is None or not 0 <= group_rank < pg._size:
-        size = pg._size if pg is not None else 0
+    if pg is None or not 0 <= group_rank < pg.context.size:
+        size = pg.context.size if pg is not None else 0
         raise ValueError(f"get_global_rank: group rank {group_rank} is out of range [0, {size}) "
-                         f"for group {getattr(group, '_name', group)}")
-    return pg._ranks[group_rank]
+                         f"for group {getattr(group, 'name', group)}")
+    return pg.context.ranks[group_rank]

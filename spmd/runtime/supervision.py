@@ -36,7 +36,7 @@ from spmd.runtime import debug
 from spmd.runtime.abort import excepthook
 from spmd.runtime.control import Channel
 from spmd.runtime.diagnosis import answer, diagnose_timeout
-from spmd.runtime.group import world_state
+from spmd.runtime.group import ProcessGroup, world_state
 from spmd.runtime.reliability import Config, config, reports, state
 from spmd.runtime.watchdog import Watchdog, heartbeat_check
 
@@ -45,11 +45,11 @@ __all__ = ["Config", "config", "reports", "start", "stop"]
 _atexit_registered = False
 
 
-def start(world, cfg: Config) -> None:
+def start(world: ProcessGroup, cfg: Config) -> None:
     """Called by init_process_group on every rank, after WORLD exists."""
     global _atexit_registered
     state.config = cfg
-    state.rank, state.size = world._rank, world._size
+    state.rank, state.size = world.context.rank, world.context.size
     if cfg.flight_recorder_size > 0:
         if flight_recorder.recorder.size != flight_recorder.ring_size(cfg.flight_recorder_size):
             flight_recorder.recorder.resize(cfg.flight_recorder_size)
@@ -57,10 +57,12 @@ def start(world, cfg: Config) -> None:
     else:  # off: no per-call cost, and no sequence numbers in diagnoses
         _work.remove_observer(flight_recorder.recorder)
     _wait.set_diagnosis(diagnose_timeout)
-    flight_recorder.recorder.groups_source = lambda: (world_state.world, list(world_state.groups))
+    flight_recorder.recorder.groups_source = lambda: (
+        world_state.world.context if world_state.world is not None else None,
+        [pg.context for pg in list(world_state.groups)])
     flight_recorder.recorder.dump_dir = cfg.dump_dir
     debug.set_debug_level(cfg.debug)
-    state.channel = Channel(world._comm, answer, heartbeat_check)
+    state.channel = Channel(world.context.comm, answer, heartbeat_check)
     if cfg.watchdog:
         state.watchdog = Watchdog(cfg.watchdog_interval)
     if sys.excepthook is not excepthook:
@@ -71,7 +73,7 @@ def start(world, cfg: Config) -> None:
         # an MPI call when MPI goes away.
         atexit.register(stop)
         _atexit_registered = True
-    if cfg.debug != "OFF" and world._rank == 0:
+    if cfg.debug != "OFF" and world.context.rank == 0:
         write_lines(f"[rank 0] spmd reliability settings: {dataclasses.asdict(cfg)}; MPI thread "
                     f"level {'multiple' if state.channel.threaded else 'below multiple'}",
                     sys.stderr)

@@ -51,9 +51,9 @@ class Watchdog:
         now = _monotonic()
         for e in flight_recorder.recorder.in_flight():
             g = e.group
-            if e.timed_out or g._comm is None:
+            if e.timed_out or g.comm is None:
                 continue
-            limit = g._timeout
+            limit = g.timeout
             age = now - e.t0
             # A waiting thread reports its own timeout; the grace lets it go first.
             if age > limit + min(max(1.0, 0.05 * limit), 30.0) and e.t1 is None:
@@ -64,7 +64,7 @@ class Watchdog:
                 if device is not None:
                     device[0].abort_timed_out(op, seq)
                     text += f"\n  the group's {engine} communicator was aborted"
-                report(f"spmd watchdog: {op} #{seq} on group {g._name} is still {where} "
+                report(f"spmd watchdog: {op} #{seq} on group {g.name} is still {where} "
                        f"{age:.1f} s after it started and nobody waits for it:\n{text}")
 
     def close(self) -> None:

@@ -13,6 +13,7 @@ from spmd.backends.registry import Backend, register_backend
 from spmd.core import cuda as _gpu
 from spmd.core import wait as _wait
 from spmd.core.bootstrap import check_same_installation
+from spmd.core.context import GroupContext
 from spmd.core.launch import LOCAL_RANK_VARS, check_world_size, local_rank_from_env
 from spmd.core.nodes import node_layout
 from spmd.core.settings import parse_options
@@ -44,22 +45,22 @@ __all__ = [
     "get_node_local_rank",
 ]
 
-def _mpi_backend(group):
+def _mpi_backend(group: GroupContext):
     from spmd.backends.host import HostBackend
     return HostBackend(group)
 
 
-def _cuda_mpi_backend(group):
+def _cuda_mpi_backend(group: GroupContext):
     from spmd.backends.cuda_mpi import CudaMPIBackend
     return CudaMPIBackend(group)
 
 
-def _nccl_backend(group):
+def _nccl_backend(group: GroupContext):
     from spmd.backends.nccl.engine import NCCLBackend
     return NCCLBackend(group)
 
 
-def _default_cuda_backend(group):
+def _default_cuda_backend(group: GroupContext):
     # Decided at the group's first GPU array, so host-only programs never load CuPy.
     return _nccl_backend(group) if is_nccl_available() else _cuda_mpi_backend(group)
 
@@ -195,7 +196,7 @@ def init_process_group(backend: str | None = None, init_method: str | None = Non
         _gpu.select_device(device_id)  # arrays made from now on land on it; staging syncs it
     pg = ProcessGroup(comm, range(size), group_name or "WORLD", seconds, spec, store=store)
     try:
-        check_same_installation(pg, store, _installation())
+        check_same_installation(pg.context, store, _installation())
     except BaseException:
         comm.Free()
         raise
@@ -226,11 +227,11 @@ def destroy_process_group(group: GroupArg = None) -> None:
         _gpu.bind_device_id(None)
         GroupMember.WORLD = None
         return
-    if isinstance(group, ProcessGroup) and group._comm is None:
+    if isinstance(group, ProcessGroup) and group.context.comm is None:
         return  # already destroyed (also by destroying WORLD): a no-op, as in torch
     # resolve() refuses a group broken by a timeout; destroying it must still work.
     target: ProcessGroup | None
-    if isinstance(group, ProcessGroup) and group._comm is not None:
+    if isinstance(group, ProcessGroup) and group.context.comm is not None:
         target = group
     else:
         target = resolve(group, "destroy_process_group")
@@ -249,9 +250,9 @@ def get_backend(group: GroupArg = None) -> Backend:
     pg = resolve(group, "get_backend")
     if pg is None:
         raise ValueError("get_backend: this rank is not a member of the group")
-    if pg._backend_name == Backend.UNDEFINED:  # init's default, resolved when asked
+    if pg.context.backend_name == Backend.UNDEFINED:  # init's default, resolved when asked
         return Backend("cpu:mpi,cuda:nccl" if is_nccl_available() else "mpi")
-    return Backend(pg._backend_name)
+    return Backend(pg.context.backend_name)
 
 
 def get_rank(group: GroupArg = None) -> int:
@@ -263,7 +264,7 @@ def get_rank(group: GroupArg = None) -> int:
         return -1
     member = resolve(pg, "get_rank")
     assert member is not None  # resolve() gives None only for NON_GROUP_MEMBER
-    return member._rank
+    return member.context.rank
 
 
 def get_world_size(group: GroupArg = None) -> int:
@@ -275,7 +276,7 @@ def get_world_size(group: GroupArg = None) -> int:
         return -1
     member = resolve(pg, "get_world_size")
     assert member is not None  # resolve() gives None only for NON_GROUP_MEMBER
-    return member._size
+    return member.context.size
 
 
 def get_node_local_rank(fallback_rank: int | None = None) -> int:

@@ -23,7 +23,7 @@ def _rank_info() -> dict:
     from spmd.core.arrays import bfloat16
     from spmd.core.cuda import gpu_info
     from spmd.core.launch import launch_info
-    from spmd.runtime.group import GroupMember
+    from spmd.runtime.group import default_group
     from spmd.runtime.world import get_node_local_rank
 
     levels = {MPI.THREAD_SINGLE: "single", MPI.THREAD_FUNNELED: "funneled",
@@ -42,7 +42,7 @@ def _rank_info() -> dict:
         "mpi4py": mpi4py.__version__,
         "numpy": np.__version__,
         "bfloat16": "ml_dtypes" if bfloat16 is not None else "unavailable",
-        "shm_engine": shm_status(GroupMember.WORLD),  # collective: every rank gets here
+        "shm_engine": shm_status(default_group("info")._backend_for("cpu")),  # every rank calls it
         "call_path": ("compiled (spmd.backends.mpi._fastcall)" if fastcall.compiled is not None
                       else f"Python: {fastcall.reason}"),
         **gpu_info(),

@@ -81,7 +81,7 @@ class CommsLogger:
         self._stats: dict[Key, _Latencies] = {}
 
     def started(self, work: Work) -> None:
-        self._inflight[id(work)] = (_clock(), Key(work._op, work_bytes(work), work._group._size))
+        self._inflight[id(work)] = (_clock(), Key(work._op, work_bytes(work), work._group.size))
 
     def completed(self, work: Work) -> None:
         t1 = _clock()
@@ -160,14 +160,14 @@ def format_size(nbytes: float) -> str:
     raise AssertionError("unreachable")
 
 
-def _gather(local: dict, group):
+def _gather(local: dict, group: GroupArg):
     """Every rank's snapshot, on every rank (raw mpi4py, so it is not logged itself)."""
     if world_state.world is None:
         return [local], 0
     pg = resolve(group, "comms_log.summary")
     if pg is None:
         return [local], 0
-    return pg._comm.allgather(local), pg._rank
+    return pg.context.comm.allgather(local), pg.context.rank
 
 
 def _merge(per_rank: list[dict[Key, Timing]], size: int) -> dict:

@@ -129,7 +129,7 @@ class Tracer:
         tids: dict[str, int] = {}
         to_us = self._wall0_us - self._clk0 / 1e3
         for t1, (t0, seq, kind, nbytes), op, g, meta, failed in list(self._events):
-            gname, gsize = g._name, g._size
+            gname, gsize = g.name, g.size
             shape, dtype = meta if meta is not None else (None, None)
             tid = tids.get(gname)
             if tid is None:

@@ -31,6 +31,7 @@ from torch._C._distributed_c10d import (
 )
 
 import spmd
+from spmd.core.context import GroupContext
 from spmd.core.cuda import cupy_or_none
 from spmd.core.errors import located
 from spmd.torch._sharded_tensor import answer_device_without_shards
@@ -54,7 +55,7 @@ def _timeout(opts) -> float | None:
     return None  # kUnsetTimeout (-1 ms): the group's
 
 
-def _one(tensors, op: str, arg: str, group) -> torch.Tensor:
+def _one(tensors, op: str, arg: str, group: GroupContext) -> torch.Tensor:
     """The single tensor of torch's one-element tensor lists (or a bare tensor)."""
     if isinstance(tensors, torch.Tensor):
         return tensors
@@ -161,16 +162,16 @@ class SpmdProcessGroup(dist.ProcessGroup):
 
     def allreduce(self, tensors, opts=None, op=None, timeout=None):
         """All-reduce one tensor in place (``opts``: AllreduceOptions or a ReduceOp)."""
-        t = _one(tensors, "allreduce", "tensors", self._spmd)
+        t = _one(tensors, "allreduce", "tensors", self._spmd.context)
         red = _reduce_of(op if op is not None else opts)
-        a = host_out(t, "all_reduce", "tensor", self._spmd, True)
+        a = host_out(t, "all_reduce", "tensor", self._spmd.context, True)
         w = spmd.all_reduce(a, red, group=self._spmd, async_op=True)
         return self._work([w], [t], "all_reduce", opts)
 
     def allreduce_coalesced(self, tensors, opts=None):
         """All-reduce a list of tensors, fused into one collective per dtype bucket."""
         red = _reduce_of(opts)
-        arrays = [host_out(t, "all_reduce_coalesced", f"tensors[{i}]", self._spmd, True)
+        arrays = [host_out(t, "all_reduce_coalesced", f"tensors[{i}]", self._spmd.context, True)
                   for i, t in enumerate(tensors)]
         with spmd.coalescing_manager(group=self._spmd, async_ops=True) as cm:
             for a in arrays:
@@ -179,44 +180,44 @@ class SpmdProcessGroup(dist.ProcessGroup):
 
     def broadcast(self, tensors, opts=None):
         """Broadcast from group rank ``opts.rootRank`` (or ``broadcast(tensor, root)``)."""
-        t = _one(tensors, "broadcast", "tensors", self._spmd)
+        t = _one(tensors, "broadcast", "tensors", self._spmd.context)
         if isinstance(opts, int):
             root = opts
         else:
             opts = opts or BroadcastOptions()
             if opts.rootTensor != 0:
                 raise located(ValueError, "broadcast", f"rootTensor={opts.rootTensor}; one "
-                              "tensor per process means rootTensor 0", self._spmd)
+                              "tensor per process means rootTensor 0", self._spmd.context)
             root = opts.rootRank
-        a = host_out(t, "broadcast", "tensor", self._spmd)
+        a = host_out(t, "broadcast", "tensor", self._spmd.context)
         w = spmd.broadcast(a, group_src=root, group=self._spmd, async_op=True)
         return self._work([w], [t], "broadcast", None if isinstance(opts, int) else opts)
 
     def reduce(self, tensors, opts=None, op=None):
         """Reduce into group rank ``opts.rootRank`` (or ``reduce(tensor, root, op)``)."""
-        t = _one(tensors, "reduce", "tensors", self._spmd)
+        t = _one(tensors, "reduce", "tensors", self._spmd.context)
         if isinstance(opts, int):
             root, red, opts = opts, reduce_op(op if op is not None else _SUM), None
         else:
             opts = opts or ReduceOptions()
             root, red = opts.rootRank, reduce_op(opts.reduceOp)
         mine = self._spmd.rank() == root
-        a = (host_out if mine else host_in)(t, "reduce", "tensor", self._spmd, True)
+        a = (host_out if mine else host_in)(t, "reduce", "tensor", self._spmd.context, True)
         w = spmd.reduce(a, group_dst=root, op=red, group=self._spmd, async_op=True)
         return self._work([w], [t], "reduce", opts)
 
     def allgather(self, output_tensors, input_tensors, opts=None):
         """All-gather (list form; sizes may differ per rank)."""
-        t = _one(input_tensors, "allgather", "input_tensors", self._spmd)
+        t = _one(input_tensors, "allgather", "input_tensors", self._spmd.context)
         outs = output_tensors[0] if output_tensors and isinstance(output_tensors[0], (list, tuple)) \
             else output_tensors
         if len(output_tensors) != 1 and outs is not output_tensors:
             raise located(ValueError, "allgather", "output_tensors must hold one list (one per "
-                          "process)", self._spmd)
+                          "process)", self._spmd.context)
         if any(same_storage(o, t) for o in outs):
             t = t.clone()
-        a = host_in(t, "all_gather", "tensor", self._spmd)
-        arrays = [host_out(o, "all_gather", f"tensor_list[{i}]", self._spmd) for i, o in enumerate(outs)]
+        a = host_in(t, "all_gather", "tensor", self._spmd.context)
+        arrays = [host_out(o, "all_gather", f"tensor_list[{i}]", self._spmd.context) for i, o in enumerate(outs)]
         w = spmd.all_gather(arrays, a, group=self._spmd, async_op=True)
         return self._work([w], output_tensors, "all_gather", opts)
 
@@ -224,8 +225,8 @@ class SpmdProcessGroup(dist.ProcessGroup):
         """All-gather into one tensor (``all_gather_into_tensor``)."""
         if same_storage(output, input):
             input = input.clone()
-        a = host_in(input, "all_gather_into_tensor", "input_tensor", self._spmd)
-        out = host_out(output, "all_gather_into_tensor", "output_tensor", self._spmd)
+        a = host_in(input, "all_gather_into_tensor", "input_tensor", self._spmd.context)
+        out = host_out(output, "all_gather_into_tensor", "output_tensor", self._spmd.context)
         w = spmd.all_gather_into_tensor(out, a, group=self._spmd, async_op=True)
         return self._work([w], [output], "all_gather_into_tensor", opts)
 
@@ -237,8 +238,8 @@ class SpmdProcessGroup(dist.ProcessGroup):
         for i, (o, x) in enumerate(zip(outputs, inputs)):
             if same_storage(o, x):
                 x = x.clone()
-            pairs.append((host_out(o, "all_gather_into_tensor", f"outputs[{i}]", self._spmd),
-                          host_in(x, "all_gather_into_tensor", f"inputs[{i}]", self._spmd)))
+            pairs.append((host_out(o, "all_gather_into_tensor", f"outputs[{i}]", self._spmd.context),
+                          host_in(x, "all_gather_into_tensor", f"inputs[{i}]", self._spmd.context)))
         with spmd.coalescing_manager(group=self._spmd, async_ops=True) as cm:
             for out, a in pairs:
                 spmd.all_gather_into_tensor(out, a, group=self._spmd, async_op=True)
@@ -248,9 +249,9 @@ class SpmdProcessGroup(dist.ProcessGroup):
 
     def allgather_coalesced(self, output_lists, input_list, opts=None):
         """All-gather a list of tensors: ``output_lists[rank][j]`` gets rank's input j."""
-        ins = [host_in(t, "all_gather_coalesced", f"input_tensor_list[{j}]", self._spmd)
+        ins = [host_in(t, "all_gather_coalesced", f"input_tensor_list[{j}]", self._spmd.context)
                for j, t in enumerate(input_list)]
-        outs = [[host_out(o, "all_gather_coalesced", f"output_tensor_lists[{r}][{j}]", self._spmd)
+        outs = [[host_out(o, "all_gather_coalesced", f"output_tensor_lists[{r}][{j}]", self._spmd.context)
                  for j, o in enumerate(row)] for r, row in enumerate(output_lists)]
         fut = spmd.all_gather_coalesced(outs, ins, group=self._spmd, async_op=True)
         return self._work([_FutureWork(fut)], output_lists, "all_gather_coalesced", opts)
@@ -259,15 +260,15 @@ class SpmdProcessGroup(dist.ProcessGroup):
         """Gather into group rank ``opts.rootRank``: ``output_tensors`` is
         ``[gather_list]`` there and ``[]`` elsewhere."""
         opts = opts or GatherOptions()
-        t = _one(input_tensors, "gather", "input_tensors", self._spmd)
+        t = _one(input_tensors, "gather", "input_tensors", self._spmd.context)
         root = opts.rootRank
         outs = None
         if self._spmd.rank() == root:
             lst = output_tensors[0] if output_tensors else []
-            outs = [host_out(o, "gather", f"gather_list[{i}]", self._spmd) for i, o in enumerate(lst)]
+            outs = [host_out(o, "gather", f"gather_list[{i}]", self._spmd.context) for i, o in enumerate(lst)]
             if any(same_storage(o, t) for o in lst):
                 t = t.clone()
-        a = host_in(t, "gather", "tensor", self._spmd)
+        a = host_in(t, "gather", "tensor", self._spmd.context)
         w = spmd.gather(a, outs, group_dst=root, group=self._spmd, async_op=True)
         return self._work([w], output_tensors, "gather", opts)
 
@@ -275,26 +276,26 @@ class SpmdProcessGroup(dist.ProcessGroup):
         """Scatter from group rank ``opts.rootRank``: ``input_tensors`` is
         ``[scatter_list]`` there and ``[]`` elsewhere."""
         opts = opts or ScatterOptions()
-        t = _one(output_tensors, "scatter", "output_tensors", self._spmd)
+        t = _one(output_tensors, "scatter", "output_tensors", self._spmd.context)
         root = opts.rootRank
         ins = None
         if self._spmd.rank() == root:
             lst = input_tensors[0] if input_tensors else []
             ins = [host_in(x.clone() if same_storage(x, t) else x, "scatter",
-                           f"scatter_list[{i}]", self._spmd) for i, x in enumerate(lst)]
-        out = host_out(t, "scatter", "tensor", self._spmd)
+                           f"scatter_list[{i}]", self._spmd.context) for i, x in enumerate(lst)]
+        out = host_out(t, "scatter", "tensor", self._spmd.context)
         w = spmd.scatter(out, ins, group_src=root, group=self._spmd, async_op=True)
         return self._work([w], [t], "scatter", opts)
 
     def reduce_scatter(self, output_tensors, input_tensors, opts=None):
         """Reduce-scatter, list form (sizes may differ per destination)."""
-        t = _one(output_tensors, "reduce_scatter", "output_tensors", self._spmd)
+        t = _one(output_tensors, "reduce_scatter", "output_tensors", self._spmd.context)
         lst = input_tensors[0] if input_tensors and isinstance(input_tensors[0], (list, tuple)) \
             else input_tensors
         red = _reduce_of(opts)
         ins = [host_in(x.clone() if same_storage(x, t) else x, "reduce_scatter",
-                       f"input_list[{i}]", self._spmd, True) for i, x in enumerate(lst)]
-        out = host_out(t, "reduce_scatter", "output", self._spmd, True)
+                       f"input_list[{i}]", self._spmd.context, True) for i, x in enumerate(lst)]
+        out = host_out(t, "reduce_scatter", "output", self._spmd.context, True)
         w = spmd.reduce_scatter(out, ins, red, group=self._spmd, async_op=True)
         return self._work([w], [t], "reduce_scatter", opts)
 
@@ -303,8 +304,8 @@ class SpmdProcessGroup(dist.ProcessGroup):
         if same_storage(output, input):
             input = input.clone()
         red = _reduce_of(opts)
-        a = host_in(input, "reduce_scatter_tensor", "input", self._spmd, True)
-        out = host_out(output, "reduce_scatter_tensor", "output", self._spmd, True)
+        a = host_in(input, "reduce_scatter_tensor", "input", self._spmd.context, True)
+        out = host_out(output, "reduce_scatter_tensor", "output", self._spmd.context, True)
         w = spmd.reduce_scatter_tensor(out, a, red, group=self._spmd, async_op=True)
         return self._work([w], [output], "reduce_scatter_tensor", opts)
 
@@ -317,8 +318,8 @@ class SpmdProcessGroup(dist.ProcessGroup):
         for i, (o, x) in enumerate(zip(outputs, inputs)):
             if same_storage(o, x):
                 x = x.clone()
-            pairs.append((host_out(o, "reduce_scatter_tensor", f"outputs[{i}]", self._spmd, True),
-                          host_in(x, "reduce_scatter_tensor", f"inputs[{i}]", self._spmd, True)))
+            pairs.append((host_out(o, "reduce_scatter_tensor", f"outputs[{i}]", self._spmd.context, True),
+                          host_in(x, "reduce_scatter_tensor", f"inputs[{i}]", self._spmd.context, True)))
         with spmd.coalescing_manager(group=self._spmd, async_ops=True) as cm:
             for out, a in pairs:
                 spmd.reduce_scatter_tensor(out, a, red, group=self._spmd, async_op=True)
@@ -329,9 +330,9 @@ class SpmdProcessGroup(dist.ProcessGroup):
     def alltoall(self, output_tensors, input_tensors, opts=None):
         """All-to-all, list form (sizes may differ per pair)."""
         ins = [host_in(x.clone() if any(same_storage(x, o) for o in output_tensors) else x,
-                       "all_to_all", f"input_tensor_list[{i}]", self._spmd)
+                       "all_to_all", f"input_tensor_list[{i}]", self._spmd.context)
                for i, x in enumerate(input_tensors)]
-        outs = [host_out(o, "all_to_all", f"output_tensor_list[{i}]", self._spmd)
+        outs = [host_out(o, "all_to_all", f"output_tensor_list[{i}]", self._spmd.context)
                 for i, o in enumerate(output_tensors)]
         w = spmd.all_to_all(outs, ins, group=self._spmd, async_op=True)
         return self._work([w], list(output_tensors), "all_to_all", opts)
@@ -343,8 +344,8 @@ class SpmdProcessGroup(dist.ProcessGroup):
             opts, output_split_sizes = output_split_sizes, None
         if same_storage(output, input):
             input = input.clone()
-        a = host_in(input, "all_to_all_single", "input", self._spmd)
-        out = host_out(output, "all_to_all_single", "output", self._spmd)
+        a = host_in(input, "all_to_all_single", "input", self._spmd.context)
+        out = host_out(output, "all_to_all_single", "output", self._spmd.context)
         outs = [int(s) for s in output_split_sizes] if output_split_sizes else None
         ins = [int(s) for s in input_split_sizes] if input_split_sizes else None
         w = spmd.all_to_all_single(out, a, outs, ins, group=self._spmd, async_op=True)
@@ -361,22 +362,22 @@ class SpmdProcessGroup(dist.ProcessGroup):
 
     def send(self, tensors, dst_rank: int, tag: int = 0):
         """Start sending to group rank ``dst_rank`` (nonblocking: batches cannot deadlock)."""
-        t = _one(tensors, "send", "tensors", self._spmd)
-        a = host_in(t, "send", "tensor", self._spmd)
+        t = _one(tensors, "send", "tensors", self._spmd.context)
+        a = host_in(t, "send", "tensor", self._spmd.context)
         w = spmd.isend(a, group_dst=dst_rank, group=self._spmd, tag=tag)
         return self._work([w], [t], "send")
 
     def recv(self, tensors, src_rank: int, tag: int = 0):
         """Start receiving from group rank ``src_rank``."""
-        t = _one(tensors, "recv", "tensors", self._spmd)
-        a = host_out(t, "recv", "tensor", self._spmd)
+        t = _one(tensors, "recv", "tensors", self._spmd.context)
+        a = host_out(t, "recv", "tensor", self._spmd.context)
         w = spmd.irecv(a, group_src=src_rank, group=self._spmd, tag=tag)
         return self._work([w], [t], "recv")
 
     def recv_anysource(self, tensors, tag: int = 0):
         """Start receiving from any rank; ``_source_rank()`` tells which (group rank)."""
-        t = _one(tensors, "recv", "tensors", self._spmd)
-        a = host_out(t, "recv", "tensor", self._spmd)
+        t = _one(tensors, "recv", "tensors", self._spmd.context)
+        a = host_out(t, "recv", "tensor", self._spmd.context)
         w = spmd.irecv(a, group=self._spmd, tag=tag)
         work = self._work([w], [t], "recv")
         work._src_work = w
@@ -408,7 +409,7 @@ class SpmdProcessGroup(dist.ProcessGroup):
     def shutdown(self) -> None:
         """Free the spmd group underneath (WORLD too, when the backend started spmd)."""
         if self._owns == "group":
-            if spmd.is_initialized() and self._spmd._comm is not None:
+            if spmd.is_initialized() and self._spmd.context.comm is not None:
                 spmd.destroy_process_group(self._spmd)
         elif self._owns == "world" and owns_world() and spmd.is_initialized():
             spmd.destroy_process_group()

@@ -23,6 +23,7 @@ import torch.distributed as dist
 import spmd
 from spmd.core.arrays import bfloat16 as _np_bf16
 from spmd.core.arrays import tensor_as_numpy, tensor_without_dense_memory
+from spmd.core.context import GroupContext
 from spmd.core.errors import located
 
 __all__ = ["host_in", "host_out", "reduce_op", "same_storage"]
@@ -33,7 +34,7 @@ _NUMPY_LESS = {torch.complex32, torch.float8_e4m3fn, torch.float8_e5m2, torch.fl
                torch.float8_e5m2fnuz}
 _bf16 = torch.bfloat16
 
-def _view(t: torch.Tensor, op: str, arg: str, reduces: bool, group) -> np.ndarray:
+def _view(t: torch.Tensor, op: str, arg: str, reduces: bool, group: GroupContext) -> np.ndarray:
     dtype = t.dtype
     if dtype is _bf16:
         if _np_bf16 is None:
@@ -48,7 +49,7 @@ def _view(t: torch.Tensor, op: str, arg: str, reduces: bool, group) -> np.ndarra
     return tensor_as_numpy(t, op, arg, group)
 
 
-def _host_tensor(t, op: str, arg: str, group):
+def _host_tensor(t, op: str, arg: str, group: GroupContext):
     """``t`` without autograd if it is a CPU tensor, None for a CUDA tensor."""
     if not isinstance(t, torch.Tensor):
         raise located(TypeError, op, f"{arg} must be a torch.Tensor, got {type(t).__name__}",
@@ -63,7 +64,7 @@ def _host_tensor(t, op: str, arg: str, group):
     return t.detach() if t.requires_grad else t
 
 
-def host_in(t, op: str, arg: str, group, reduces: bool = False):
+def host_in(t, op: str, arg: str, group: GroupContext, reduces: bool = False):
     """What spmd reads for tensor ``t``: a numpy view (CPU) or the tensor (CUDA).
 
     Raises:
@@ -78,7 +79,7 @@ def host_in(t, op: str, arg: str, group, reduces: bool = False):
     return _view(cpu, op, arg, reduces, group)
 
 
-def host_out(t, op: str, arg: str, group, reduces: bool = False):
+def host_out(t, op: str, arg: str, group: GroupContext, reduces: bool = False):
     """What spmd writes for tensor ``t``: a numpy view sharing its memory (CPU).
 
     Raises:

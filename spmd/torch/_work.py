@@ -51,7 +51,7 @@ class SpmdWork(dist.Work):
     # process group's recv_anysource; absent on every other Work).
     _src_work: spmd.Work | None
 
-    def __init__(self, works: list, outputs, op: str, group, finish=None,
+    def __init__(self, works: list, outputs, op: str, group: spmd.ProcessGroup, finish=None,
                  timeout: float | None = None):
         super().__init__()
         self._works: Sequence[Any] = works  # emptied (a tuple) once done

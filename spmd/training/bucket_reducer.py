@@ -133,26 +133,26 @@ class BucketReducer:
         grads = list(grads) if isinstance(grads, (list, tuple)) else grads
         if not isinstance(grads, list):
             raise located(TypeError, op_name, f"grads must be a list of arrays, got "
-                          f"{type(grads).__name__}", pg)
+                          f"{type(grads).__name__}", pg.context)
         if not grads:
-            raise located(ValueError, op_name, "grads is empty", pg)
+            raise located(ValueError, op_name, "grads is empty", pg.context)
         caps = {"bucket_cap_mb": bucket_cap_mb, "first_bucket_cap_mb": (
             min(DEFAULT_FIRST_BUCKET_CAP_MB, bucket_cap_mb)
             if first_bucket_cap_mb is None else first_bucket_cap_mb)}
         for arg, cap in caps.items():
             if isinstance(cap, bool) or not isinstance(cap, (int, float)) or not cap > 0:
                 raise located(ValueError, op_name, f"{arg} must be a positive number, got "
-                              f"{cap!r}", pg)
+                              f"{cap!r}", pg.context)
         if compression not in (None, *_COMPRESSIONS):
             raise located(ValueError, op_name, f"compression must be None, 'bf16' or 'fp16', "
-                          f"got {compression!r}", pg)
+                          f"got {compression!r}", pg.context)
         if compression == "bf16" and bfloat16 is None:
             raise located(TypeError, op_name, "compression='bf16' needs ml_dtypes "
-                          "(pip install spmd[bf16])", pg)
+                          "(pip install spmd[bf16])", pg.context)
         self._check_grads(grads, compression, op_name)
         if compression == "bf16" and _is_gpu(grads[0]):
             raise located(TypeError, op_name, "compression='bf16' is for numpy gradients (CuPy "
-                          "has no bfloat16); use 'fp16' for GPU gradients", pg)
+                          "has no bfloat16); use 'fp16' for GPU gradients", pg.context)
         self._grads = list(grads)
         self._gpu = _is_gpu(grads[0])
         wire = {None: None, "bf16": bfloat16, "fp16": np.dtype(np.float16)}[compression]
@@ -176,21 +176,21 @@ class BucketReducer:
         for i, g in enumerate(grads):
             if not isinstance(g, np.ndarray) and not _is_gpu(g):
                 raise located(TypeError, op, f"grads[{i}] must be a numpy or cupy array, got "
-                              f"{type(g).__name__}", pg)
+                              f"{type(g).__name__}", pg.context)
             if _is_gpu(g) != gpu:
                 raise located(TypeError, op, f"grads[{i}] is a {'GPU' if _is_gpu(g) else 'host'}"
                               f" array but grads[0] is not: numpy and cupy gradients cannot be "
-                              "mixed", pg)
+                              "mixed", pg.context)
             dt = np.dtype(g.dtype)
             if dt not in SUPPORTED_DTYPES:
-                raise located(TypeError, op, f"grads[{i}] has unsupported dtype {dt}", pg)
+                raise located(TypeError, op, f"grads[{i}] has unsupported dtype {dt}", pg.context)
             if compression is not None and dt.kind != "f" and dt != bfloat16:
                 raise located(TypeError, op, f"compression={compression!r} casts floating-point "
-                              f"gradients, but grads[{i}] has dtype {dt}", pg)
+                              f"gradients, but grads[{i}] has dtype {dt}", pg.context)
             if isinstance(g, np.ndarray):
                 if not g.flags.writeable:
                     raise located(ValueError, op, f"grads[{i}] is read-only; gradients are "
-                                  "reduced in place", pg)
+                                  "reduced in place", pg.context)
                 if g.size:
                     # numpy 2 moved byte_bounds; the stubs are numpy 2's, the fallback is
                     # for numpy 1.x
@@ -202,7 +202,7 @@ class BucketReducer:
         for (_, hi, i), (lo, _, j) in pairwise(bounds):
             if lo < hi and np.shares_memory(grads[i], grads[j]):
                 raise located(ValueError, op, f"grads[{i}] and grads[{j}] share memory; each "
-                              "gradient must be its own array", pg)
+                              "gradient must be its own array", pg.context)
 
     @staticmethod
     def _assign(grads: list, cap: int, first_cap: int, wire: np.dtype | None,
@@ -261,15 +261,15 @@ class BucketReducer:
         """
         if isinstance(index, bool) or not isinstance(index, (int, np.integer)):
             raise located(TypeError, "BucketReducer.mark_ready", f"index must be an int, got "
-                          f"{type(index).__name__}", self._pg)
+                          f"{type(index).__name__}", self._pg.context)
         n = len(self._grads)
         if not -n <= index < n:
             raise located(ValueError, "BucketReducer.mark_ready", f"index {index} is out of "
-                          f"range: expected 0 <= index < {n}", self._pg)
+                          f"range: expected 0 <= index < {n}", self._pg.context)
         index = int(index) % n
         if self._marked[index]:
             raise located(RuntimeError, "BucketReducer.mark_ready", f"grads[{index}] was already "
-                          "marked ready in this step (call wait() to end the step)", self._pg)
+                          "marked ready in this step (call wait() to end the step)", self._pg.context)
         self._marked[index] = True
         self._buckets[self._bucket_of[index]].pending -= 1
         buckets = self._buckets
@@ -311,7 +311,7 @@ class BucketReducer:
             raise located(RuntimeError, "BucketReducer.wait", f"{len(missing)} of "
                           f"{len(self._grads)} gradients were not marked ready in this step "
                           f"(grads {shown}); every rank must mark every gradient before wait()",
-                          self._pg)
+                          self._pg.context)
         try:
             for b in self._buckets:
                 assert b.work is not None  # every bucket was started (checked above)

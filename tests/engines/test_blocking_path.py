@@ -60,7 +60,7 @@ def _shm_takes(dist, kind: str, nbytes: int) -> bool:
 
 def test_small_blocking_ops_take_it_and_match_numpy(dist, taken):
     n, r = dist.get_world_size(), dist.get_rank()
-    seq0 = fr.next_seq(dist.GroupMember.WORLD)
+    seq0 = fr.next_seq(dist.GroupMember.WORLD.context)
     expect = []
 
     x = np.arange(6, dtype=np.float32).reshape(2, 3) + r
@@ -118,7 +118,7 @@ def test_small_blocking_ops_take_it_and_match_numpy(dist, taken):
 
     assert taken == expect
     # recorded like any op: collectives numbered on from where they were, all completed
-    entries = [e for e in fr.recorder.entries() if e.group is dist.GroupMember.WORLD
+    entries = [e for e in fr.recorder.entries() if e.group is dist.GroupMember.WORLD.context
                and e.counter.kind == "collective"][-8:]
     assert [e.seq for e in entries] == list(range(seq0, seq0 + 8))
     assert all(e.state() == fr.COMPLETED for e in entries)

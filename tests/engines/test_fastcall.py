@@ -279,7 +279,7 @@ def test_all_reduce_coalesced_fuses_in_one_call(dist, monkeypatch):
         assert taken == expect
     # recorded once per fused call, like the Python path's Work
     from spmd.core import flight_recorder as fr
-    last = [e for e in fr.recorder.entries() if e.group is dist.GroupMember.WORLD][-1]
+    last = [e for e in fr.recorder.entries() if e.group is dist.GroupMember.WORLD.context][-1]
     assert last.op == "all_reduce_coalesced" and last.state() == fr.COMPLETED
 
 

@@ -82,7 +82,7 @@ def test_user_backend_factory_runs(dist):
         name = "counting"
 
         def all_reduce(self, a, op):
-            calls["all_reduce", self.group.size()] += 1
+            calls["all_reduce", self.group.size] += 1
             return super().all_reduce(a, op)
 
     spmd.register_backend("counting", Counting, devices=["cpu"])
@@ -190,20 +190,20 @@ def test_nccl_split_waits_for_the_parent_stream(dist):
 
     parent = dist.GroupMember.WORLD
     cp = type("cp", (), {"cuda": type("cuda", (), {"Device": Device, "runtime": None})})
-    nc = Communicator(parent, cp, FakeNccl(21805, 21805))
+    nc = Communicator(parent.context, cp, FakeNccl(21805, 21805))
     nc.nccl_comm, nc.stream, nc.device = Comm(), Stream(), 0
     b = object.__new__(nccl_backend.NCCLBackend)
     b.communicator = nc
-    child = type("Child", (), {"_backend_name": "undefined", "_inherited": {}})()
+    child = type("Child", (), {"backend_name": "undefined", "inherited": {}})()
     b.on_split(child, 3, 1)
     assert events == ["parent stream synchronized", "commSplit(3, 1)"]
-    assert child._inherited["cuda"] == "child communicator"  # init's default backend takes it
+    assert child.inherited["cuda"] == "child communicator"  # init's default backend takes it
 
 
 @pytest.mark.mpi
 def test_nccl_plan_uses_avg_only_when_libnccl_has_it(dist):
     b = object.__new__(nccl_backend.NCCLBackend)
-    b.group, b._resolved = dist.GroupMember.WORLD, {}
+    b.group, b._resolved = dist.GroupMember.WORLD.context, {}
     b._nccl = FakeNccl(20903)  # CuPy defines NCCL_AVG, but libnccl 2.9 has no ncclAvg
     _, _, nop, divide = b._plan(np.dtype(np.float32), spmd.ReduceOp.AVG, "all_reduce")
     assert (nop, divide) == (FakeNccl.NCCL_SUM, "float")
@@ -246,7 +246,7 @@ def test_cuda_mpi_paths_per_library(dist, monkeypatch, library, direct_ops):
 
     support = _gpu.decide_gpu_awareness(library, 1, {})
     b = object.__new__(cuda_mpi.CudaMPIBackend)
-    b.group, b.rank = dist.GroupMember.WORLD, dist.get_rank()
+    b.group, b.rank = dist.GroupMember.WORLD.context, dist.get_rank()
     b.direct = support.aware
     b.direct_collectives = support.aware and support.nonblocking_collectives
     b.direct_reductions = support.aware and support.nonblocking_reductions

@@ -40,7 +40,7 @@ class _SoloGroup:
 
     def get(self):
         dist = _initialised()
-        if self.pg is None or self.pg._comm is None:  # never made, or destroyed since
+        if self.pg is None or self.pg.context.comm is None:  # never made, or destroyed since
             self.pg, _ = dist.new_subgroups(group_size=1, backend="cpu:mpi,cuda:nccl",
                                             group_desc="solo")
         return self.pg
@@ -50,7 +50,7 @@ class _SoloGroup:
 def _solo_group():
     holder = _SoloGroup()
     yield holder
-    if holder.pg is not None and holder.pg._comm is not None:
+    if holder.pg is not None and holder.pg.context.comm is not None:
         _initialised().destroy_process_group(holder.pg)
 
 

@@ -66,7 +66,7 @@ def test_idle_nccl_group_outlives_its_timeout(dist, double, nccl_group):
     seen = len(reliability.reports)
     time.sleep(3.5)  # past the timeout (1 s), the watchdog's grace (1 s) and its interval
     assert not _reports_since(seen, "idle-nccl"), list(reliability.reports)[seen:]
-    assert g._error is None
+    assert g.context.error is None
     dist.all_reduce(x, group=g)  # the group still works
     np.testing.assert_array_equal(x.get(), np.full(4, n * n, np.float32))
     mine = [e for e in fr.recorder.snapshot()["entries"] if e["group"] == "idle-nccl"]
@@ -86,15 +86,15 @@ def test_finished_ops_leave_the_in_flight_list_without_a_poll(dist, double, nccl
     dd.hold()
     try:
         dist.all_reduce(cp.ones(1, cp.float32), group=g, async_op=True)
-        summary = fr.recorder.group_summary(g)
+        summary = fr.recorder.group_summary(g.context)
     finally:
         dd.release()
     assert [c["op"] for c in summary["current"]] == ["all_reduce"], summary
     assert summary["current"][0]["engine"] == "NCCL"
     dd.runtime.deviceSynchronize()
-    summary = fr.recorder.group_summary(g)
+    summary = fr.recorder.group_summary(g.context)
     assert summary["current"] == [] and summary["last"]["seq"] == 2
-    assert not [e for e in fr.recorder.in_flight() if e.group is g]
+    assert not [e for e in fr.recorder.in_flight() if e.group is g.context]
 
 
 def test_nccl_hang_is_reported_and_aborted(dist, double, nccl_group):
@@ -130,7 +130,9 @@ def test_nccl_hang_is_reported_and_aborted(dist, double, nccl_group):
         assert "reached it: rank" in text
     assert "stuck inside MPI" not in text
     assert "the group's NCCL communicator was aborted" in text
-    assert g._error is not None and backend.communicator.broken is not None and backend.communicator.nccl_comm._aborted
+    communicator = backend.communicator
+    assert g.context.error is not None and communicator.broken is not None
+    assert communicator.nccl_comm._aborted
     with pytest.raises(dist.GroupBrokenError):
         work.synchronize()
     with pytest.raises(dist.GroupBrokenError):
@@ -230,7 +232,7 @@ def test_finished_works_are_reaped(dist, double, nccl_group):
     dist.all_reduce(cp.ones(1, cp.float32), group=g)
     assert len(backend.communicator.inflight) <= 1
     assert all(w._done and w._keep is None for w in kept)
-    mine = [e for e in fr.recorder.entries() if e.group is g]
+    mine = [e for e in fr.recorder.entries() if e.group is g.context]
     assert all(e.t1 is not None for e in mine[:-1]), mine
 
 

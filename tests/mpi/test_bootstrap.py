@@ -90,21 +90,21 @@ def test_store_keys_never_repeat(dist):
     keys = []
     for _ in range(2):  # the same members, twice, alive together
         pg = dist.new_group(list(range(n)))
-        keys.append(_key(pg, "nccl-unique-id"))
-        keys.append(_key(pg, "nccl-unique-id"))  # the group's second exchange
+        keys.append(_key(pg.context, "nccl-unique-id"))
+        keys.append(_key(pg.context, "nccl-unique-id"))  # the group's second exchange
     dist.destroy_process_group(pg)
     again = dist.new_group(list(range(n)))  # re-created after a destroy
-    keys.append(_key(again, "nccl-unique-id"))
+    keys.append(_key(again.context, "nccl-unique-id"))
     assert len(set(keys)) == len(keys), keys
     # every member computed the same keys
     assert MPI.COMM_WORLD.allgather(keys) == [keys] * n
     dist.destroy_process_group(again)
     # big groups: the whole member list counts, not the first rank and the size
-    big = [SimpleNamespace(_comm=MPI.COMM_SELF, _ranks=tuple(r), _size=len(r),
-                           _bootstrap_count=0)
+    big = [SimpleNamespace(comm=MPI.COMM_SELF, ranks=tuple(r), size=len(r),
+                           bootstrap_count=0)
            for r in (range(20), [0, *range(2, 21)])]
     for pg in big:
-        pg._bootstrap_seq = 7  # the same sequence number: only the members differ
+        pg.bootstrap_seq = 7  # the same sequence number: only the members differ
     assert _key(big[0], "x") != _key(big[1], "x")
 
 
@@ -116,7 +116,7 @@ def test_two_ranks_on_one_gpu_are_refused_before_nccl(dist, tmp_path_factory, vi
 
     n, me = dist.get_world_size(), dist.get_rank()
     store = _file_store(dist, tmp_path_factory) if via_store else None
-    world = dist.GroupMember.WORLD
+    world = dist.GroupMember.WORLD.context
     try:
         # one GPU each, or NCCL_HOSTID making each rank its own host: accepted
         check_distinct_gpus(world, store, "node1", f"0000:{me:02x}:00.0", "all_reduce")

@@ -145,6 +145,37 @@ def test_rank_translation(dist):
     assert dist.get_group_rank(None, n - 1) == n - 1
 
 
+def test_engines_works_and_recorder_see_the_groups_context(dist):
+    """What the layers below the group read: one GroupContext per group, its plain fields
+    agreeing with the ProcessGroup's torch API, given to its engine, its Works and its
+    flight-recorder entries, and showing the group destroyed."""
+    from spmd.core import flight_recorder as fr
+    from spmd.core.context import GroupContext
+
+    me, n = dist.get_rank(), dist.get_world_size()
+    ranks = list(range(n - 1, -1, -1))
+    pg = dist.new_group(ranks, sort_ranks=False, group_desc="reversed")
+    ctx = pg.context
+    assert type(ctx) is GroupContext and not isinstance(pg, GroupContext)
+    assert (ctx.rank, ctx.size, list(ctx.ranks)) == (pg.rank(), pg.size(), pg.ranks)
+    assert ctx.rank == n - 1 - me and ctx.name == pg.name == "reversed"
+    assert ctx.timeout == pg.timeout.total_seconds() and ctx.comm is pg.comm
+    assert [ctx.group_rank(r) for r in ranks] == list(range(n)) and ctx.group_rank(n) == -1
+    assert [ctx.global_rank(i) for i in range(n)] == ranks
+    with pytest.raises(AttributeError):
+        ctx.colour = "red"  # slotted: a misspelt field fails where it is written
+    x = np.full(3, me + 1.0)
+    work = dist.all_reduce(x, group=pg, async_op=True)
+    work.wait()
+    np.testing.assert_array_equal(x, np.full(3, n * (n + 1) / 2))
+    assert pg._backend_for("cpu").group is ctx and work._group is ctx
+    assert [e.group for e in fr.recorder.entries() if e.op == "all_reduce"][-1] is ctx
+    dist.destroy_process_group(pg)
+    assert ctx.comm is None
+    with pytest.raises(RuntimeError, match="all_reduce: group reversed was destroyed"):
+        ctx.check_alive("all_reduce")
+
+
 def test_group_argument_checks(dist):
     n = dist.get_world_size()
     with pytest.raises(ValueError, match="out of range"):

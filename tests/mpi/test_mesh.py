@@ -187,12 +187,12 @@ def test_one_split_per_dimension(dist):
     n = dist.get_world_size()
     world = dist.GroupMember.WORLD
     for shape in ref.shapes(n):
-        counting = _CountingComm(world._comm)
-        world._comm = counting
+        counting = _CountingComm(world.context.comm)
+        world.context.comm = counting
         try:
             mesh = dist.init_device_mesh("cpu", shape)
         finally:
-            world._comm = counting.comm
+            world.context.comm = counting.comm
         # A dimension of size 1 needs no message, one spanning the world is WORLD itself.
         assert counting.splits == sum(1 for s in shape if s not in (1, n)), shape
         assert counting.splits <= len(shape)  # never one per group

@@ -46,9 +46,9 @@ def test_sequence_numbers_and_flight_recorder(dist, fresh):
                  dist.irecv(np.empty(2), src=(me - 1) % n, group=g)]
         for w in works:
             w.wait()
-    coll, p2p = fr.counters(g)
+    coll, p2p = fr.counters(g.context)
     assert coll.seq == 3 and p2p.seq == (2 if n > 1 else 0)
-    mine = [e for e in fr.recorder.entries() if e.group is g]
+    mine = [e for e in fr.recorder.entries() if e.group is g.context]
     coll = [(e.op, e.seq) for e in mine if e.counter.kind == "collective"]
     assert coll == [("all_reduce", 1), ("broadcast", 2), ("barrier", 3)]
     first = mine[0]
@@ -138,7 +138,7 @@ def test_p2p_timeout_leaves_the_group_usable(dist):
     work = dist.irecv(buf, tag=4243)
     with pytest.raises(dist.DistTimeoutError, match=r"point-to-point op #\d+ on group WORLD"):
         work.wait(timeout=0.2)
-    assert pg._error is None
+    assert pg.context.error is None
     pg.comm.Send(np.array([5.0]), dest=pg.rank(), tag=4243)
     work.wait()
     assert buf[0] == 5.0
@@ -176,7 +176,7 @@ def test_watchdog_reports_work_nobody_waits_for(dist, fresh):
         assert "spmd watchdog: all_reduce #2 on group" in text
         assert "ranks that have not reached all_reduce #2:" in text
         assert "in flight on group WORLD: barrier" in text  # where the others are
-        assert g._error is not None
+        assert g.context.error is not None
     else:
         dist.barrier()
         dist.all_reduce(np.ones(1), group=g)
@@ -356,7 +356,7 @@ def test_two_threads_on_two_groups(dist, fresh):
     assert not errors, errors
     from spmd.core.flight_recorder import counters
 
-    assert [counters(g)[0].seq for g in groups] == [306, 306]
+    assert [counters(g.context)[0].seq for g in groups] == [306, 306]
 
 
 # ----------------------------------------------------------------------------- settings
@@ -384,9 +384,9 @@ def test_settings_from_options_and_environment(dist, monkeypatch):
 class _Group:
     """What a diagnosis reads of a group: two members, this process rank 0."""
 
-    _name, _ranks, _rank, _timeout = "tp:0", [0, 1], 0, 5.0
+    name, ranks, rank, timeout = "tp:0", [0, 1], 0, 5.0
 
-    def _group_rank(self, rank):
+    def group_rank(self, rank):
         return rank
 
 
@@ -418,6 +418,6 @@ def test_diagnosis_names_the_engine(monkeypatch, engine, where):
     others = {"MPI", "shared memory", "NCCL"} - {engine}
     assert not any(f"inside {o}" in text for o in others), text
     alone = _Group()
-    alone._ranks = [0]
+    alone.ranks = [0]
     text = diagnosis.diagnose("all_reduce", alone, 7, "collective", 6.0, "wait", engine)
     assert ("its GPU has not finished the operation" in text) == (engine == "NCCL"), text

@@ -50,7 +50,7 @@ def test_each_op_takes_the_parameters_of_its_table_entry(name):
 
 @pytest.mark.parametrize("name", ENGINE_OPS)
 def test_an_op_an_engine_lacks_raises_naming_op_engine_rank_and_group(name):
-    engine = DeviceBackend(types.SimpleNamespace(_rank=3, _name="g7"))
+    engine = DeviceBackend(types.SimpleNamespace(rank=3, name="g7"))
     engine.name = "toy"
     with pytest.raises(NotImplementedError) as info:
         getattr(engine, name)(*[None] * len(OPS[name].params))

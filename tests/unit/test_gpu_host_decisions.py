@@ -6,6 +6,7 @@ detection of raw arguments, mixed host/device arguments (the NCCL engine itself 
 the device double: tests/gpu/test_gpu_nccl_double.py)."""
 
 import os
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -236,7 +237,7 @@ def test_barrier_device_choice():
 
     class PG:
         def __init__(self, spec):
-            self._backend_name, self._backends = spec, {}
+            self.context, self._backends = SimpleNamespace(backend_name=spec), {}
 
     assert _barrier_device(PG("mpi"), None) == "cpu"
     assert _barrier_device(PG("nccl"), None) == "cuda"

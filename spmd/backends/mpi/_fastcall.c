@@ -111,13 +111,13 @@ static PyObject *world_state;    /* spmd.runtime.group.world_state (its .world: 
 static PyObject *observers;      /* spmd.core.work.observers */
 static PyObject *recorder;       /* the flight recorder: the one observer this path serves */
 static PyObject *begin;          /* recorder.begin */
-static PyObject *expired;        /* (op, group, entry, waited): raises DistTimeoutError */
+static PyObject *expired;        /* (op, context, entry, waited): raises DistTimeoutError */
 static PyObject *mpi_error;      /* (code): raises mpi4py's MPI.Exception */
 static PyObject *wait_module;    /* spmd.core.wait: its .oversubscribed */
 static long tag_ub;
 static int bound;
 
-static PyObject *s_world, *s_comm, *s_error, *s_backends, *s_cpu, *s_fast, *s_index,
+static PyObject *s_world, *s_context, *s_comm, *s_error, *s_backends, *s_cpu, *s_fast, *s_index,
     *s_timeout, *s_oversubscribed, *s_dtype, *s_t1;
 enum { O_ALL_REDUCE, O_BROADCAST, O_REDUCE, O_ALL_GATHER, O_REDUCE_SCATTER, O_ALL_TO_ALL,
        O_BARRIER, O_SEND, O_RECV, O_COALESCED, N_OPS };
@@ -177,12 +177,14 @@ static PyTypeObject FastCommType = {
 
 typedef struct {
     PyObject *group;        /* borrowed from the caller or new (the default group) */
+    PyObject *ctx;          /* the group's context (what Works and the recorder read): new */
     FastComm *fc;           /* new reference */
     int own_group;
 } Target;
 
 static void target_release(Target *t) {
     Py_XDECREF(t->fc);
+    Py_XDECREF(t->ctx);
     if (t->own_group) Py_XDECREF(t->group);
 }
 
@@ -196,6 +198,7 @@ static PyObject *get(PyObject *o, PyObject *name) {   /* new ref, or NULL withou
  * default group), alive, whose host backend is the plain one.  0 if not. */
 static int resolve(PyObject *group, Target *t) {
     t->fc = NULL;
+    t->ctx = NULL;
     t->own_group = 0;
     if (group == Py_None) {
         group = get(world_state, s_world);
@@ -206,12 +209,14 @@ static int resolve(PyObject *group, Target *t) {
         return 0;
     }
     t->group = group;
-    PyObject *v = get(group, s_error);
+    PyObject *ctx = t->ctx = get(group, s_context);
+    if (ctx == NULL) goto no;
+    PyObject *v = get(ctx, s_error);
     if (v == NULL) goto no;
     int ok = v == Py_None;
     Py_DECREF(v);
     if (!ok) goto no;
-    v = get(group, s_comm);
+    v = get(ctx, s_comm);
     if (v == NULL) goto no;
     ok = v != Py_None;
     Py_DECREF(v);
@@ -228,6 +233,7 @@ static int resolve(PyObject *group, Target *t) {
     t->fc = (FastComm *)v;
     return 1;
 no:
+    Py_CLEAR(t->ctx);
     if (t->own_group) { Py_DECREF(group); t->own_group = 0; }
     return 0;
 }
@@ -314,9 +320,9 @@ static int raise_mpi_error(int code) {
 
 /* Record the started op (first: its first array, or None); the entry, None when the
  * recorder is off, NULL on error. */
-static PyObject *record(int record_on, int op, PyObject *group, PyObject *first) {
+static PyObject *record(int record_on, int op, PyObject *ctx, PyObject *first) {
     if (!record_on) Py_RETURN_NONE;
-    PyObject *args[3] = {s_ops[op], group, first};
+    PyObject *args[3] = {s_ops[op], ctx, first};
     return PyObject_Vectorcall(begin, args, 3, NULL);
 }
 
@@ -331,13 +337,13 @@ static int finish(PyObject *entry) {
 
 /* Test the request until it completes: the group's timeout, signals, the GIL handed
  * over, the core given away when ranks outnumber cores, as spmd.core.wait.wait_until. */
-static int wait_for(Handle *req, int op, PyObject *group, PyObject *entry) {
+static int wait_for(Handle *req, int op, PyObject *ctx, PyObject *entry) {
     int flag = 0;
     char status[256];   /* larger than any MPI_Status */
     int rc = ((test_fn)fn[FN_TEST])(req, &flag, status);
     if (rc) return raise_mpi_error(rc);
     if (flag) return 0;
-    PyObject *v = get(group, s_timeout);
+    PyObject *v = get(ctx, s_timeout);
     double seconds = v ? PyFloat_AsDouble(v) : 1800.0;
     Py_XDECREF(v);
     if (seconds == -1.0 && PyErr_Occurred()) return -1;
@@ -370,7 +376,7 @@ static int wait_for(Handle *req, int op, PyObject *group, PyObject *entry) {
         if (spins & (yield ? 7 : 255)) continue;
         double t = now();
         if (t > deadline) {
-            PyObject *args[4] = {s_ops[op], group, entry, NULL};
+            PyObject *args[4] = {s_ops[op], ctx, entry, NULL};
             args[3] = PyFloat_FromDouble(t - start);
             if (args[3] == NULL) return -1;
             PyObject *r = PyObject_Vectorcall(expired, args, 4, NULL);
@@ -387,12 +393,12 @@ static int wait_for(Handle *req, int op, PyObject *group, PyObject *entry) {
 }
 
 /* Start (rc from the MPI call), record, wait, finish: the blocking op's life. */
-static PyObject *complete(int rc, Handle *req, int op, int record_on, PyObject *group,
+static PyObject *complete(int rc, Handle *req, int op, int record_on, PyObject *ctx,
                           PyObject *first) {
     if (rc) { raise_mpi_error(rc); return NULL; }
-    PyObject *entry = record(record_on, op, group, first);
+    PyObject *entry = record(record_on, op, ctx, first);
     if (entry == NULL) return NULL;
-    int err = wait_for(req, op, group, entry) || finish(entry);
+    int err = wait_for(req, op, ctx, entry) || finish(entry);
     Py_DECREF(entry);
     if (err) return NULL;
     Py_RETURN_TRUE;
@@ -401,9 +407,9 @@ static PyObject *complete(int rc, Handle *req, int op, int record_on, PyObject *
 static int is_false(PyObject *o) { return o == Py_False || o == Py_None; }
 
 /* The group rank of a root or peer given as a global rank (an exact int), -1 if not. */
-static int group_rank(PyObject *group, PyObject *global) {
+static int group_rank(PyObject *ctx, PyObject *global) {
     if (!PyLong_CheckExact(global)) return -1;
-    PyObject *index = get(group, s_index);
+    PyObject *index = get(ctx, s_index);
     if (index == NULL) return -1;
     PyObject *r = PyDict_Check(index) ? PyDict_GetItemWithError(index, global) : NULL;
     long x = r != NULL && PyLong_CheckExact(r) ? PyLong_AsLong(r) : -1;
@@ -474,13 +480,13 @@ static PyObject *fc_all_reduce(PyObject *m, PyObject *const *a, Py_ssize_t n) {
             || v->len >= shm_from(c.t.fc, O_ALL_REDUCE)) DECLINE;
     Handle req;
     int rc = c_reduction(FN_IALLREDUCE, in_place, v->buf, (int)COUNT(*v), type, mop, c.t.fc->comm, &req);
-    return end_call(&c, complete(rc, &req, O_ALL_REDUCE, c.rec, c.t.group, a[0]));
+    return end_call(&c, complete(rc, &req, O_ALL_REDUCE, c.rec, c.t.ctx, a[0]));
 }
 
 /* reduce(tensor, dst, op, group, async_op, group_dst) */
 static PyObject *fc_reduce(PyObject *m, PyObject *const *a, Py_ssize_t n) {
     START("reduce", 6, a[3], !is_false(a[4]) || a[5] != Py_None);
-    int root = group_rank(c.t.group, a[1]);
+    int root = group_rank(c.t.ctx, a[1]);
     int is_root = root == c.t.fc->rank;
     PyObject *dtype;
     intptr_t type, mop;
@@ -491,13 +497,13 @@ static PyObject *fc_reduce(PyObject *m, PyObject *const *a, Py_ssize_t n) {
     Handle req;
     int rc = c_ireduce(is_root ? in_place : v->buf, is_root ? v->buf : NULL, (int)COUNT(*v),
                        type, mop, root, c.t.fc->comm, &req);
-    return end_call(&c, complete(rc, &req, O_REDUCE, c.rec, c.t.group, a[0]));
+    return end_call(&c, complete(rc, &req, O_REDUCE, c.rec, c.t.ctx, a[0]));
 }
 
 /* broadcast(tensor, src, group, async_op, group_src) */
 static PyObject *fc_broadcast(PyObject *m, PyObject *const *a, Py_ssize_t n) {
     START("broadcast", 5, a[2], !is_false(a[3]) || a[4] != Py_None);
-    int root = group_rank(c.t.group, a[1]);
+    int root = group_rank(c.t.ctx, a[1]);
     PyObject *dtype;
     if (root < 0 || !hold(&c, a[0], 1, &dtype)) DECLINE;
     Py_buffer *v = &c.view[0];
@@ -505,7 +511,7 @@ static PyObject *fc_broadcast(PyObject *m, PyObject *const *a, Py_ssize_t n) {
     if (!type || !FITS(*v) || v->len >= shm_from(c.t.fc, O_BROADCAST)) DECLINE;
     Handle req;
     int rc = c_ibcast(v->buf, (int)COUNT(*v), type, root, c.t.fc->comm, &req);
-    return end_call(&c, complete(rc, &req, O_BROADCAST, c.rec, c.t.group, a[0]));
+    return end_call(&c, complete(rc, &req, O_BROADCAST, c.rec, c.t.ctx, a[0]));
 }
 
 /* The output and input of a gather, scatter or exchange: both held, one dtype. */
@@ -526,7 +532,7 @@ static PyObject *fc_all_gather(PyObject *m, PyObject *const *a, Py_ssize_t n) {
     Handle req;
     int rc = c_exchange(FN_IALLGATHER, vi->buf, vo->buf, (int)COUNT(*vi), type, c.t.fc->comm,
                         &req);
-    return end_call(&c, complete(rc, &req, O_ALL_GATHER, c.rec, c.t.group, a[0]));
+    return end_call(&c, complete(rc, &req, O_ALL_GATHER, c.rec, c.t.ctx, a[0]));
 }
 
 /* reduce_scatter_tensor(output, input, op, group, async_op) */
@@ -541,7 +547,7 @@ static PyObject *fc_reduce_scatter(PyObject *m, PyObject *const *a, Py_ssize_t n
     Handle req;
     int rc = c_reduction(FN_IREDUCE_SCATTER_BLOCK, vi->buf, vo->buf, (int)COUNT(*vo), type, mop,
                                      c.t.fc->comm, &req);
-    return end_call(&c, complete(rc, &req, O_REDUCE_SCATTER, c.rec, c.t.group, a[0]));
+    return end_call(&c, complete(rc, &req, O_REDUCE_SCATTER, c.rec, c.t.ctx, a[0]));
 }
 
 /* all_to_all_single(output, input, output_split_sizes, input_split_sizes, group,
@@ -559,7 +565,7 @@ static PyObject *fc_all_to_all(PyObject *m, PyObject *const *a, Py_ssize_t n) {
     Handle req;
     int rc = c_exchange(FN_IALLTOALL, vi->buf, vo->buf, (int)(COUNT(*vi) / c.t.fc->size), type,
                         c.t.fc->comm, &req);
-    return end_call(&c, complete(rc, &req, O_ALL_TO_ALL, c.rec, c.t.group, a[0]));
+    return end_call(&c, complete(rc, &req, O_ALL_TO_ALL, c.rec, c.t.ctx, a[0]));
 }
 
 /* barrier(group, async_op, device_ids, timeout) */
@@ -567,7 +573,7 @@ static PyObject *fc_barrier(PyObject *m, PyObject *const *a, Py_ssize_t n) {
     START("barrier", 4, a[0], !is_false(a[1]) || a[2] != Py_None || a[3] != Py_None);
     Handle req;
     int rc = c_ibarrier(c.t.fc->comm, &req);
-    return end_call(&c, complete(rc, &req, O_BARRIER, c.rec, c.t.group, Py_None));
+    return end_call(&c, complete(rc, &req, O_BARRIER, c.rec, c.t.ctx, Py_None));
 }
 
 /* send(tensor, dst, group, tag, group_dst) and recv(tensor, src, group, tag, group_src):
@@ -577,7 +583,7 @@ static PyObject *p2p(int op, PyObject *const *a, Py_ssize_t n) {
     long tag = PyLong_CheckExact(a[3]) ? PyLong_AsLong(a[3]) : -1;
     if (tag == -1) PyErr_Clear();
     if (tag < 0 || tag >= tag_ub) DECLINE;
-    int peer = group_rank(c.t.group, a[1]);     /* itself: an error the Python path raises */
+    int peer = group_rank(c.t.ctx, a[1]);     /* itself: an error the Python path raises */
     PyObject *dtype;
     if (peer < 0 || peer == c.t.fc->rank || !hold(&c, a[0], op == O_RECV, &dtype)) DECLINE;
     Py_buffer *v = &c.view[0];
@@ -586,7 +592,7 @@ static PyObject *p2p(int op, PyObject *const *a, Py_ssize_t n) {
     Handle req;
     int rc = c_p2p(op == O_SEND ? FN_ISEND : FN_IRECV, v->buf, (int)COUNT(*v), type, peer,
                    (int)tag, c.t.fc->comm, &req);
-    PyObject *res = complete(rc, &req, op, c.rec, c.t.group, a[0]);
+    PyObject *res = complete(rc, &req, op, c.rec, c.t.ctx, a[0]);
     if (res == Py_True && op == O_RECV) {
         Py_DECREF(res);
         res = Py_NewRef(a[1]);      /* the sender's global rank */
@@ -710,7 +716,7 @@ static PyObject *fc_all_reduce_coalesced(PyObject *m, PyObject *const *a, Py_ssi
         Handle req;
         int rc = c_reduction(FN_IALLREDUCE, in_place, buf, (int)(total / itemsize), type, mop, c.t.fc->comm,
                               &req);
-        res = complete(rc, &req, O_COALESCED, c.rec, c.t.group, PyList_GET_ITEM(seq, 0));
+        res = complete(rc, &req, O_COALESCED, c.rec, c.t.ctx, PyList_GET_ITEM(seq, 0));
     }
     if (res == NULL) {
         /* A failed or timed-out op may still write into the buffer later: never reuse
@@ -883,13 +889,14 @@ static struct PyModuleDef module = {
 PyMODINIT_FUNC PyInit__fastcall(void) {
     if (PyType_Ready(&FastCommType) < 0) return NULL;
     INTERN(s_world, "world");
-    INTERN(s_comm, "_comm");
-    INTERN(s_error, "_error");
+    INTERN(s_context, "context");
+    INTERN(s_comm, "comm");
+    INTERN(s_error, "error");
     INTERN(s_backends, "_backends");
     INTERN(s_cpu, "cpu");
     INTERN(s_fast, "fast");
-    INTERN(s_index, "_index");
-    INTERN(s_timeout, "_timeout");
+    INTERN(s_index, "index");
+    INTERN(s_timeout, "timeout");
     INTERN(s_oversubscribed, "oversubscribed");
     INTERN(s_t1, "t1");
     INTERN(s_dtype, "dtype");

@@ -22,6 +22,7 @@ import numpy as np
 from mpi4py import MPI
 
 from spmd.backends.reduction import simple_plan
+from spmd.core.context import GroupContext
 from spmd.core.dtypes import MOVE_AS
 from spmd.core.flight_recorder import recorder
 from spmd.core.wait import wait_until
@@ -49,11 +50,11 @@ class BlockingHost:
 
     __slots__ = ("group", "comm", "shm", "_n")
 
-    def __init__(self, group: Any, comm: MPI.Intracomm, shm: Any):
+    def __init__(self, group: GroupContext, comm: MPI.Intracomm, shm: Any):
         self.group = group
         self.comm = comm
         self.shm = shm          # the shared-memory engine, or None
-        self._n = group._size
+        self._n = group.size
 
     def _run(self, req: MPI.Request, op: str, a: np.ndarray | None) -> None:
         """Record, test, wait: the blocking op's whole life after its request started."""
@@ -61,9 +62,9 @@ class BlockingHost:
         e = recorder.begin(op, g, a) if observers else None
         if not req.Test():
             if e is None:
-                wait_until(req.Test, g._timeout, op, g)
+                wait_until(req.Test, g.timeout, op, g)
             else:
-                wait_until(req.Test, g._timeout, op, g, seq=e.seq, kind=e.counter.kind,
+                wait_until(req.Test, g.timeout, op, g, seq=e.seq, kind=e.counter.kind,
                            on_timeout=e.mark_timed_out)
         if e is not None:
             recorder.end(e)

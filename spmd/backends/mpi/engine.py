@@ -22,6 +22,7 @@ from spmd.backends.reduction import (
     premul_factor,
 )
 from spmd.core.arrays import MOVE_AS, movable
+from spmd.core.context import GroupContext
 from spmd.core.packing import pack_buckets
 from spmd.core.work import Work
 
@@ -67,11 +68,11 @@ class MPIBackend(DeviceBackend):
 
     name = "mpi"
 
-    def __init__(self, group):
+    def __init__(self, group: GroupContext):
         super().__init__(group)
-        self.comm = group._comm
-        self.rank = group._rank
-        self.size = group._size
+        self.comm = group.comm
+        self.rank = group.rank
+        self.size = group.size
 
     # -- helpers -----------------------------------------------------------------
 

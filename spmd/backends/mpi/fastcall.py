@@ -29,6 +29,7 @@ from mpi4py import MPI
 from spmd.backends.reduction import MPI_OPS, PLANS, simple_plan
 from spmd.core import packing
 from spmd.core import wait as _wait
+from spmd.core.context import GroupContext
 from spmd.core.dtypes import MOVE_AS
 from spmd.core.flight_recorder import Entry, recorder
 from spmd.core.launch import loaded_libmpi
@@ -126,7 +127,7 @@ def _reduced() -> list[tuple[ReduceOp, list[tuple[np.dtype, int, int]]]]:
     return out
 
 
-def _expired(op: str, group: Any, entry: Entry | None, waited: float) -> None:
+def _expired(op: str, group: GroupContext, entry: Entry | None, waited: float) -> None:
     """A compiled wait passed the group's timeout: the Python path's error."""
     if entry is None:
         raise _wait.timeout_error(op, group, waited)
@@ -179,7 +180,7 @@ def comm_of(group: Any, comm: MPI.Intracomm, shm: Any) -> Any:
     """The extension's handle of one group's communicator (None when it is off)."""
     if compiled is None:
         return None
-    return compiled.FastComm(_handle(comm), group._rank, group._size, shm)
+    return compiled.FastComm(_handle(comm), group.rank, group.size, shm)
 
 
 def function(op: str) -> Any:

@@ -20,6 +20,7 @@ import weakref
 from spmd.backends.nccl.uniqueid import host_identity, uid_for_cupy, uid_to_bytes
 from spmd.core import cuda as _gpu
 from spmd.core.bootstrap import broadcast_value, check_distinct_gpus
+from spmd.core.context import GroupContext
 from spmd.core.errors import DistBackendError, GroupBrokenError, located
 from spmd.core.flight_recorder import recorder
 from spmd.core.wait import wait_until
@@ -61,7 +62,7 @@ class Communicator:
     __slots__ = ("broken", "cp", "created_by", "device", "group", "inflight", "nccl",
                  "nccl_comm", "ready", "runtime", "stream")
 
-    def __init__(self, group, cp, nccl) -> None:
+    def __init__(self, group: GroupContext, cp, nccl) -> None:
         self.group = group
         self.cp = cp
         self.nccl = nccl
@@ -81,10 +82,10 @@ class Communicator:
         if self.nccl_comm is not None:
             return self.nccl_comm
         self.check_broken(op)
-        cp, pg = self.cp, self.group
+        cp, ctx = self.cp, self.group
         device = _gpu.bound_device()
         with cp.cuda.Device(device):
-            pending = pg._inherited.pop("cuda", None)
+            pending = ctx.inherited.pop("cuda", None)
             if pending is not None:
                 comm, self.created_by = pending, "commSplit"
             else:
@@ -96,23 +97,23 @@ class Communicator:
         return comm
 
     def _from_unique_id(self, op: str, device: int):
-        nccl, pg = self.nccl, self.group
+        nccl, ctx = self.nccl, self.group
         bus = self.cp.cuda.Device(device).pci_bus_id
-        check_distinct_gpus(pg, pg._store, host_identity(), bus, op)
+        check_distinct_gpus(ctx, ctx.store, host_identity(), bus, op)
         value = None
-        if pg._rank == 0:
+        if ctx.rank == 0:
             try:
                 value = uid_to_bytes(nccl.get_unique_id())
             except Exception as exc:  # noqa: BLE001 - the others must hear about it too
                 value = b"error:" + f"{type(exc).__name__}: {exc}".encode()
-        raw = broadcast_value(pg, pg._store, "nccl-unique-id", value)
+        raw = broadcast_value(ctx, ctx.store, "nccl-unique-id", value)
         if raw.startswith(b"error:"):
             raise located(DistBackendError, op, f"ncclGetUniqueId failed on group rank 0: "
-                          f"{raw[6:].decode()}", pg)
+                          f"{raw[6:].decode()}", ctx)
         try:
-            return nccl.NcclCommunicator(pg._size, uid_for_cupy(raw), pg._rank)
+            return nccl.NcclCommunicator(ctx.size, uid_for_cupy(raw), ctx.rank)
         except Exception as exc:
-            raise located(DistBackendError, op, f"ncclCommInitRank failed: {exc}", pg) from exc
+            raise located(DistBackendError, op, f"ncclCommInitRank failed: {exc}", ctx) from exc
 
     def can_split(self) -> bool:
         return can_split(self.nccl)
@@ -374,7 +375,7 @@ class NcclWork(Work):
 
     def synchronize(self, timeout=None) -> None:
         """Block the host until the operation has completed on the GPU."""
-        seconds = self._group._timeout if timeout is None else seconds_of(timeout)
+        seconds = self._group.timeout if timeout is None else seconds_of(timeout)
         if not self._done:
             self._owner.host_wait(self, seconds)
             self._complete()
@@ -387,4 +388,4 @@ class NcclWork(Work):
         if self._peer is None:
             raise RuntimeError(f"{self._op}: source_rank() is only defined for receives")
         self.wait()
-        return self._group._global_rank(self._peer)
+        return self._group.global_rank(self._peer)

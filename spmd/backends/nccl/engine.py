@@ -42,6 +42,7 @@ from spmd.backends.nccl.uniqueid import uid_for_cupy, uid_to_bytes
 from spmd.backends.reduction import checked_plan, premul_factor
 from spmd.backends.registry import Backend as BackendName
 from spmd.core import cuda as _gpu
+from spmd.core.context import GroupContext
 from spmd.core.errors import located
 
 __all__ = ["NCCL_TYPES", "NCCLBackend", "NcclWork", "plan_for", "uid_for_cupy", "uid_to_bytes"]
@@ -54,13 +55,13 @@ class NCCLBackend(DeviceBackend):
 
     name = "nccl"
 
-    def __init__(self, group):
+    def __init__(self, group: GroupContext):
         super().__init__(group)
         cp = _gpu.need_cupy("spmd", "the NCCL backend", group)
         nccl = _gpu.nccl_or_none()
         if nccl is None:
             raise RuntimeError(f"the NCCL backend cannot run here: {_gpu.nccl_problem()} "
-                               f"[rank {group._rank}, group {group._name}]")
+                               f"[rank {group.rank}, group {group.name}]")
         self._cp = cp
         self._nccl = nccl
         self.communicator = Communicator(group, cp, nccl)
@@ -72,17 +73,17 @@ class NCCLBackend(DeviceBackend):
         """Create the NCCL communicator now (collective over the group); return it."""
         return self.communicator.connect(op)
 
-    def on_split(self, child, color: int, key: int) -> None:
+    def on_split(self, child: GroupContext | None, color: int, key: int) -> None:
         """After ``Comm.Split`` of a group whose NCCL communicator exists, split that too;
-        the child's communicator waits in ``child._inherited`` for its first operation
+        the child's communicator waits in ``child.inherited`` for its first operation
         when the child's GPU backend is NCCL."""
         wanted = child is not None and color >= 0
         new = self.communicator.split(color if wanted else NOCOLOR, key)
         if new is None:
             return
         if child is not None and \
-                BackendName.device_map(child._backend_name).get("cuda") in ("nccl", "undefined"):
-            child._inherited["cuda"] = new
+                BackendName.device_map(child.backend_name).get("cuda") in ("nccl", "undefined"):
+            child.inherited["cuda"] = new
         else:
             new.destroy()
 
@@ -124,7 +125,7 @@ class NCCLBackend(DeviceBackend):
     def _divide(self, buf, divide) -> None:
         if divide is None or not buf.size:
             return
-        n = self.group._size
+        n = self.group.size
         if divide == "float":
             buf /= n
         elif divide == "uint":
@@ -183,7 +184,7 @@ class NCCLBackend(DeviceBackend):
             if buf.size:
                 comm.reduce(buf.data.ptr, buf.data.ptr, buf.size * plan.count_factor, t, o,
                             root, s)
-            if self.group._rank == root:
+            if self.group.rank == root:
                 self._divide(buf, divide)
                 copy_into(self._cp, a, buf)
         return nc.started(launch, [a], (a, buf))
@@ -204,7 +205,7 @@ class NCCLBackend(DeviceBackend):
 
     def reduce_scatter(self, out, inputs, op):
         plan, t, o, divide = self._plan(out.dtype, op, "reduce_scatter")
-        cp, nc, me = self._cp, self.communicator, self.group._rank
+        cp, nc, me = self._cp, self.communicator, self.group.rank
         sizes = [x.size for x in inputs]
         launch = nc.launch("reduce_scatter")
         with launch as (comm, s):
@@ -246,7 +247,7 @@ class NCCLBackend(DeviceBackend):
             if a.nbytes:
                 comm.broadcast(buf.data.ptr, buf.data.ptr, count, getattr(self._nccl, unit),
                                root, s)
-            if self.group._rank != root:
+            if self.group.rank != root:
                 copy_into(cp, a, buf)
         return nc.started(launch, [a], (a, buf))
 
@@ -262,7 +263,7 @@ class NCCLBackend(DeviceBackend):
         return nc.started(launch, [out], (out, a, src, dst))
 
     def all_gather(self, outputs, a):
-        cp, nc, u8, me = self._cp, self.communicator, self._nccl.NCCL_UINT8, self.group._rank
+        cp, nc, u8, me = self._cp, self.communicator, self._nccl.NCCL_UINT8, self.group.rank
         nbytes = [o.nbytes for o in outputs]
         launch = nc.launch("all_gather")
         with launch as (comm, s):
@@ -284,7 +285,7 @@ class NCCLBackend(DeviceBackend):
 
     def all_gather_coalesced(self, output_lists, inputs):
         cp, nc, u8 = self._cp, self.communicator, self._nccl.NCCL_UINT8
-        n = self.group._size
+        n = self.group.size
         launch = nc.launch("all_gather_coalesced")
         with launch as (comm, s):
             parts = [flat_bytes(cp, x) for x in inputs]
@@ -302,7 +303,7 @@ class NCCLBackend(DeviceBackend):
         return nc.started(launch, output_lists, (output_lists, inputs, sbuf, rbuf))
 
     def gather(self, a, outputs, root):
-        cp, nc, u8, me = self._cp, self.communicator, self._nccl.NCCL_UINT8, self.group._rank
+        cp, nc, u8, me = self._cp, self.communicator, self._nccl.NCCL_UINT8, self.group.rank
         pieces = []
         launch = nc.launch("gather")
         with launch as (comm, s):
@@ -323,7 +324,7 @@ class NCCLBackend(DeviceBackend):
         return nc.started(launch, list(outputs or []), (outputs, a, src, pieces))
 
     def scatter(self, out, inputs, root):
-        cp, nc, u8, me = self._cp, self.communicator, self._nccl.NCCL_UINT8, self.group._rank
+        cp, nc, u8, me = self._cp, self.communicator, self._nccl.NCCL_UINT8, self.group.rank
         launch = nc.launch("scatter")
         with launch as (comm, s):
             if me != root:
@@ -343,7 +344,7 @@ class NCCLBackend(DeviceBackend):
         return nc.started(launch, [out], (out, inputs, kept))
 
     def all_to_all(self, outputs, inputs):
-        cp, nc, u8, me = self._cp, self.communicator, self._nccl.NCCL_UINT8, self.group._rank
+        cp, nc, u8, me = self._cp, self.communicator, self._nccl.NCCL_UINT8, self.group.rank
         launch = nc.launch("all_to_all")
         with launch as (comm, s):
             srcs = [flat_bytes(cp, x) for x in inputs]
@@ -363,7 +364,7 @@ class NCCLBackend(DeviceBackend):
 
     def all_to_all_single(self, out, a, output_counts, input_counts):
         cp, nc, u8 = self._cp, self.communicator, self._nccl.NCCL_UINT8
-        me, n = self.group._rank, self.group._size
+        me, n = self.group.rank, self.group.size
         item = a.itemsize
         if input_counts is None:
             input_counts = [a.size // n] * n

@@ -187,8 +187,8 @@ class ShmEngine:
         if self.nslots < 3:  # see the release marks of the algorithms
             raise ValueError(f"the engine needs 3 or more slots, got {self.nslots}")
         group = self._group
-        comm, req = group._comm.Idup()
-        wait_until(req.Test, group._timeout, op, group, nap=nap,
+        comm, req = group.comm.Idup()
+        wait_until(req.Test, group.timeout, op, group, nap=nap,
                    source="setting up the shared-memory engine")
         try:
             win, reason = open_window(comm, self.slot_bytes, self.nslots)
@@ -219,8 +219,8 @@ class ShmEngine:
         self._scheduler.clear()
         if win is None:
             return
-        wait = self._group._timeout
-        if getattr(self._group, "_error", None) is not None:  # peers may be gone
+        wait = self._group.timeout
+        if self._group.error is not None:  # peers may be gone
             wait = min(wait, 10.0)
         if win.meet(wait):
             win.free()
@@ -262,10 +262,10 @@ class ShmEngine:
 
     def _reduction(self, plan, op) -> Reduction:
         if plan.premul:  # the factor is the op's: read it at every call
-            return Reduction(plan, op, self._group._size)
+            return Reduction(plan, op, self._group.size)
         red = self._reductions.get(plan)
         if red is None:
-            red = self._reductions[plan] = Reduction(plan, op, self._group._size)
+            red = self._reductions[plan] = Reduction(plan, op, self._group.size)
         return red
 
     def _slot(self) -> tuple[int, int]:
@@ -306,7 +306,7 @@ class ShmEngine:
         if out.flags.c_contiguous:
             flat = out.reshape(-1)
             steps = self._gather_steps(a, [flat[j * a.size:(j + 1) * a.size]
-                                           for j in range(self._group._size)])
+                                           for j in range(self._group.size)])
         else:
             steps = self._gather_steps(a, None, out)
         return self._start(out.nbytes, steps,
@@ -331,7 +331,7 @@ class ShmEngine:
             return
         flat = _flat(arr)
         yield from self._two_shot(flat, red, root)
-        if not arr.flags.c_contiguous and (root is None or root == self._group._rank):
+        if not arr.flags.c_contiguous and (root is None or root == self._group.rank):
             np.copyto(arr, flat.reshape(arr.shape))
 
     def _reduce_scatter_steps(self, out, a, view, red: Reduction):
@@ -346,7 +346,7 @@ class ShmEngine:
         staged = not a.flags.c_contiguous
         flat = np.ascontiguousarray(a) if staged else a
         yield from self._broadcast(flat.reshape(-1).view(_U8), root)
-        if staged and root != self._group._rank:
+        if staged and root != self._group.rank:
             np.copyto(a, flat)
 
     def _gather_steps(self, a, outs, whole=None):
@@ -354,9 +354,9 @@ class ShmEngine:
         ``whole`` (an output that is not contiguous) through a contiguous copy."""
         if outs is None:
             buf = np.empty(whole.size, whole.dtype)
-            n = whole.size // self._group._size
+            n = whole.size // self._group.size
             yield from self._gather_steps(a, [buf[j * n:(j + 1) * n]
-                                              for j in range(self._group._size)])
+                                              for j in range(self._group.size)])
             np.copyto(whole, buf.reshape(whole.shape))
             return
         flats = [o.reshape(-1) if o.flags.c_contiguous else np.empty(o.size, o.dtype)

@@ -16,6 +16,7 @@ from collections import deque
 
 from spmd.backends.shm.window import NodeWindow, nap
 from spmd.core import wait as _wait
+from spmd.core.context import GroupContext
 from spmd.core.errors import GroupBrokenError
 from spmd.core.work import Work, seconds_of
 
@@ -47,7 +48,7 @@ class ShmWork(Work):
 
     engine = "shared memory"
 
-    def __init__(self, task: Task, op: str, group, outputs, keep=None):
+    def __init__(self, task: Task, op: str, group: GroupContext, outputs, keep=None):
         self._task = task
         super().__init__([], op, group, outputs, keep=keep)
 
@@ -57,7 +58,7 @@ class ShmWork(Work):
 
     def wait(self, timeout=None) -> bool:
         if not self._done and not self._test():
-            self._poll(self._group._timeout if timeout is None else seconds_of(timeout))
+            self._poll(self._group.timeout if timeout is None else seconds_of(timeout))
         return super().wait(timeout)
 
 
@@ -66,7 +67,7 @@ class Scheduler:
 
     __slots__ = ("failed", "group", "_lock", "_queue", "window")
 
-    def __init__(self, group) -> None:
+    def __init__(self, group: GroupContext) -> None:
         self.group = group
         self.window: NodeWindow | None = None    # set once the engine has made it
         self.failed: BaseException | None = None  # an error that left a step half done
@@ -79,8 +80,8 @@ class Scheduler:
         """Raise if an earlier op failed halfway: peers may wait for a step never published."""
         if self.failed is not None:
             raise GroupBrokenError(f"{op}: the shared-memory engine of group "
-                                   f"{self.group._name} failed earlier: {self.failed!r} "
-                                   f"[rank {self.group._rank}]")
+                                   f"{self.group.name} failed earlier: {self.failed!r} "
+                                   f"[rank {self.group.rank}]")
 
     def start(self, steps, op: str, outputs, keep) -> ShmWork:
         """Queue an op's ``steps``, run what can run now, and return its Work."""

@@ -6,6 +6,8 @@ from __future__ import annotations
 import os
 from typing import NamedTuple
 
+from spmd.backends.base import DeviceBackend
+
 __all__ = ["ACROSS_NODES", "ACROSS_NODES_FORCED", "ALIGN", "AUTO_FROM",
            "AUTO_FROM_OVERSUBSCRIBED", "FORCED", "NEVER", "NOTHING", "ONE_SHOT_READ", "SHM_ENV",
            "SLOTS", "SLOT_BYTES", "SLOT_BYTES_OVERSUBSCRIBED", "Thresholds", "shm_mode",
@@ -105,14 +107,15 @@ def shm_mode(environ=None) -> str:
                          "faster than MPI) or force (at every size)") from None
 
 
-def status(group) -> str:
-    """What the engine does for ``group`` (WORLD in ``spmd info``); every member calls it."""
-    host = group._backend_for("cpu")
-    engine = getattr(getattr(host, "inner", host), "shm", None)
+def status(host: DeviceBackend) -> str:
+    """What the engine does for the group of the host engine ``host`` (WORLD's in
+    ``spmd info``); every member calls it."""
+    host = getattr(host, "inner", host)  # the engine the debug mode's wrapper checks
+    engine = getattr(host, "shm", None)
     if engine is None:  # the group's backend was made with the engine off, or without it
         if shm_mode() == "off":
             return f"off ({SHM_ENV}=0)"
-        return "not used (one rank)" if group._size < 2 else "not used by this backend"
+        return "not used (one rank)" if host.group.size < 2 else "not used by this backend"
     try:
         return engine.describe()
     except Exception as exc:  # noqa: BLE001 - info reports, it does not fail
