@@ -162,7 +162,7 @@ class CoalescingManager:
     def __repr__(self) -> str:
         state = "issued" if self._issued else "recording"
         return (f"<CoalescingManager {self._kind or 'empty'} x{len(self._ops)} {state} "
-                f"group={self.group.context.name}>")
+                f"group={getattr(self.group, 'name', self.group)}>")
 
 
 def _all_gather(backend, ops, n: int):

@@ -39,11 +39,11 @@ _c_send = function("send")
 _c_recv = function("recv")
 
 
-def check_tag(tag, op: str, pg: GroupContext) -> int:
+def check_tag(tag, op: str, ctx: GroupContext) -> int:
     if isinstance(tag, bool) or not isinstance(tag, int):
-        raise located(TypeError, op, f"tag must be an int, got {type(tag).__name__}", pg)
+        raise located(TypeError, op, f"tag must be an int, got {type(tag).__name__}", ctx)
     if not 0 <= tag < OBJECT_TAG:
-        raise located(ValueError, op, f"tag={tag} is out of range [0, {OBJECT_TAG})", pg)
+        raise located(ValueError, op, f"tag={tag} is out of range [0, {OBJECT_TAG})", ctx)
     return tag
 
 

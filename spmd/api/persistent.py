@@ -162,7 +162,7 @@ class Plan:
         op = f"persistent.{self.name}"
         fingerprint = OPS[op].fingerprint
         assert fingerprint is not None  # every persistent op has one (spmd.core.optable)
-        fields, pairs = fingerprint(self.group, *self._args)
+        fields, pairs = fingerprint(self.group.context, *self._args)
         _checked.check_call(self.group.context, op, {"call": call, "plan": self._number, **fields},
                             pairs)
 

@@ -298,7 +298,7 @@ def split_comm(parent: ProcessGroup, color: int, key: int, name_of, timeout, bac
         pg = register_group(comm, members, name_of(members), timeout_seconds(timeout, op),
                        backend_name_of(backend, op), desc)
     for backend in list(parent._backends.values()):  # e.g. NCCL's commSplit, collective
-        backend.on_split(pg.context if pg else None, color, key)  # over the parent
+        backend.on_split(pg.context if pg is not None else None, color, key)  # over the parent
     return pg
 
 

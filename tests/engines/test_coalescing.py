@@ -148,3 +148,22 @@ def test_empty_block_and_empty_arrays(dist):
     e = np.zeros(0)
     dist.all_reduce_coalesced([e, np.ones(1)])
     assert e.size == 0
+
+
+
+def test_block_on_a_group_this_rank_is_not_in(dist):
+    """Non-members get a manager whose ops return None without sending; it still prints."""
+    me = dist.get_rank()
+    g = dist.new_group([0])
+    x = np.full(2, float(me))
+    if me == 0:
+        with dist.coalescing_manager(group=g) as cm:
+            dist.all_reduce(x, group=g)
+        assert len(cm.works) == 1 and "NON_GROUP_MEMBER" not in repr(cm)
+        dist.destroy_process_group(g)
+    else:
+        with pytest.warns(UserWarning, match="does not belong"):
+            with dist.coalescing_manager(group=g) as cm:
+                assert dist.all_reduce(x, group=g) is None
+        assert cm.works == [] and "group=NON_GROUP_MEMBER" in repr(cm)
+    np.testing.assert_array_equal(x, np.full(2, float(me)))  # a group of one: unchanged

@@ -191,15 +191,29 @@ def test_persistent_plans_matched_pass_in_debug_mode(dist, fresh, detail):
     y = np.full(4, float(me))
     out = np.empty(2 * n)
     mine = np.full(2, float(me))
+    z = np.full(3, float(me + 1))
+    rows = np.arange(2.0 * n) + 10 * me  # rank me's row j goes to rank j // 2
+    got = np.empty(2 * n)
+    red = np.empty(2)
     with dist.persistent.all_reduce(x, group=g) as p1, \
             dist.persistent.broadcast(y, src=n - 1, group=g) as p2, \
             dist.persistent.all_gather_into_tensor(out, mine, group=g) as p3, \
-            dist.persistent.barrier(group=g) as p4:
+            dist.persistent.barrier(group=g) as p4, \
+            dist.persistent.reduce(z, dst=0, group=g) as p5, \
+            dist.persistent.reduce_scatter_tensor(red, rows, group=g) as p6, \
+            dist.persistent.all_to_all_single(got, rows, group=g) as p7:
         for _ in range(2):
             x[:] = np.arange(6.0) + me
             y[:] = me
-            for p in (p1, p2, p3, p4):
+            z[:] = me + 1
+            for p in (p1, p2, p3, p4, p5, p6, p7):
                 p.start().wait()
             np.testing.assert_array_equal(x, n * np.arange(6.0) + n * (n - 1) / 2)
             np.testing.assert_array_equal(y, np.full(4, float(n - 1)))
             np.testing.assert_array_equal(out, np.repeat(np.arange(n, dtype=float), 2))
+            if me == 0:
+                np.testing.assert_array_equal(z, np.full(3, n * (n + 1) / 2))
+            np.testing.assert_array_equal(
+                red, sum(np.arange(2.0 * n)[2 * me:2 * me + 2] + 10 * r for r in range(n)))
+            np.testing.assert_array_equal(
+                got, np.concatenate([np.arange(2.0 * me, 2.0 * me + 2) + 10 * r for r in range(n)]))
