@@ -250,11 +250,11 @@ def coalescing_manager(group: GroupArg = None, device: object = None,
         raise RuntimeError(f"coalescing_manager: a block is already open on group {pg.context.name} "
                            "(they do not nest)")
     cm = CoalescingManager(pg)
-    pg._backends[key] = _Recorder(cm, backend)
+    pg.set_engine(key, _Recorder(cm, backend))
     try:
         yield cm
     finally:
-        pg._backends[key] = backend
+        pg.set_engine(key, backend)
     cm._issue(backend)
     if not async_ops:
         cm.wait()

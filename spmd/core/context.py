@@ -8,6 +8,7 @@ and nothing else of the group layer.
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -22,10 +23,11 @@ class GroupContext:
     """A group's communicator and identity, as its engines and Works see it.
 
     Read-only to its readers; each field is set once by the group layer except these:
-    ``comm`` becomes None when the group is destroyed, ``error`` is set once when a
-    timeout breaks the group, and three fields hold the state of one lower module each
-    (``op_counters``: the flight recorder; ``inherited``: the NCCL engine's split;
-    ``bootstrap_seq``/``bootstrap_count``: the start-up exchange).
+    ``comm`` becomes None when the group is destroyed (:meth:`mark_destroyed`), ``error``
+    is set once when a timeout breaks the group (:meth:`mark_broken`), and three fields
+    hold the state of one lower module each (``op_counters``: the flight recorder;
+    ``inherited``: the NCCL engine's split; ``bootstrap_seq``/``bootstrap_count``: the
+    start-up exchange).
 
     Attributes:
         comm: the group's private communicator (None once destroyed).
@@ -39,8 +41,9 @@ class GroupContext:
         backend_name: the backend string (``"mpi"``, ``"cpu:mpi,cuda:nccl"``...).
         store: the key-value store given to init_process_group, or None.
         error: why the group is broken (a timeout), or None.
-        op_counters: the flight recorder's sequence counters of this group (None until
-            its first recorded op).
+        op_counters: the flight recorder's sequence counters of this group: collectives
+            and point-to-point operations started (an int64 array the compiled call path
+            writes too).
         inherited: device -> a communicator a split of the parent made for this
             group's engine of that device to adopt (NCCL's ``commSplit``).
         bootstrap_seq: the number the members agreed on for this group's store keys
@@ -49,11 +52,13 @@ class GroupContext:
         engine_for: device -> the group's engine of that device, made on first use
             (an engine that moves device arrays through the host engine asks for it);
             None where no ProcessGroup holds the context.
+        on_end: called once when the group is broken or destroyed (an engine that keeps
+            a copy of the group's state, as the compiled call path does, closes it).
     """
 
     __slots__ = ("comm", "rank", "size", "ranks", "index", "name", "desc", "timeout",
                  "backend_name", "store", "error", "op_counters", "inherited",
-                 "bootstrap_seq", "bootstrap_count", "engine_for",
+                 "bootstrap_seq", "bootstrap_count", "engine_for", "on_end",
                  "__weakref__")  # debug mode keeps per-group state in weak dicts
 
     def __init__(self, comm: MPI.Intracomm, ranks: Sequence[int], name: str, timeout: float,
@@ -71,11 +76,28 @@ class GroupContext:
         self.backend_name = backend
         self.store = store
         self.error: str | None = None
-        self.op_counters: Any = None
+        self.op_counters = array("q", [0, 0])
         self.inherited: dict[str, Any] = {}
         self.bootstrap_seq: int | None = None
         self.bootstrap_count = 0
         self.engine_for: Callable[[str], Any] | None = None
+        self.on_end: list[Callable[[], None]] = []
+
+    def mark_broken(self, reason: str) -> None:
+        """A timeout broke the group: every later op on it raises GroupBrokenError."""
+        if self.error is None:
+            self.error = reason
+            self._ended()
+
+    def mark_destroyed(self) -> None:
+        """The group's communicator was freed: every later op on it raises."""
+        self.comm = None  # type: ignore[assignment]  # (see the class docstring)
+        self._ended()
+
+    def _ended(self) -> None:
+        callbacks, self.on_end = self.on_end, []
+        for callback in callbacks:
+            callback()
 
     def check_alive(self, op: str) -> None:
         """Raise if the group was destroyed or a timeout broke it."""

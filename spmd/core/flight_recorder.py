@@ -15,15 +15,16 @@ job and points at the first collective where the ranks diverge::
 
 from __future__ import annotations
 
-import collections
 import contextlib
+import itertools
 import json
 import os
 import socket
 import sys
 import time
+from array import array
 from collections.abc import Callable
-from typing import Any, cast
+from typing import Any
 
 from mpi4py import MPI
 
@@ -31,67 +32,66 @@ from spmd.core.context import GroupContext
 from spmd.core.lines import write_lines
 from spmd.core.optable import P2P_OPS
 
-__all__ = ["Entry", "FlightRecorder", "dump_flight_recorder", "recorder", "write_private"]
+__all__ = ["Entry", "FlightRecorder", "Ring", "dump_flight_recorder", "recorder",
+           "write_private"]
 
 _monotonic = time.monotonic
 
 MPI_ENGINE = "MPI"
 STARTED, COMPLETED = "started", "completed"
+KINDS = ("collective", "p2p")     # a group's op_counters, in this order
 
-# Ops that are not collectives: they get their own sequence numbers per group.  Links
-# between programs (mpmd.py) count as point-to-point: their ranks do unequal work.
 FORMAT = "spmd-flight-recorder"
 VERSION = 1
 DEFAULT_SIZE = 2048
 
-
-class Counter:
-    """Sequence numbers of one kind of operation (collective or p2p) on one group."""
-
-    __slots__ = ("kind", "seq")
-
-    def __init__(self, kind: str):
-        self.kind = kind
-        self.seq = 0        # operations started
+IN_FLIGHT = -1.0                  # a slot's end time while its op runs
+WRITING = -2.0                    # ... while begin() fills it (readers skip it)
+FAILED, TIMED_OUT, P2P = 1, 2, 4  # bits of a slot's flags
 
 
 class Entry:
-    """One operation in the ring.
+    """One recorded operation, as the readers of the recorder see it.
+
+    Made from the ring when something reads it (``entries()``, a dump, the watchdog, a
+    diagnosis), never on the hot path; a change a reader makes goes back through
+    :meth:`FlightRecorder.mark_timed_out` and :meth:`FlightRecorder.settle`.
 
     Attributes:
+        number: the operation's number in this process (what a Work keeps).
         op: the operation's name.
         group: the group it runs on.
         seq: its number among its group's operations of its kind.
-        counter: the group's Counter of its kind (``counter.kind``: collective, p2p).
+        kind: ``"collective"`` or ``"p2p"`` (each numbered on its own, as c10d does).
         size: element count of its first array (None: no array).
         dtype: that array's dtype (None: no array).
         t0: start, ``time.monotonic()``.
-        t1: end; None while in flight.  The compiled call path sets it too.
+        t1: end; None while in flight.
         failed: whether it ended with an error.
         timed_out: whether a timeout was reported for it (once is enough).
         engine: what runs it ("MPI", "shared memory", "NCCL").
         device: for an operation that ends on a GPU stream, (communicator, end event):
             it is over when the event has passed, whether or not anyone polled its
-            Work, so whatever judges "in flight" asks the event first
-            (:meth:`FlightRecorder.settle`).
+            Work, so whatever judges "in flight" asks the event first.
     """
 
-    __slots__ = ("op", "group", "seq", "counter", "size", "dtype", "t0", "t1", "failed",
-                 "timed_out", "engine", "device")
+    __slots__ = ("number", "op", "group", "seq", "kind", "size", "dtype", "t0", "t1",
+                 "failed", "timed_out", "engine", "device")
 
-    def __init__(self, op: str, group: GroupContext, seq: int, counter: Any, size: int | None,
-                 dtype: Any, t0: float, engine: str):
-        # Pairs and triples: as fast as one store a line (no tuple is built).
-        self.op, self.group, self.seq = op, group, seq
-        self.counter, self.size, self.dtype = counter, size, dtype
-        self.t0, self.engine = t0, engine
-        self.t1: float | None
-        self.device: Any
-        self.t1, self.failed, self.timed_out, self.device = None, False, False, None
-
-    def mark_timed_out(self) -> None:
-        """A timeout was reported for this operation (the watchdog reports it no more)."""
-        self.timed_out = True
+    def __init__(self, ring: Ring, i: int):
+        self.number: int = ring.numbers[i]
+        self.op: str = ring.ops[i]
+        self.group: GroupContext = ring.groups[i]
+        self.seq: int = ring.seqs[i]
+        self.t0: float = ring.t0[i]
+        self.engine: str = ring.engines[i]
+        size, t1, flags = ring.sizes[i], ring.t1[i], ring.flags[i]
+        self.size = None if size < 0 else size
+        self.dtype = ring.dtypes[i]
+        self.t1 = None if t1 == IN_FLIGHT else t1
+        self.kind = KINDS[1] if flags & P2P else KINDS[0]
+        self.failed, self.timed_out = bool(flags & FAILED), bool(flags & TIMED_OUT)
+        self.device = ring.devices[i]
 
     def state(self) -> str:
         """started, completed or failed."""
@@ -100,8 +100,60 @@ class Entry:
         return "failed" if self.failed else COMPLETED
 
     def __repr__(self) -> str:
-        group = self.group.name if self.group is not None else None
-        return f"<Entry {self.op} #{self.seq} on {group}: {self.state()}>"
+        return f"<Entry {self.op} #{self.seq} on {self.group.name}: {self.state()}>"
+
+
+class Ring:
+    """The recorder's storage: one preallocated column per field, a slot per operation.
+
+    Operation ``n`` (numbers drawn from ``numbers``, shared by every writer) lives in
+    slot ``n % capacity`` until operation ``n + capacity`` takes it.  The Python path
+    writes the columns by index, the compiled call path through their buffers
+    (``storage()``); nothing is allocated per operation.
+    """
+
+    __slots__ = ("capacity", "numbers", "next_number", "ops", "groups", "seqs", "sizes",
+                 "dtypes", "t0", "t1", "flags", "engines", "devices")
+
+    def __init__(self, capacity: int):
+        self.capacity = capacity
+        # itertools.count: each number is drawn once, also by concurrent threads.
+        self.next_number = itertools.count()
+        self.numbers = array("q", [-1]) * capacity      # -1: a slot never used
+        self.ops: list[Any] = [None] * capacity         # str once used
+        self.groups: list[Any] = [None] * capacity
+        self.seqs = array("q", [0]) * capacity
+        self.sizes = array("q", [-1]) * capacity        # -1: no array
+        self.dtypes: list[Any] = [None] * capacity
+        self.t0 = array("d", [0.0]) * capacity
+        self.t1 = array("d", [0.0]) * capacity          # IN_FLIGHT while running
+        self.flags = array("B", [0]) * capacity
+        self.engines: list[Any] = [None] * capacity     # str once used
+        self.devices: list[Any] = [None] * capacity
+
+    def storage(self) -> tuple:
+        """What the compiled call path writes: every column, in one tuple."""
+        return (self.capacity, self.next_number, self.numbers, self.ops, self.groups,
+                self.seqs, self.sizes, self.dtypes, self.t0, self.t1, self.flags,
+                self.engines, self.devices)
+
+    def read(self, i: int) -> Entry | None:
+        """Slot ``i`` as an Entry; None if it is empty or being written meanwhile.
+
+        begin() marks a slot WRITING before it fills it, so a reader on another thread
+        (the watchdog) never takes one operation's start time for another's."""
+        if self.t1[i] == WRITING:
+            return None
+        number = self.numbers[i]
+        if number < 0:
+            return None
+        e = Entry(self, i)
+        return e if self.numbers[i] == number and self.t1[i] != WRITING else None
+
+    def slot(self, number: int) -> int:
+        """The slot of operation ``number``; -1 once another operation took it."""
+        i = number % self.capacity
+        return i if self.numbers[i] == number else -1
 
 
 def ring_size(requested: int) -> int:
@@ -109,46 +161,23 @@ def ring_size(requested: int) -> int:
     return max(16, int(requested))
 
 
-def _placeholder() -> Entry:
-    """A finished entry of no operation: what the ring starts full of."""
-    # It names no group; entries() leaves it out, so every entry a reader sees has one.
-    e = Entry("", cast(GroupContext, None), 0, None, None, None, 0.0, MPI_ENGINE)
-    e.t1 = 0.0
-    return e
-
-
-_COLL, _P2P = "\0collective", "\0p2p"   # keys of a group's two counters
-
-
-def _counter(group: GroupContext, op: str) -> Counter:
-    """The counter of ``op`` on ``group`` (first use of the group or of the op name).
-
-    ``group.op_counters`` maps op names to their kind's Counter, so the hot path finds it with
-    one dict lookup."""
-    table = group.op_counters
-    if table is None:
-        table = group.op_counters = {_COLL: Counter("collective"), _P2P: Counter("p2p")}
-    c = table[op] = table[_P2P if op in P2P_OPS else _COLL]
-    return c
-
-
-def counters(group: GroupContext) -> tuple[Counter, Counter]:
-    """(collectives, point-to-point) counters of ``group``."""
-    table = group.op_counters
-    if table is None:
-        return Counter("collective"), Counter("p2p")
-    return table[_COLL], table[_P2P]
+def counters(group: GroupContext) -> tuple[int, int]:
+    """(collectives, point-to-point operations) started on ``group``."""
+    c = group.op_counters
+    return c[0], c[1]
 
 
 def next_seq(group: GroupContext) -> int:
     """The sequence number the next collective on ``group`` will get."""
-    return counters(group)[0].seq + 1
+    return group.op_counters[0] + 1
 
 
 class FlightRecorder:
     """The Work observer that keeps the ring; one per process (``recorder``)."""
 
     def __init__(self, size: int = DEFAULT_SIZE):
+        # Told the new ring on every resize: the compiled call path holds its columns.
+        self.listeners: list[Callable[[Ring], None]] = []
         self.resize(size)
         # Set by the reliability layer at init: () -> (WORLD, every live group), for the
         # dump's group table; and where dumps go by default (None: stderr).
@@ -157,46 +186,64 @@ class FlightRecorder:
         self.dump_dir: str | None = None
 
     def resize(self, size: int) -> None:
-        self._size = size = ring_size(size)
-        # A deque with maxlen is the ring: append is O(1) and atomic (thread safe), and
-        # it starts full of a finished placeholder so ring[0] always exists.
-        self._ring = collections.deque([_placeholder()] * size, maxlen=size)
-        self._stale: list[Entry] = []   # in-flight entries pushed out of the ring
+        self.ring = Ring(ring_size(size))
+        # In-flight operations whose slot a newer one took: number -> Entry.
+        self.stale: dict[int, Entry] = {}
+        for listener in self.listeners:
+            listener(self.ring)
 
     @property
     def size(self) -> int:
-        return self._size
+        return self.ring.capacity
 
     # -- the hot path: called for every Work --------------------------------------
 
-    def begin(self, op: str, g: GroupContext, a, engine: str = MPI_ENGINE) -> Entry:
+    def begin(self, op: str, g: GroupContext, a, engine: str = MPI_ENGINE) -> int:
         """Record ``op`` starting on group ``g`` (``a``: its first array, or None) on
-        ``engine``; return the entry, which :meth:`end` completes."""
-        try:
-            c = g.op_counters[op]
-        except (TypeError, KeyError):  # the group's or the op's first time
-            c = _counter(g, op)
-        c.seq = seq = c.seq + 1
-        ring = self._ring
-        oldest = ring[0]
-        if oldest.t1 is None:  # about to push out an operation still in flight
-            if oldest.device is not None:
-                self.settle((oldest,))
-            if oldest.t1 is None:
-                self._stale.append(oldest)
+        ``engine``; return its number, which :meth:`end` completes."""
+        r = self.ring
+        n = next(r.next_number)
+        i = n % r.capacity
+        if r.t1[i] == IN_FLIGHT:
+            self.push_out(i)
+        r.t1[i] = WRITING
+        kind = P2P if op in P2P_OPS else 0
+        counts = g.op_counters
+        k = 1 if kind else 0
+        counts[k] = seq = counts[k] + 1
+        r.numbers[i], r.ops[i], r.groups[i], r.seqs[i] = n, op, g, seq
         if a is None:
-            e = Entry(op, g, seq, c, None, None, _monotonic(), engine)
+            r.sizes[i], r.dtypes[i] = -1, None
         else:
-            e = Entry(op, g, seq, c, a.size, a.dtype, _monotonic(), engine)
-        ring.append(e)
-        return e
+            r.sizes[i], r.dtypes[i] = a.size, a.dtype
+        r.flags[i], r.engines[i], r.devices[i] = kind, engine, None
+        r.t0[i] = _monotonic()
+        r.t1[i] = IN_FLIGHT     # last: the slot is whole
+        return n
 
-    @staticmethod
-    def end(e: Entry) -> None:
-        """Mark an entry from :meth:`begin` completed (a device op may have been seen
-        finished already: its first end time stays)."""
+    def end(self, number: int, failed: bool = False) -> None:
+        """Mark operation ``number`` (from :meth:`begin`) completed; a device op seen
+        finished already keeps its first end time."""
+        r = self.ring
+        i = number % r.capacity
+        if r.numbers[i] == number:
+            if r.t1[i] == IN_FLIGHT:
+                r.t1[i] = _monotonic()
+            if failed:
+                r.flags[i] |= FAILED
+            return
+        e = self.stale.pop(number, None)   # pushed out of the ring while in flight
+        if e is not None and failed:
+            e.failed = True
+
+    def push_out(self, i: int) -> None:
+        """Slot ``i`` holds an operation still in flight and a new one needs it: keep
+        the old one as an Entry (the compiled call path calls this too)."""
+        e = Entry(self.ring, i)   # (the writer is this thread: whole)
+        if e.device is not None:
+            self.settle((e,))
         if e.t1 is None:
-            e.t1 = _monotonic()
+            self.stale[e.number] = e
 
     def started(self, work) -> None:
         try:
@@ -204,40 +251,68 @@ class FlightRecorder:
             a.size  # noqa: B018 - an array, not a list of lists
         except (TypeError, IndexError, AttributeError):  # no outputs, or a list of lists
             a = None
-        e = work._fr_entry = self.begin(work._op, work._group, a, work.engine)
+        n = work._fr_entry = self.begin(work._op, work._group, a, work.engine)
         device_end = work._device_end
         if device_end is not None:
-            e.device = device_end
+            self.ring.devices[n % self.ring.capacity] = device_end
 
     def completed(self, work) -> None:
         try:
-            e = work._fr_entry
+            n = work._fr_entry
         except AttributeError:  # started before the recorder was registered
             return
-        self.end(e)
-        if work._exc is not None:
-            e.failed = True
+        self.end(n, work._exc is not None)
 
-    @staticmethod
-    def settle(entries) -> None:
+    def mark_timed_out(self, number: int) -> None:
+        """A timeout was reported for operation ``number`` (the watchdog reports it no
+        more)."""
+        i = self.ring.slot(number)
+        if i >= 0:
+            self.ring.flags[i] |= TIMED_OUT
+        elif number in self.stale:
+            self.stale[number].timed_out = True
+
+    def entry(self, number: int) -> Entry | None:
+        """Operation ``number`` as an Entry; None once it left the recorder."""
+        i = self.ring.slot(number)
+        return self.ring.read(i) if i >= 0 else self.stale.get(number)
+
+    def seq_of(self, number: int) -> int | None:
+        """The sequence number of operation ``number`` in its group (None once it left
+        the recorder)."""
+        i = self.ring.slot(number)
+        if i >= 0:
+            return self.ring.seqs[i]
+        e = self.stale.get(number)
+        return None if e is None else e.seq
+
+    def settle(self, entries) -> None:
         """Mark finished the device operations among ``entries`` whose end event has
         passed (the end time is when this is first seen).  Never blocks."""
+        r = self.ring
         for e in entries:
             device = e.device
             if device is not None and e.t1 is None and device[0].event_passed(device[1]):
-                e.t1 = _monotonic()
+                e.t1 = t = _monotonic()
+                i = r.slot(e.number)
+                if i >= 0 and r.t1[i] == IN_FLIGHT:
+                    r.t1[i] = t
+                elif e.number in self.stale:
+                    del self.stale[e.number]
 
     # -- queries (watchdog, control channel, dumps): never on the hot path --------
 
     def entries(self) -> list[Entry]:
         """Every recorded entry, oldest first (in-flight ones pushed out of the ring too),
         device operations settled first."""
-        ring = [e for e in list(self._ring) if e.group is not None]
-        stale = list(self._stale)
+        r = self.ring
+        numbers = list(r.numbers)
+        ring = [e for e in map(r.read, sorted(range(r.capacity), key=numbers.__getitem__))
+                if e is not None]
+        stale = sorted(self.stale.values(), key=lambda e: e.number)
         self.settle(stale)
         self.settle(ring)
-        self._stale = stale = [e for e in stale if e.t1 is None]
-        return sorted(stale, key=lambda e: e.t0) + ring if stale else ring
+        return [e for e in stale if e.t1 is None] + ring
 
     def in_flight(self) -> list[Entry]:
         """Entries of operations that have started and not completed, oldest first."""
@@ -249,12 +324,12 @@ class FlightRecorder:
         now = _monotonic()
         entries = self.entries()
         mine = [e for e in entries if e.group is group]
-        coll = [e for e in mine if e.counter.kind == "collective"]
+        coll = [e for e in mine if e.kind == "collective"]
         done = [e for e in coll if e.t1 is not None]
         last = max(done, key=lambda e: e.seq) if done else None
         out = {
-            "seq": coll_count.seq,
-            "p2p_seq": p2p_count.seq,
+            "seq": coll_count,
+            "p2p_seq": p2p_count,
             "last": brief(last, now) if last is not None else None,
             "current": [brief(e, now) for e in mine if e.t1 is None][:4],
             "elsewhere": [brief(e, now) for e in entries
@@ -274,7 +349,7 @@ class FlightRecorder:
             coll, p2p = counters(g)
             groups[_group_id(g)] = {
                 "name": g.name, "ranks": list(g.ranks),
-                "seq": coll.seq, "p2p_seq": p2p.seq,
+                "seq": coll, "p2p_seq": p2p,
                 "broken": g.error,
             }
         entries = []
@@ -282,7 +357,7 @@ class FlightRecorder:
             g = e.group
             entries.append({
                 "id": i, "op": e.op, "group": g.name, "group_id": _group_id(g),
-                "kind": e.counter.kind, "seq": e.seq,
+                "kind": e.kind, "seq": e.seq,
                 "size": e.size if isinstance(e.size, int) else None,
                 "dtype": _dtype_name(e.dtype),
                 "start": round(e.t0 - now_mono + now_wall, 6),
@@ -294,7 +369,7 @@ class FlightRecorder:
             "rank": world.rank if world is not None else MPI.COMM_WORLD.Get_rank(),
             "world_size": world.size if world is not None else MPI.COMM_WORLD.Get_size(),
             "host": socket.gethostname(), "pid": os.getpid(), "dumped_at": now_wall,
-            "capacity": self._size, "groups": groups, "entries": entries,
+            "capacity": self.size, "groups": groups, "entries": entries,
         }
 
 
@@ -316,7 +391,7 @@ def _dtype_name(dtype) -> str | None:
 
 def brief(e: Entry, now: float) -> dict:
     """One entry in the short form the diagnosis and the control channel use."""
-    return {"op": e.op, "seq": e.seq, "kind": e.counter.kind, "group": e.group.name,
+    return {"op": e.op, "seq": e.seq, "kind": e.kind, "group": e.group.name,
             "engine": e.engine, "state": e.state(), "age": round(now - e.t0, 3),
             "took": round(e.t1 - e.t0, 6) if e.t1 is not None else None}
 

@@ -458,7 +458,7 @@ class Link:
         _checked.free_check_comm(ctx)
         if ctx.comm is not None:
             ctx.comm.Free()
-            ctx.comm = None  # type: ignore[assignment]  # freed (see GroupContext)
+            ctx.mark_destroyed()
 
     def __repr__(self) -> str:
         return (f"<Link {self.local.name}({self._ctx.size}) <-> {self.remote.name}"

@@ -195,7 +195,7 @@ def handle_timeout(op: str, g: GroupContext, seq: int | None, kind: str, waited:
     """Diagnose, break the group (collectives), dump the flight recorder; the message."""
     text = diagnose(op, g, seq, kind, waited, source, engine)
     if kind == "collective" and g.error is None:
-        g.error = f"{op} #{seq} timed out on rank {state.rank} after {waited:.1f} s"
+        g.mark_broken(f"{op} #{seq} timed out on rank {state.rank} after {waited:.1f} s")
         text += f"\n  group {g.name} is now broken: later calls on it raise GroupBrokenError"
     if kind != "collective" and source == "wait":
         return text  # a receive can still complete: no dump for a polling wait(timeout)
@@ -216,10 +216,11 @@ def diagnose_timeout(op: str, g: GroupContext, seq: int | None, kind: str, waite
     engine = flight_recorder.MPI_ENGINE
     if work is not None:
         engine = work.engine
-        e = getattr(work, "_fr_entry", None)
+        number = getattr(work, "_fr_entry", None)
+        e = None if number is None else flight_recorder.recorder.entry(number)
         if e is not None:
-            e.mark_timed_out()
-            seq, kind = e.seq, e.counter.kind
+            flight_recorder.recorder.mark_timed_out(e.number)
+            seq, kind = e.seq, e.kind
         else:
             kind = "p2p" if is_p2p(op) else "collective"
     elif seq is None and kind == "collective":  # a wait before the op's Work exists

@@ -5,7 +5,7 @@ from __future__ import annotations
 import warnings
 from collections.abc import Sequence
 from datetime import timedelta
-from typing import TypeAlias
+from typing import Any, TypeAlias
 
 from mpi4py import MPI
 
@@ -88,10 +88,24 @@ class ProcessGroup:
     def _backend_for(self, device: str):
         backend = self._backends.get(device)
         if backend is None:
-            backend = self._backends[device] = make_backend(self.context, device)
+            backend = make_backend(self.context, device)
+            self.set_engine(device, backend)
         return backend
 
+    def set_engine(self, device: str, engine: Any) -> None:
+        """Make ``engine`` the group's engine for ``device`` (coalescing_manager puts its
+        recorder in place for a block, then the engine back).  The compiled call path
+        takes the group's calls only while its host engine is the plain one (debug mode
+        and coalescing_manager wrap it)."""
+        self._backends[device] = engine
+        if device == "cpu":
+            if type(engine) is HostBackend:
+                fastcall.register(self, engine.fast)
+            else:
+                fastcall.unregister(self)
+
     def _free(self) -> None:
+        fastcall.unregister(self)
         for backend in self._backends.values():
             backend.shutdown()
         self._backends.clear()
@@ -99,7 +113,7 @@ class ProcessGroup:
         ctx = self.context
         if ctx.comm is not None:
             ctx.comm.Free()
-            ctx.comm = None  # type: ignore[assignment]  # destroyed (see GroupContext)
+            ctx.mark_destroyed()
 
     def __repr__(self) -> str:
         return f"<ProcessGroup {self.context.name} rank={self.context.rank} size={self.context.size}>"
@@ -144,9 +158,9 @@ class WorldState:
 world_state = WorldState()
 NON_GROUP_MEMBER = GroupMember.NON_GROUP_MEMBER
 
-# The compiled call path finds the default group through world_state and takes plain
-# groups (not subclasses) whose host backend is the plain one.
-fastcall.bind(ProcessGroup, HostBackend, world_state)
+# The compiled call path: bound once; groups register with it as their host engine is
+# made (ProcessGroup._backend_for), the default group when init sets it.
+fastcall.bind()
 
 
 def __getattr__(name: str):

@@ -57,9 +57,9 @@ class Watchdog:
             age = now - e.t0
             # A waiting thread reports its own timeout; the grace lets it go first.
             if age > limit + min(max(1.0, 0.05 * limit), 30.0) and e.t1 is None:
-                e.mark_timed_out()
+                flight_recorder.recorder.mark_timed_out(e.number)
                 op, seq, engine, device = e.op, e.seq, e.engine, e.device
-                text = handle_timeout(op, g, seq, e.counter.kind, age, "watchdog", engine)
+                text = handle_timeout(op, g, seq, e.kind, age, "watchdog", engine)
                 where = "in flight" if device is None else f"running on the GPU ({engine})"
                 if device is not None:
                     device[0].abort_timed_out(op, seq)

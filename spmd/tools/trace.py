@@ -34,6 +34,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from spmd.core import work as _work
+from spmd.core.flight_recorder import recorder
 from spmd.core.lines import write_lines
 from spmd.core.optable import P2P_OPS, work_bytes
 from spmd.core.work import Work
@@ -88,10 +89,9 @@ class Tracer:
 
     def started(self, work: Work) -> None:
         kind = 1 if work._op in P2P_OPS else 0
-        entry = getattr(work, "_fr_entry", None)
-        if entry is not None:  # the flight recorder's number: the one every rank agrees on
-            seq = entry.seq
-        else:  # recorder off: count here
+        number = getattr(work, "_fr_entry", None)
+        seq = None if number is None else recorder.seq_of(number)
+        if seq is None:  # recorder off: count here
             g = work._group
             counters = self._seq.get(g)
             if counters is None:

@@ -119,7 +119,7 @@ def test_small_blocking_ops_take_it_and_match_numpy(dist, taken):
     assert taken == expect
     # recorded like any op: collectives numbered on from where they were, all completed
     entries = [e for e in fr.recorder.entries() if e.group is dist.GroupMember.WORLD.context
-               and e.counter.kind == "collective"][-8:]
+               and e.kind == "collective"][-8:]
     assert [e.seq for e in entries] == list(range(seq0, seq0 + 8))
     assert all(e.state() == fr.COMPLETED for e in entries)
 

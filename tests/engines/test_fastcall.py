@@ -214,9 +214,10 @@ def test_other_threads_run_while_a_call_waits(dist):
 
 
 @pytest.mark.mpi
-def test_coalescing_manager_and_group_subclasses_take_the_python_path(dist, monkeypatch):
+def test_coalescing_manager_and_unregistered_groups_take_the_python_path(dist):
     """Calls the compiled path must decline: inside coalescing_manager (the group's
-    host backend is wrapped) and on a ProcessGroup subclass; results still exact."""
+    host backend is wrapped), and on a group no FastComm is registered for (the
+    default group included); results still exact."""
     n = dist.get_world_size()
     arrays = [np.full(3, float(k)) for k in range(4)]
     with dist.coalescing_manager():
@@ -224,13 +225,61 @@ def test_coalescing_manager_and_group_subclasses_take_the_python_path(dist, monk
             dist.all_reduce(a)
     for k, a in enumerate(arrays):
         np.testing.assert_array_equal(a, k * n)
-    if fastcall.compiled is not None:
-        host = dist.GroupMember.WORLD._backends["cpu"]
-        monkeypatch.setattr(host, "fast", None)   # as a backend without the handle
-        assert fastcall.compiled.all_reduce(np.ones(2), ReduceOp.SUM, None, False) is False
+    if fastcall.compiled is None:
+        return
+    world = dist.GroupMember.WORLD
+    barrier = fastcall.compiled.barrier   # (an op the shared-memory engine never takes)
+    assert barrier(None, False, None, None) is True
+    fastcall.unregister(world)
+    fastcall.set_default(None)
+    try:
+        for group in (None, world, object(), [1]):   # (an unhashable one too)
+            assert barrier(group, False, None, None) is False
         x = np.ones(2)
         dist.all_reduce(x)    # the Python path
         np.testing.assert_array_equal(x, n)
+    finally:
+        fastcall.register(world, world._backends["cpu"].fast)
+        fastcall.set_default(world)
+    assert barrier(None, False, None, None) is True
+
+
+@pytest.mark.mpi
+def test_group_state_is_pushed_to_the_compiled_path(dist, fresh):
+    """The compiled path reads no attribute of spmd's objects: what it needs is pushed.
+    A new group registers as its host engine is made; its timeout, ranks and sequence
+    counters are the context's; breaking or destroying the group closes it at once."""
+    from spmd.core import flight_recorder as fr
+    from spmd.core.errors import GroupBrokenError
+
+    if fastcall.compiled is None:
+        pytest.skip(f"the compiled path is off: {fastcall.reason}")
+    n, me = dist.get_world_size(), dist.get_rank()
+    g, h = fresh(), fresh()
+    barrier = fastcall.compiled.barrier   # (an op the shared-memory engine never takes)
+    x = np.full(4, me + 1, np.float32)
+    assert barrier(g, False, None, None) is False  # no engine yet
+    dist.all_reduce(x, group=g)          # makes it (the Python path), which registers it
+    np.testing.assert_array_equal(x, n * (n + 1) / 2)
+    fast = g._backends["cpu"].fast
+    assert fast.alive and barrier(g, False, None, None) is True
+    # the compiled call counted on the group's own counters, seen by the recorder
+    assert fr.counters(g.context) == (2, 0)
+    last = [e for e in fr.recorder.entries() if e.group is g.context][-1]
+    assert (last.op, last.seq, last.size, last.dtype, last.state()) == \
+        ("barrier", 2, None, None, "completed")
+    # broken: closed, and the Python path raises for it on every rank alike
+    g.context.mark_broken("a test broke it")
+    assert not fast.alive
+    assert barrier(g, False, None, None) is False
+    with pytest.raises(GroupBrokenError, match="a test broke it"):
+        dist.all_reduce(x, group=g)
+    # destroyed: closed and unregistered
+    dist.all_reduce(x, group=h)
+    fast_h = h._backends["cpu"].fast
+    dist.destroy_process_group(h)
+    assert not fast_h.alive
+    assert barrier(h, False, None, None) is False
 
 
 @pytest.mark.mpi

@@ -123,3 +123,17 @@ def test_no_file_holds_two_concepts_by_its_length():
     long = sorted(f"{p.relative_to(ROOT.parent)}: {n}" for p in ROOT.rglob("*.py")
                   if (n := len(p.read_text().splitlines())) > 900)
     assert not long, f"files over 900 lines (split them by concept): {long}"
+
+
+def test_c_code_reads_no_python_attribute_by_name():
+    """State crosses into C as arguments or in objects C owns (mpi4py's rule): a C
+    function that looked up a Python attribute by name would turn itself off without a
+    word the day that attribute is renamed."""
+    lookups = ("GetAttr", "SetAttr", "HasAttr", "LookupAttr", "CallMethod", "DelAttr")
+    found = []
+    for path in sorted(ROOT.rglob("*.c")):
+        for number, line in enumerate(path.read_text().splitlines(), 1):
+            if any(f"PyObject_{name}" in line for name in lookups):
+                found.append(f"{path.relative_to(ROOT.parent)}:{number}: {line.strip()}")
+    assert sorted(ROOT.rglob("*.c")), "no C source found: the check would pass vacuously"
+    assert not found, "\n".join(found)

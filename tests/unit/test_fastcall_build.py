@@ -38,6 +38,6 @@ def test_an_extension_of_another_version_turns_the_path_off(monkeypatch):
     monkeypatch.setattr(fastcall, "_module", Stale())
     monkeypatch.setattr(fastcall, "compiled", None)
     monkeypatch.setattr(fastcall, "reason", "")
-    fastcall.bind(object, object, object)
+    fastcall.bind()
     assert fastcall.compiled is None
     assert "does not match spmd" in fastcall.reason and "18 arguments" in fastcall.reason

@@ -13,13 +13,19 @@
  * the handles of the datatypes and reduce ops, so one build runs with any MPI.
  *
  * What a wait keeps from the Python path: the op is recorded in the flight recorder
- * (its begin() is called; the entry's end time set here), a wait past the group's
- * timeout ends in the Python function that raises the same diagnosed
+ * (written into its preallocated ring here: no Python object per call), a wait past
+ * the group's timeout ends in the Python function that raises the same diagnosed
  * DistTimeoutError, signals are checked and the GIL is handed over while waiting.
+ *
+ * State crosses into C as arguments, never by looking up attribute names: each group's
+ * engine makes a FastComm holding what this path needs of the group and pushes every
+ * change to it (thresholds, the group broken or destroyed); the group layer registers
+ * which FastComm serves which group; the recorder hands over its ring's columns.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <limits.h>
+#include <string.h>
 #include <sched.h>
 #include <stdint.h>
 #include <time.h>
@@ -106,169 +112,250 @@ static int n_moved;
 static Reduced reduced[MAX_OPS];
 static int n_reduced;
 
-static PyTypeObject *ndarray_type, *group_type, *host_type;
-static PyObject *world_state;    /* spmd.runtime.group.world_state (its .world: the default group) */
+static PyTypeObject *ndarray_type;
 static PyObject *observers;      /* spmd.core.work.observers */
 static PyObject *recorder;       /* the flight recorder: the one observer this path serves */
-static PyObject *begin;          /* recorder.begin */
-static PyObject *expired;        /* (op, context, entry, waited): raises DistTimeoutError */
+static PyObject *push_out;       /* recorder.push_out(slot): keep an in-flight op it overwrites */
+static PyObject *end_op;         /* recorder.end(number): an op pushed out while waited on */
+static PyObject *expired;        /* (op, context, number, waited): raises DistTimeoutError */
 static PyObject *mpi_error;      /* (code): raises mpi4py's MPI.Exception */
-static PyObject *wait_module;    /* spmd.core.wait: its .oversubscribed */
+static PyObject *bucket_bytes;   /* (): the fusion limit (spmd.core.packing.get_bucket_bytes) */
+static PyObject *shm_all_reduce; /* (engine, buffer, dtype, op): its all_reduce, waited */
+static PyObject *fast_comms;     /* group -> its FastComm (register/unregister) */
+static PyObject *default_group;  /* what group=None means (set_default) */
 static long tag_ub;
 static int bound;
 
-static PyObject *s_world, *s_context, *s_comm, *s_error, *s_backends, *s_cpu, *s_fast, *s_index,
-    *s_timeout, *s_oversubscribed, *s_dtype, *s_t1;
+static PyObject *s_mpi_engine;
 enum { O_ALL_REDUCE, O_BROADCAST, O_REDUCE, O_ALL_GATHER, O_REDUCE_SCATTER, O_ALL_TO_ALL,
        O_BARRIER, O_SEND, O_RECV, O_COALESCED, N_OPS };
 static PyObject *s_ops[N_OPS];
 static const char *const OP_NAMES[N_OPS] = {
     "all_reduce", "broadcast", "reduce", "all_gather_into_tensor", "reduce_scatter_tensor",
     "all_to_all_single", "barrier", "send", "recv", "all_reduce_coalesced"};
-/* The shared-memory engine's threshold attribute for each op (NULL: the engine never
- * takes it). */
-static const char *const SHM_FROM[N_OPS] = {
-    "all_reduce_from", "broadcast_from", "reduce_from", NULL, "reduce_scatter_from",
-    NULL, NULL, NULL, NULL, NULL};
-static PyObject *s_shm_from[N_OPS], *s_gather_from, *s_gather_to, *s_bucket_bytes;
-static PyObject *packing_module;     /* spmd.core.packing: its _bucket_bytes, the fusion limit */
-static PyObject *shm_all_reduce;     /* (engine, buffer, dtype, op): its all_reduce, waited */
 
-/* -- FastComm: one group's communicator, as the host backend holds it ------------- */
+/* -- the flight recorder's ring (spmd.core.flight_recorder.Ring) ------------------- */
+
+#define IN_FLIGHT (-1.0)
+#define WRITING (-2.0)
+#define P2P_FLAG 4
+enum { C_NUMBERS, C_SEQS, C_SIZES, C_T0, C_T1, C_FLAGS, N_COLUMNS };
+
+static struct {
+    Py_ssize_t capacity;          /* 0: no ring handed over yet */
+    PyObject *storage;            /* Ring.storage(): holds every column alive */
+    PyObject *next_number;        /* itertools.count shared with the Python writer */
+    PyObject *ops, *groups, *dtypes, *engines, *devices;   /* lists */
+    Py_buffer view[N_COLUMNS];
+    int64_t *numbers, *seqs, *sizes;
+    double *t0, *t1;
+    uint8_t *flags;
+} ring;
+
+static void ring_release(void) {
+    if (ring.storage == NULL) return;
+    for (int i = 0; i < N_COLUMNS; i++) PyBuffer_Release(&ring.view[i]);
+    Py_CLEAR(ring.storage);
+    ring.capacity = 0;
+}
+
+/* set_ring(storage): the recorder's ring, as Ring.storage() gives it (again at every
+ * resize). */
+static PyObject *fc_set_ring(PyObject *m, PyObject *storage) {
+    Py_ssize_t cap;
+    PyObject *count, *col[N_COLUMNS], *ops, *groups, *dtypes, *engines, *devices;
+    if (!PyArg_ParseTuple(storage, "nOOO!OOOOOOOO!O!", &cap, &count, &col[C_NUMBERS],
+                          &PyList_Type, &ops, &groups, &col[C_SEQS], &col[C_SIZES], &dtypes,
+                          &col[C_T0], &col[C_T1], &col[C_FLAGS], &PyList_Type, &engines,
+                          &PyList_Type, &devices))
+        return NULL;
+    static const char *const formats[N_COLUMNS] = {"q", "q", "q", "d", "d", "B"};
+    Py_buffer views[N_COLUMNS];
+    int held = 0;
+    for (; held < N_COLUMNS; held++) {
+        if (PyObject_GetBuffer(col[held], &views[held], PyBUF_WRITABLE | PyBUF_FORMAT) < 0)
+            goto fail;
+        if (views[held].len / views[held].itemsize != cap
+                || strcmp(views[held].format, formats[held]) != 0) {
+            held++;
+            PyErr_SetString(PyExc_ValueError, "set_ring: a column of the wrong type or length");
+            goto fail;
+        }
+    }
+    if (!PyList_Check(groups) || !PyList_Check(dtypes) || PyList_GET_SIZE(ops) != cap
+            || PyList_GET_SIZE(groups) != cap || PyList_GET_SIZE(dtypes) != cap
+            || PyList_GET_SIZE(engines) != cap || PyList_GET_SIZE(devices) != cap || cap < 1) {
+        PyErr_SetString(PyExc_ValueError, "set_ring: lists of the wrong length");
+        goto fail;
+    }
+    ring_release();
+    memcpy(ring.view, views, sizeof views);
+    ring.storage = Py_NewRef(storage);
+    ring.capacity = cap;
+    ring.next_number = count;
+    ring.ops = ops;
+    ring.groups = groups;
+    ring.dtypes = dtypes;
+    ring.engines = engines;
+    ring.devices = devices;
+    ring.numbers = views[C_NUMBERS].buf;
+    ring.seqs = views[C_SEQS].buf;
+    ring.sizes = views[C_SIZES].buf;
+    ring.t0 = views[C_T0].buf;
+    ring.t1 = views[C_T1].buf;
+    ring.flags = views[C_FLAGS].buf;
+    Py_RETURN_NONE;
+fail:
+    for (int i = 0; i < held; i++) PyBuffer_Release(&views[i]);
+    return NULL;
+}
+
+/* Put v in list[i]; the old item goes to *old (released by the caller once the slot is
+ * whole: releasing it may run Python code). */
+static void put(PyObject *list, Py_ssize_t i, PyObject *v, PyObject **old) {
+    *old = PyList_GET_ITEM(list, i);
+    PyList_SET_ITEM(list, i, Py_NewRef(v));
+}
+
+/* -- FastComm: what this path needs of one group, pushed by its host engine -------- */
 
 typedef struct {
     PyObject_HEAD
     intptr_t comm;
     int rank, size;
+    int alive;              /* 0 once the group is broken or destroyed (close()) */
+    int yield;              /* ranks outnumber cores: give the core away while waiting */
+    double timeout;         /* seconds */
+    PyObject *ctx;          /* the group's context: what Works, the recorder, errors name */
+    PyObject *index;        /* global rank -> group rank */
+    PyObject *counters;     /* the context's op_counters (collectives, p2p started) */
+    Py_buffer counters_view;
+    int64_t *seq;
     PyObject *shm;          /* the group's shared-memory engine, or None */
+    long long from[N_OPS];  /* bytes from which that engine takes the op (LLONG_MAX: never) */
+    long long gather_from, gather_to;
 } FastComm;
 
 static int fastcomm_init(FastComm *self, PyObject *args, PyObject *kw) {
     long long comm;
-    PyObject *shm;
-    static char *names[] = {"comm", "rank", "size", "shm", NULL};
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "LiiO", names, &comm, &self->rank,
-                                     &self->size, &shm))
+    PyObject *ctx, *index, *counters, *shm;
+    static char *names[] = {"comm", "rank", "size", "context", "index", "op_counters",
+                            "timeout", "oversubscribed", "shm", NULL};
+    if (self->ctx != NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "FastComm: initialised once");
         return -1;
+    }
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "LiiOO!OdpO", names, &comm, &self->rank,
+                                     &self->size, &ctx, &PyDict_Type, &index, &counters,
+                                     &self->timeout, &self->yield, &shm))
+        return -1;
+    if (PyObject_GetBuffer(counters, &self->counters_view, PyBUF_WRITABLE | PyBUF_FORMAT) < 0)
+        return -1;
+    if (self->counters_view.len != 2 * (Py_ssize_t)sizeof(int64_t)
+            || strcmp(self->counters_view.format, "q") != 0) {
+        PyBuffer_Release(&self->counters_view);
+        PyErr_SetString(PyExc_ValueError, "FastComm: op_counters must be two int64s");
+        return -1;
+    }
+    self->seq = self->counters_view.buf;
+    self->counters = Py_NewRef(counters);
     self->comm = (intptr_t)comm;
-    Py_INCREF(shm);
-    Py_XSETREF(self->shm, shm);
+    self->ctx = Py_NewRef(ctx);
+    self->index = Py_NewRef(index);
+    self->shm = Py_NewRef(shm);
+    for (int i = 0; i < N_OPS; i++) self->from[i] = LLONG_MAX;
+    self->gather_from = LLONG_MAX;
+    self->gather_to = 0;
+    self->alive = 1;
     return 0;
 }
 
 static void fastcomm_dealloc(FastComm *self) {
+    if (self->counters != NULL) PyBuffer_Release(&self->counters_view);
+    Py_XDECREF(self->counters);
+    Py_XDECREF(self->ctx);
+    Py_XDECREF(self->index);
     Py_XDECREF(self->shm);
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
 
+/* set_thresholds(all_reduce_from, reduce_from, reduce_scatter_from, broadcast_from,
+ * all_gather_from, all_gather_to): the shared-memory engine's, whenever they change. */
+static PyObject *fastcomm_set_thresholds(FastComm *self, PyObject *args) {
+    long long v[6];
+    if (!PyArg_ParseTuple(args, "LLLLLL", &v[0], &v[1], &v[2], &v[3], &v[4], &v[5]))
+        return NULL;
+    self->from[O_ALL_REDUCE] = v[0];
+    self->from[O_COALESCED] = v[0];
+    self->from[O_REDUCE] = v[1];
+    self->from[O_REDUCE_SCATTER] = v[2];
+    self->from[O_BROADCAST] = v[3];
+    self->gather_from = v[4];
+    self->gather_to = v[5];
+    Py_RETURN_NONE;
+}
+
+static PyObject *fastcomm_close(FastComm *self, PyObject *unused) {
+    self->alive = 0;
+    Py_RETURN_NONE;
+}
+
+static PyObject *fastcomm_alive(FastComm *self, void *unused) {
+    return PyBool_FromLong(self->alive);
+}
+
+static PyMethodDef fastcomm_methods[] = {
+    {"set_thresholds", (PyCFunction)fastcomm_set_thresholds, METH_VARARGS,
+     "set_thresholds(all_reduce_from, reduce_from, reduce_scatter_from, broadcast_from, "
+     "all_gather_from, all_gather_to): the shared-memory engine's sizes."},
+    {"close", (PyCFunction)fastcomm_close, METH_NOARGS,
+     "close(): the group is broken or destroyed; this path takes no more of its calls."},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyGetSetDef fastcomm_getset[] = {
+    {"alive", (getter)fastcomm_alive, NULL, "False once close() was called.", NULL},
+    {NULL, NULL, NULL, NULL, NULL},
+};
+
 static PyTypeObject FastCommType = {
     PyVarObject_HEAD_INIT(NULL, 0)
     .tp_name = "spmd.backends.mpi._fastcall.FastComm",
-    .tp_doc = "FastComm(comm, rank, size, shm): a group's communicator handle for the "
-              "compiled call path.",
+    .tp_doc = "FastComm(comm, rank, size, context, index, op_counters, timeout, "
+              "oversubscribed, shm): what the compiled call path needs of one group.",
     .tp_basicsize = sizeof(FastComm),
     .tp_flags = Py_TPFLAGS_DEFAULT,
     .tp_new = PyType_GenericNew,
     .tp_init = (initproc)fastcomm_init,
     .tp_dealloc = (destructor)fastcomm_dealloc,
+    .tp_methods = fastcomm_methods,
+    .tp_getset = fastcomm_getset,
 };
 
 /* -- one call ----------------------------------------------------------------------- */
 
-typedef struct {
-    PyObject *group;        /* borrowed from the caller or new (the default group) */
-    PyObject *ctx;          /* the group's context (what Works and the recorder read): new */
-    FastComm *fc;           /* new reference */
-    int own_group;
-} Target;
-
-static void target_release(Target *t) {
-    Py_XDECREF(t->fc);
-    Py_XDECREF(t->ctx);
-    if (t->own_group) Py_XDECREF(t->group);
-}
-
-static PyObject *get(PyObject *o, PyObject *name) {   /* new ref, or NULL without error */
-    PyObject *v = PyObject_GetAttr(o, name);
-    if (v == NULL) PyErr_Clear();
-    return v;
-}
-
-/* The group's FastComm where the call may take this path: a ProcessGroup (or the
- * default group), alive, whose host backend is the plain one.  0 if not. */
-static int resolve(PyObject *group, Target *t) {
-    t->fc = NULL;
-    t->ctx = NULL;
-    t->own_group = 0;
-    if (group == Py_None) {
-        group = get(world_state, s_world);
-        if (group == NULL) return 0;
-        t->own_group = 1;
-        if (group == Py_None) { Py_DECREF(group); t->own_group = 0; return 0; }
-    } else if (Py_TYPE(group) != group_type) {
-        return 0;
+/* The FastComm serving group (None: the default group) where the call may take this
+ * path: registered by the group layer and alive.  NULL if not (borrowed). */
+static FastComm *resolve(PyObject *group) {
+    if (group == Py_None) group = default_group;
+    PyObject *fc = PyDict_GetItemWithError(fast_comms, group);
+    if (fc == NULL) {   /* not registered, or not hashable: the Python path says why */
+        PyErr_Clear();
+        return NULL;
     }
-    t->group = group;
-    PyObject *ctx = t->ctx = get(group, s_context);
-    if (ctx == NULL) goto no;
-    PyObject *v = get(ctx, s_error);
-    if (v == NULL) goto no;
-    int ok = v == Py_None;
-    Py_DECREF(v);
-    if (!ok) goto no;
-    v = get(ctx, s_comm);
-    if (v == NULL) goto no;
-    ok = v != Py_None;
-    Py_DECREF(v);
-    if (!ok) goto no;
-    PyObject *backends = get(group, s_backends);
-    if (backends == NULL) goto no;
-    PyObject *host = PyDict_Check(backends) ? PyDict_GetItemWithError(backends, s_cpu) : NULL;
-    PyErr_Clear();
-    if (host == NULL || Py_TYPE(host) != host_type) { Py_DECREF(backends); goto no; }
-    v = get(host, s_fast);
-    Py_DECREF(backends);
-    if (v == NULL) goto no;
-    if (Py_TYPE(v) != &FastCommType) { Py_DECREF(v); goto no; }
-    t->fc = (FastComm *)v;
-    return 1;
-no:
-    Py_CLEAR(t->ctx);
-    if (t->own_group) { Py_DECREF(group); t->own_group = 0; }
-    return 0;
+    return ((FastComm *)fc)->alive ? (FastComm *)fc : NULL;
 }
 
 /* 1 if only the flight recorder (or nothing) observes Works, 0 if another observer
  * needs a Work; *record set when the recorder is on. */
 static int observed_by_recorder(int *record) {
     Py_ssize_t n = PyList_GET_SIZE(observers);
-    *record = n == 1;
+    *record = n == 1 && ring.capacity > 0;
     return n == 0 || (n == 1 && PyList_GET_ITEM(observers, 0) == recorder);
 }
 
-/* The shared-memory engine's threshold for op (LLONG_MAX: it never takes the op). */
-static long long shm_from(FastComm *fc, int op) {
-    if (fc->shm == Py_None || SHM_FROM[op] == NULL) return LLONG_MAX;
-    PyObject *v = get(fc->shm, s_shm_from[op]);
-    if (v == NULL) return -1;
-    long long x = PyLong_AsLongLong(v);
-    Py_DECREF(v);
-    if (x == -1 && PyErr_Occurred()) { PyErr_Clear(); return -1; }
-    return x;
-}
-
 static int shm_gathers(FastComm *fc, long long nbytes) {
-    if (fc->shm == Py_None) return 0;
-    PyObject *lo = get(fc->shm, s_gather_from), *hi = get(fc->shm, s_gather_to);
-    int takes = 1;      /* unreadable bounds: leave the call to the Python path */
-    if (lo != NULL && hi != NULL) {
-        long long a = PyLong_AsLongLong(lo), b = PyLong_AsLongLong(hi);
-        if (!PyErr_Occurred()) takes = a <= nbytes && nbytes < b;
-        PyErr_Clear();
-    }
-    Py_XDECREF(lo);
-    Py_XDECREF(hi);
-    return takes;
+    return fc->gather_from <= nbytes && nbytes < fc->gather_to;
 }
 
 static intptr_t moved_type(PyObject *dtype) {   /* 0: not a dtype this path moves */
@@ -293,15 +380,30 @@ static int reduced_type(PyObject *op, PyObject *dtype, intptr_t *type, intptr_t 
     return 0;
 }
 
+/* numpy's public array layout (PyArrayObject_fields in numpy/ndarraytypes.h, the same
+ * in numpy 1.x and 2.x) and two of its flags, read directly as pybind11 does: the fused
+ * op checks and copies hundreds of arrays, and a buffer export per array would cost
+ * more than the copy. */
+typedef struct {
+    PyObject_HEAD
+    char *data;
+    int nd;
+    Py_ssize_t *dimensions;
+    Py_ssize_t *strides;
+    PyObject *base;
+    PyObject *descr;
+    int flags;
+} NumpyArray;
+#define NUMPY_C_CONTIGUOUS 0x0001
+#define NUMPY_WRITEABLE 0x0400
+
 /* A buffer of a numpy array (exact ndarray, C-contiguous; writable if asked) and its
  * dtype; 0 (nothing held) if it is not one. */
 static int array(PyObject *a, int writable, Py_buffer *view, PyObject **dtype) {
     if (Py_TYPE(a) != ndarray_type) return 0;
     int flags = PyBUF_C_CONTIGUOUS | (writable ? PyBUF_WRITABLE : 0);
     if (PyObject_GetBuffer(a, view, flags) < 0) { PyErr_Clear(); return 0; }
-    *dtype = get(a, s_dtype);
-    if (*dtype == NULL) { PyBuffer_Release(view); return 0; }
-    Py_DECREF(*dtype);      /* the array holds its dtype while the buffer is held */
+    *dtype = ((NumpyArray *)a)->descr;   /* held by the array, which the view holds */
     return 1;
 }
 
@@ -318,39 +420,75 @@ static int raise_mpi_error(int code) {
     return -1;
 }
 
-/* Record the started op (first: its first array, or None); the entry, None when the
- * recorder is off, NULL on error. */
-static PyObject *record(int record_on, int op, PyObject *ctx, PyObject *first) {
-    if (!record_on) Py_RETURN_NONE;
-    PyObject *args[3] = {s_ops[op], ctx, first};
-    return PyObject_Vectorcall(begin, args, 3, NULL);
+/* Record the started op in the ring, as FlightRecorder.begin does (the same columns in
+ * the same order; the GIL is held throughout, so no reader sees the slot half written).
+ * first: its first array, or NULL.  The op's number; -1 with the recorder off; -2 on
+ * error. */
+static int64_t record(int record_on, int op, FastComm *fc, Py_buffer *first,
+                      PyObject *dtype) {
+    if (!record_on) return -1;
+    PyObject *num = Py_TYPE(ring.next_number)->tp_iternext(ring.next_number);
+    if (num == NULL) return -2;
+    int64_t n = PyLong_AsLongLong(num);
+    Py_DECREF(num);
+    if (n == -1 && PyErr_Occurred()) return -2;
+    Py_ssize_t i = (Py_ssize_t)(n % ring.capacity);
+    if (ring.t1[i] == IN_FLIGHT) {     /* an op still in flight: the recorder keeps it */
+        PyObject *slot = PyLong_FromSsize_t(i);
+        PyObject *r = slot ? PyObject_CallOneArg(push_out, slot) : NULL;
+        Py_XDECREF(slot);
+        if (r == NULL) return -2;
+        Py_DECREF(r);
+        if (ring.capacity == 0 || n % ring.capacity != i) {   /* resized meanwhile */
+            PyErr_SetString(PyExc_RuntimeError, "the flight recorder was resized during an op");
+            return -2;
+        }
+    }
+    int p2p = op == O_SEND || op == O_RECV;
+    int64_t seq = ++fc->seq[p2p];
+    PyObject *old[5];
+    ring.numbers[i] = n;
+    put(ring.ops, i, s_ops[op], &old[0]);
+    put(ring.groups, i, fc->ctx, &old[1]);
+    ring.seqs[i] = seq;
+    ring.sizes[i] = first ? first->len / first->itemsize : -1;
+    put(ring.dtypes, i, dtype ? dtype : Py_None, &old[2]);
+    ring.flags[i] = p2p ? P2P_FLAG : 0;
+    put(ring.engines, i, s_mpi_engine, &old[3]);
+    put(ring.devices, i, Py_None, &old[4]);
+    ring.t0[i] = now();
+    ring.t1[i] = IN_FLIGHT;
+    for (int k = 0; k < 5; k++) Py_XDECREF(old[k]);
+    return n;
 }
 
-static int finish(PyObject *entry) {
-    if (entry == Py_None) return 0;
-    PyObject *t = PyFloat_FromDouble(now());
-    if (t == NULL) return -1;
-    int err = PyObject_SetAttr(entry, s_t1, t);   /* the Entry's end time */
-    Py_DECREF(t);
-    return err;
+/* The op's end time (its slot, or the recorder's copy if it was pushed out meanwhile). */
+static int finish(int64_t n) {
+    if (n < 0) return 0;
+    if (ring.capacity > 0) {
+        Py_ssize_t i = (Py_ssize_t)(n % ring.capacity);
+        if (ring.numbers[i] == n) {
+            if (ring.t1[i] == IN_FLIGHT) ring.t1[i] = now();
+            return 0;
+        }
+    }
+    PyObject *num = PyLong_FromLongLong(n);
+    PyObject *r = num ? PyObject_CallOneArg(end_op, num) : NULL;
+    Py_XDECREF(num);
+    Py_XDECREF(r);
+    return r == NULL ? -1 : 0;
 }
 
 /* Test the request until it completes: the group's timeout, signals, the GIL handed
  * over, the core given away when ranks outnumber cores, as spmd.core.wait.wait_until. */
-static int wait_for(Handle *req, int op, PyObject *ctx, PyObject *entry) {
+static int wait_for(Handle *req, int op, FastComm *fc, int64_t number) {
     int flag = 0;
     char status[256];   /* larger than any MPI_Status */
     int rc = ((test_fn)fn[FN_TEST])(req, &flag, status);
     if (rc) return raise_mpi_error(rc);
     if (flag) return 0;
-    PyObject *v = get(ctx, s_timeout);
-    double seconds = v ? PyFloat_AsDouble(v) : 1800.0;
-    Py_XDECREF(v);
-    if (seconds == -1.0 && PyErr_Occurred()) return -1;
-    v = get(wait_module, s_oversubscribed);
-    int yield = v != NULL && PyObject_IsTrue(v) == 1;
-    Py_XDECREF(v);
-    double start = now(), deadline = start + seconds;
+    int yield = fc->yield;
+    double start = now(), deadline = start + fc->timeout;
     /* Past the first millisecond each test runs without the GIL, as mpi4py's Test does
      * on the Python path: other Python threads of this rank (spmd's control thread,
      * which answers the diagnosis of a peer's timeout; the user's) get the GIL at every
@@ -376,11 +514,8 @@ static int wait_for(Handle *req, int op, PyObject *ctx, PyObject *entry) {
         if (spins & (yield ? 7 : 255)) continue;
         double t = now();
         if (t > deadline) {
-            PyObject *args[4] = {s_ops[op], ctx, entry, NULL};
-            args[3] = PyFloat_FromDouble(t - start);
-            if (args[3] == NULL) return -1;
-            PyObject *r = PyObject_Vectorcall(expired, args, 4, NULL);
-            Py_DECREF(args[3]);
+            PyObject *r = PyObject_CallFunction(expired, "OOLd", s_ops[op], fc->ctx,
+                                                (long long)number, t - start);
             Py_XDECREF(r);
             if (!PyErr_Occurred())
                 PyErr_SetString(PyExc_RuntimeError, "spmd: a timed-out wait raised nothing");
@@ -392,29 +527,25 @@ static int wait_for(Handle *req, int op, PyObject *ctx, PyObject *entry) {
     }
 }
 
-/* Start (rc from the MPI call), record, wait, finish: the blocking op's life. */
-static PyObject *complete(int rc, Handle *req, int op, int record_on, PyObject *ctx,
-                          PyObject *first) {
+/* Start (rc from the MPI call), record, wait, finish: the blocking op's life.  first:
+ * the view of its first array (NULL: none) and that array's dtype. */
+static PyObject *complete(int rc, Handle *req, int op, int record_on, FastComm *fc,
+                          Py_buffer *first, PyObject *dtype) {
     if (rc) { raise_mpi_error(rc); return NULL; }
-    PyObject *entry = record(record_on, op, ctx, first);
-    if (entry == NULL) return NULL;
-    int err = wait_for(req, op, ctx, entry) || finish(entry);
-    Py_DECREF(entry);
-    if (err) return NULL;
+    int64_t n = record(record_on, op, fc, first, dtype);
+    if (n == -2) return NULL;
+    if (wait_for(req, op, fc, n) || finish(n)) return NULL;
     Py_RETURN_TRUE;
 }
 
 static int is_false(PyObject *o) { return o == Py_False || o == Py_None; }
 
 /* The group rank of a root or peer given as a global rank (an exact int), -1 if not. */
-static int group_rank(PyObject *ctx, PyObject *global) {
+static int group_rank(FastComm *fc, PyObject *global) {
     if (!PyLong_CheckExact(global)) return -1;
-    PyObject *index = get(ctx, s_index);
-    if (index == NULL) return -1;
-    PyObject *r = PyDict_Check(index) ? PyDict_GetItemWithError(index, global) : NULL;
+    PyObject *r = PyDict_GetItemWithError(fc->index, global);
     long x = r != NULL && PyLong_CheckExact(r) ? PyLong_AsLong(r) : -1;
     PyErr_Clear();
-    Py_DECREF(index);
     return (int)x;
 }
 
@@ -424,9 +555,10 @@ static int check_bound(void) {
     return 0;
 }
 
-/* One call's state: its group, whether the recorder is on, the buffers it holds. */
+/* One call's state: its group's FastComm, whether the recorder is on, the buffers it
+ * holds. */
 typedef struct {
-    Target t;
+    FastComm *fc;
     int rec;
     int nviews;
     Py_buffer view[2];
@@ -444,7 +576,10 @@ static int start_call(Call *c, const char *op, Py_ssize_t n, Py_ssize_t want,
     if (!check_bound()) return -1;
     c->nviews = 0;
     if (declined || !observed_by_recorder(&c->rec)) return 0;
-    return resolve(group, &c->t);
+    c->fc = resolve(group);
+    if (c->fc == NULL) return 0;
+    Py_INCREF(c->fc);   /* the registry may drop it while the GIL is released */
+    return 1;
 }
 
 /* Hold the buffer of a (see array()); 0 if it is not one the path takes. */
@@ -456,7 +591,7 @@ static int hold(Call *c, PyObject *a, int writable, PyObject **dtype) {
 
 static PyObject *end_call(Call *c, PyObject *res) {
     for (int i = 0; i < c->nviews; i++) PyBuffer_Release(&c->view[i]);
-    target_release(&c->t);
+    Py_DECREF(c->fc);
     return res;
 }
 
@@ -477,41 +612,41 @@ static PyObject *fc_all_reduce(PyObject *m, PyObject *const *a, Py_ssize_t n) {
     if (!hold(&c, a[0], 1, &dtype)) DECLINE;
     Py_buffer *v = &c.view[0];
     if (!reduced_type(a[1], dtype, &type, &mop) || !FITS(*v)
-            || v->len >= shm_from(c.t.fc, O_ALL_REDUCE)) DECLINE;
+            || v->len >= c.fc->from[O_ALL_REDUCE]) DECLINE;
     Handle req;
-    int rc = c_reduction(FN_IALLREDUCE, in_place, v->buf, (int)COUNT(*v), type, mop, c.t.fc->comm, &req);
-    return end_call(&c, complete(rc, &req, O_ALL_REDUCE, c.rec, c.t.ctx, a[0]));
+    int rc = c_reduction(FN_IALLREDUCE, in_place, v->buf, (int)COUNT(*v), type, mop, c.fc->comm, &req);
+    return end_call(&c, complete(rc, &req, O_ALL_REDUCE, c.rec, c.fc, &c.view[0], dtype));
 }
 
 /* reduce(tensor, dst, op, group, async_op, group_dst) */
 static PyObject *fc_reduce(PyObject *m, PyObject *const *a, Py_ssize_t n) {
     START("reduce", 6, a[3], !is_false(a[4]) || a[5] != Py_None);
-    int root = group_rank(c.t.ctx, a[1]);
-    int is_root = root == c.t.fc->rank;
+    int root = group_rank(c.fc, a[1]);
+    int is_root = root == c.fc->rank;
     PyObject *dtype;
     intptr_t type, mop;
     if (root < 0 || !hold(&c, a[0], is_root, &dtype)) DECLINE;
     Py_buffer *v = &c.view[0];
     if (!reduced_type(a[2], dtype, &type, &mop) || !FITS(*v)
-            || v->len >= shm_from(c.t.fc, O_REDUCE)) DECLINE;
+            || v->len >= c.fc->from[O_REDUCE]) DECLINE;
     Handle req;
     int rc = c_ireduce(is_root ? in_place : v->buf, is_root ? v->buf : NULL, (int)COUNT(*v),
-                       type, mop, root, c.t.fc->comm, &req);
-    return end_call(&c, complete(rc, &req, O_REDUCE, c.rec, c.t.ctx, a[0]));
+                       type, mop, root, c.fc->comm, &req);
+    return end_call(&c, complete(rc, &req, O_REDUCE, c.rec, c.fc, &c.view[0], dtype));
 }
 
 /* broadcast(tensor, src, group, async_op, group_src) */
 static PyObject *fc_broadcast(PyObject *m, PyObject *const *a, Py_ssize_t n) {
     START("broadcast", 5, a[2], !is_false(a[3]) || a[4] != Py_None);
-    int root = group_rank(c.t.ctx, a[1]);
+    int root = group_rank(c.fc, a[1]);
     PyObject *dtype;
     if (root < 0 || !hold(&c, a[0], 1, &dtype)) DECLINE;
     Py_buffer *v = &c.view[0];
     intptr_t type = moved_type(dtype);
-    if (!type || !FITS(*v) || v->len >= shm_from(c.t.fc, O_BROADCAST)) DECLINE;
+    if (!type || !FITS(*v) || v->len >= c.fc->from[O_BROADCAST]) DECLINE;
     Handle req;
-    int rc = c_ibcast(v->buf, (int)COUNT(*v), type, root, c.t.fc->comm, &req);
-    return end_call(&c, complete(rc, &req, O_BROADCAST, c.rec, c.t.ctx, a[0]));
+    int rc = c_ibcast(v->buf, (int)COUNT(*v), type, root, c.fc->comm, &req);
+    return end_call(&c, complete(rc, &req, O_BROADCAST, c.rec, c.fc, &c.view[0], dtype));
 }
 
 /* The output and input of a gather, scatter or exchange: both held, one dtype. */
@@ -527,12 +662,12 @@ static PyObject *fc_all_gather(PyObject *m, PyObject *const *a, Py_ssize_t n) {
     if (!hold_pair(&c, a[0], a[1], &dtype)) DECLINE;
     Py_buffer *vo = &c.view[0], *vi = &c.view[1];
     intptr_t type = moved_type(dtype);
-    if (!type || vo->len != (Py_ssize_t)c.t.fc->size * vi->len || !FITS(*vi)
-            || shm_gathers(c.t.fc, vo->len)) DECLINE;
+    if (!type || vo->len != (Py_ssize_t)c.fc->size * vi->len || !FITS(*vi)
+            || shm_gathers(c.fc, vo->len)) DECLINE;
     Handle req;
-    int rc = c_exchange(FN_IALLGATHER, vi->buf, vo->buf, (int)COUNT(*vi), type, c.t.fc->comm,
+    int rc = c_exchange(FN_IALLGATHER, vi->buf, vo->buf, (int)COUNT(*vi), type, c.fc->comm,
                         &req);
-    return end_call(&c, complete(rc, &req, O_ALL_GATHER, c.rec, c.t.ctx, a[0]));
+    return end_call(&c, complete(rc, &req, O_ALL_GATHER, c.rec, c.fc, &c.view[0], dtype));
 }
 
 /* reduce_scatter_tensor(output, input, op, group, async_op) */
@@ -542,12 +677,12 @@ static PyObject *fc_reduce_scatter(PyObject *m, PyObject *const *a, Py_ssize_t n
     intptr_t type, mop;
     if (!hold_pair(&c, a[0], a[1], &dtype)) DECLINE;
     Py_buffer *vo = &c.view[0], *vi = &c.view[1];
-    if (!reduced_type(a[2], dtype, &type, &mop) || vi->len != (Py_ssize_t)c.t.fc->size * vo->len
-            || !FITS(*vo) || vi->len >= shm_from(c.t.fc, O_REDUCE_SCATTER)) DECLINE;
+    if (!reduced_type(a[2], dtype, &type, &mop) || vi->len != (Py_ssize_t)c.fc->size * vo->len
+            || !FITS(*vo) || vi->len >= c.fc->from[O_REDUCE_SCATTER]) DECLINE;
     Handle req;
     int rc = c_reduction(FN_IREDUCE_SCATTER_BLOCK, vi->buf, vo->buf, (int)COUNT(*vo), type, mop,
-                                     c.t.fc->comm, &req);
-    return end_call(&c, complete(rc, &req, O_REDUCE_SCATTER, c.rec, c.t.ctx, a[0]));
+                                     c.fc->comm, &req);
+    return end_call(&c, complete(rc, &req, O_REDUCE_SCATTER, c.rec, c.fc, &c.view[0], dtype));
 }
 
 /* all_to_all_single(output, input, output_split_sizes, input_split_sizes, group,
@@ -561,19 +696,19 @@ static PyObject *fc_all_to_all(PyObject *m, PyObject *const *a, Py_ssize_t n) {
     int same = vo->ndim == vi->ndim && vi->ndim > 0;
     for (int d = 0; same && d < vi->ndim; d++) same = vo->shape[d] == vi->shape[d];
     intptr_t type = moved_type(dtype);
-    if (!type || !same || vi->shape[0] % c.t.fc->size || !FITS(*vi)) DECLINE;
+    if (!type || !same || vi->shape[0] % c.fc->size || !FITS(*vi)) DECLINE;
     Handle req;
-    int rc = c_exchange(FN_IALLTOALL, vi->buf, vo->buf, (int)(COUNT(*vi) / c.t.fc->size), type,
-                        c.t.fc->comm, &req);
-    return end_call(&c, complete(rc, &req, O_ALL_TO_ALL, c.rec, c.t.ctx, a[0]));
+    int rc = c_exchange(FN_IALLTOALL, vi->buf, vo->buf, (int)(COUNT(*vi) / c.fc->size), type,
+                        c.fc->comm, &req);
+    return end_call(&c, complete(rc, &req, O_ALL_TO_ALL, c.rec, c.fc, &c.view[0], dtype));
 }
 
 /* barrier(group, async_op, device_ids, timeout) */
 static PyObject *fc_barrier(PyObject *m, PyObject *const *a, Py_ssize_t n) {
     START("barrier", 4, a[0], !is_false(a[1]) || a[2] != Py_None || a[3] != Py_None);
     Handle req;
-    int rc = c_ibarrier(c.t.fc->comm, &req);
-    return end_call(&c, complete(rc, &req, O_BARRIER, c.rec, c.t.ctx, Py_None));
+    int rc = c_ibarrier(c.fc->comm, &req);
+    return end_call(&c, complete(rc, &req, O_BARRIER, c.rec, c.fc, NULL, NULL));
 }
 
 /* send(tensor, dst, group, tag, group_dst) and recv(tensor, src, group, tag, group_src):
@@ -583,16 +718,16 @@ static PyObject *p2p(int op, PyObject *const *a, Py_ssize_t n) {
     long tag = PyLong_CheckExact(a[3]) ? PyLong_AsLong(a[3]) : -1;
     if (tag == -1) PyErr_Clear();
     if (tag < 0 || tag >= tag_ub) DECLINE;
-    int peer = group_rank(c.t.ctx, a[1]);     /* itself: an error the Python path raises */
+    int peer = group_rank(c.fc, a[1]);     /* itself: an error the Python path raises */
     PyObject *dtype;
-    if (peer < 0 || peer == c.t.fc->rank || !hold(&c, a[0], op == O_RECV, &dtype)) DECLINE;
+    if (peer < 0 || peer == c.fc->rank || !hold(&c, a[0], op == O_RECV, &dtype)) DECLINE;
     Py_buffer *v = &c.view[0];
     intptr_t type = moved_type(dtype);
     if (!type || !FITS(*v)) DECLINE;
     Handle req;
     int rc = c_p2p(op == O_SEND ? FN_ISEND : FN_IRECV, v->buf, (int)COUNT(*v), type, peer,
-                   (int)tag, c.t.fc->comm, &req);
-    PyObject *res = complete(rc, &req, op, c.rec, c.t.ctx, a[0]);
+                   (int)tag, c.fc->comm, &req);
+    PyObject *res = complete(rc, &req, op, c.rec, c.fc, &c.view[0], dtype);
     if (res == Py_True && op == O_RECV) {
         Py_DECREF(res);
         res = Py_NewRef(a[1]);      /* the sender's global rank */
@@ -616,23 +751,6 @@ static PyObject *fc_recv(PyObject *m, PyObject *const *a, Py_ssize_t n) {
 static char *scratch;            /* the packing buffer, kept between calls */
 static size_t scratch_size;
 static int scratch_busy;         /* a call in another thread holds it (GIL released) */
-
-/* numpy's public array layout (PyArrayObject_fields in numpy/ndarraytypes.h, the same
- * in numpy 1.x and 2.x) and two of its flags, read directly as pybind11 does: the fused
- * op checks and copies hundreds of arrays, and a buffer export per array would cost
- * more than the copy. */
-typedef struct {
-    PyObject_HEAD
-    char *data;
-    int nd;
-    Py_ssize_t *dimensions;
-    Py_ssize_t *strides;
-    PyObject *base;
-    PyObject *descr;
-    int flags;
-} NumpyArray;
-#define NUMPY_C_CONTIGUOUS 0x0001
-#define NUMPY_WRITEABLE 0x0400
 
 typedef struct { char *data; Py_ssize_t len; } Piece;
 
@@ -675,12 +793,12 @@ static PyObject *fc_all_reduce_coalesced(PyObject *m, PyObject *const *a, Py_ssi
         total += len;
     }
     long long limit = -1;
-    PyObject *lim = take ? get(packing_module, s_bucket_bytes) : NULL;
+    PyObject *lim = take ? PyObject_CallNoArgs(bucket_bytes) : NULL;
     if (lim != NULL) {
         limit = PyLong_AsLongLong(lim);
         Py_DECREF(lim);
-        PyErr_Clear();
     }
+    PyErr_Clear();      /* an unreadable limit: the Python path takes the call */
     if (!take || total > limit || total / itemsize > INT_MAX) {
         res = Py_NewRef(Py_False);
         goto done;
@@ -698,25 +816,25 @@ static PyObject *fc_all_reduce_coalesced(PyObject *m, PyObject *const *a, Py_ssi
         memcpy(buf + pos, pieces[i].data, (size_t)pieces[i].len);
         pos += pieces[i].len;
     }
-    if (total >= shm_from(c.t.fc, O_ALL_REDUCE)) {
+    if (total >= c.fc->from[O_ALL_REDUCE]) {
         /* The shared-memory engine's size: its all_reduce on the packed bytes, as the
          * Python path (HostBackend.all_reduce_coalesced) does; it records itself. */
         PyObject *mv = PyMemoryView_FromMemory(buf, total, PyBUF_WRITE);
-        PyObject *args[4] = {c.t.fc->shm, mv, dtype, a[1]};
+        PyObject *args[4] = {c.fc->shm, mv, dtype, a[1]};
         PyObject *r = mv ? PyObject_Vectorcall(shm_all_reduce, args, 4, NULL) : NULL;
         res = r == NULL ? NULL : Py_NewRef(Py_True);
         Py_XDECREF(r);
-        if (res != NULL) {   /* nothing may keep a view of the buffer past this call */
-            PyObject *gone = PyObject_CallMethod(mv, "release", NULL);
-            if (gone == NULL) Py_CLEAR(res);
-            Py_XDECREF(gone);
+        if (res != NULL && Py_REFCNT(mv) != 1) {   /* nothing may keep a view of it */
+            PyErr_SetString(PyExc_BufferError, "all_reduce_coalesced: a view of the fused "
+                            "buffer outlived the shared-memory engine's all_reduce");
+            Py_CLEAR(res);
         }
         Py_XDECREF(mv);
     } else {
         Handle req;
-        int rc = c_reduction(FN_IALLREDUCE, in_place, buf, (int)(total / itemsize), type, mop, c.t.fc->comm,
+        int rc = c_reduction(FN_IALLREDUCE, in_place, buf, (int)(total / itemsize), type, mop, c.fc->comm,
                               &req);
-        res = complete(rc, &req, O_COALESCED, c.rec, c.t.ctx, PyList_GET_ITEM(seq, 0));
+        res = complete(rc, &req, O_COALESCED, c.rec, c.fc, &c.view[0], dtype);
     }
     if (res == NULL) {
         /* A failed or timed-out op may still write into the buffer later: never reuse
@@ -755,21 +873,19 @@ static void set_ref(PyObject **slot, PyObject *v) {
     Py_XSETREF(*slot, v);
 }
 
-/* bind(functions, handle_size, in_place, moved, reduced, ndarray, group_type,
- *      host_type, world_state, observers, recorder, expired, mpi_error, wait_module,
- *      tag_ub, packing, shm_all_reduce)
+/* bind(functions, handle_size, in_place, moved, reduced, ndarray, observers, recorder,
+ *      push_out, end, expired, mpi_error, tag_ub, bucket_bytes, shm_all_reduce)
  *
  * functions: {MPI function name: address}; moved: [(dtype, type handle)]; reduced:
  * [(op, [(dtype, type handle, op handle)])].  Called once, by spmd.backends.mpi.fastcall. */
 static PyObject *fc_bind(PyObject *m, PyObject *args) {
-    PyObject *functions, *mv, *rd, *nd, *gt, *ht, *ws, *obs, *rec, *exp, *me, *wm, *pk, *sa;
+    PyObject *functions, *mv, *rd, *nd, *obs, *rec, *po, *eo, *exp, *me, *bb, *sa;
     int hsize;
     long long ip;
     long ub;
-    if (!PyArg_ParseTuple(args, "O!iLO!O!O!O!O!OO!OOOOlOO", &PyDict_Type, &functions, &hsize,
+    if (!PyArg_ParseTuple(args, "O!iLO!O!O!O!OOOOOlOO", &PyDict_Type, &functions, &hsize,
                           &ip, &PyList_Type, &mv, &PyList_Type, &rd, &PyType_Type, &nd,
-                          &PyType_Type, &gt, &PyType_Type, &ht, &ws, &PyList_Type, &obs,
-                          &rec, &exp, &me, &wm, &ub, &pk, &sa))
+                          &PyList_Type, &obs, &rec, &po, &eo, &exp, &me, &ub, &bb, &sa))
         return NULL;
     if (hsize != 4 && hsize != (int)sizeof(void *)) {
         PyErr_Format(PyExc_ValueError, "bind: MPI handles of %d bytes are not supported", hsize);
@@ -833,19 +949,14 @@ static PyObject *fc_bind(PyObject *m, PyObject *args) {
     n_reduced = (int)nr;
     PyMem_Free(new_reduced);
     set_ref((PyObject **)&ndarray_type, nd);
-    set_ref((PyObject **)&group_type, gt);
-    set_ref((PyObject **)&host_type, ht);
-    set_ref(&world_state, ws);
     set_ref(&observers, obs);
     set_ref(&recorder, rec);
+    set_ref(&push_out, po);
+    set_ref(&end_op, eo);
     set_ref(&expired, exp);
     set_ref(&mpi_error, me);
-    set_ref(&wait_module, wm);
-    set_ref(&packing_module, pk);
+    set_ref(&bucket_bytes, bb);
     set_ref(&shm_all_reduce, sa);
-    PyObject *b = PyObject_GetAttrString(rec, "begin");
-    if (b == NULL) return NULL;
-    Py_XSETREF(begin, b);
     tag_ub = ub;
     bound = 1;
     Py_RETURN_NONE;
@@ -854,10 +965,41 @@ fail:
     return NULL;
 }
 
+
+/* register(group, fast_comm): calls on group (a ProcessGroup) may take this path. */
+static PyObject *fc_register(PyObject *m, PyObject *args) {
+    PyObject *group, *fc;
+    if (!PyArg_ParseTuple(args, "OO!", &group, &FastCommType, &fc)) return NULL;
+    if (PyDict_SetItem(fast_comms, group, fc) < 0) return NULL;
+    Py_RETURN_NONE;
+}
+
+/* unregister(group): no more (the group is destroyed). */
+static PyObject *fc_unregister(PyObject *m, PyObject *group) {
+    if (PyDict_DelItem(fast_comms, group) < 0) {
+        if (!PyErr_ExceptionMatches(PyExc_KeyError)) return NULL;
+        PyErr_Clear();
+    }
+    Py_RETURN_NONE;
+}
+
+/* set_default(group): what group=None means from now on (None: no default group). */
+static PyObject *fc_set_default(PyObject *m, PyObject *group) {
+    set_ref(&default_group, group);
+    Py_RETURN_NONE;
+}
+
 #define FASTCALL(name, f, doc) {name, (PyCFunction)(void (*)(void))f, METH_FASTCALL, doc}
 
 static PyMethodDef methods[] = {
     {"bind", (PyCFunction)fc_bind, METH_VARARGS, "Bind the MPI library and spmd's objects."},
+    {"set_ring", (PyCFunction)fc_set_ring, METH_O,
+     "set_ring(storage): the flight recorder's ring (Ring.storage())."},
+    {"register", (PyCFunction)fc_register, METH_VARARGS,
+     "register(group, fast_comm): the group's calls may take this path."},
+    {"unregister", (PyCFunction)fc_unregister, METH_O, "unregister(group): no more."},
+    {"set_default", (PyCFunction)fc_set_default, METH_O,
+     "set_default(group): the group that group=None means (None: none)."},
     FASTCALL("all_reduce", fc_all_reduce, "all_reduce(tensor, op, group, async_op) -> bool"),
     FASTCALL("reduce", fc_reduce, "reduce(tensor, dst, op, group, async_op, group_dst) -> bool"),
     FASTCALL("broadcast", fc_broadcast,
@@ -888,25 +1030,10 @@ static struct PyModuleDef module = {
 
 PyMODINIT_FUNC PyInit__fastcall(void) {
     if (PyType_Ready(&FastCommType) < 0) return NULL;
-    INTERN(s_world, "world");
-    INTERN(s_context, "context");
-    INTERN(s_comm, "comm");
-    INTERN(s_error, "error");
-    INTERN(s_backends, "_backends");
-    INTERN(s_cpu, "cpu");
-    INTERN(s_fast, "fast");
-    INTERN(s_index, "index");
-    INTERN(s_timeout, "timeout");
-    INTERN(s_oversubscribed, "oversubscribed");
-    INTERN(s_t1, "t1");
-    INTERN(s_dtype, "dtype");
-    INTERN(s_gather_from, "all_gather_from");
-    INTERN(s_gather_to, "all_gather_to");
-    INTERN(s_bucket_bytes, "_bucket_bytes");
-    for (int i = 0; i < N_OPS; i++) {
-        INTERN(s_ops[i], OP_NAMES[i]);
-        if (SHM_FROM[i] != NULL) INTERN(s_shm_from[i], SHM_FROM[i]);
-    }
+    INTERN(s_mpi_engine, "MPI");
+    for (int i = 0; i < N_OPS; i++) INTERN(s_ops[i], OP_NAMES[i]);
+    if ((fast_comms = PyDict_New()) == NULL) return NULL;
+    default_group = Py_NewRef(Py_None);
     PyObject *m = PyModule_Create(&module);
     if (m == NULL) return NULL;
     Py_INCREF(&FastCommType);

@@ -59,15 +59,16 @@ class BlockingHost:
     def _run(self, req: MPI.Request, op: str, a: np.ndarray | None) -> None:
         """Record, test, wait: the blocking op's whole life after its request started."""
         g = self.group
-        e = recorder.begin(op, g, a) if observers else None
+        n = recorder.begin(op, g, a) if observers else None
         if not req.Test():
+            e = None if n is None else recorder.entry(n)
             if e is None:
                 wait_until(req.Test, g.timeout, op, g)
             else:
-                wait_until(req.Test, g.timeout, op, g, seq=e.seq, kind=e.counter.kind,
-                           on_timeout=e.mark_timed_out)
-        if e is not None:
-            recorder.end(e)
+                wait_until(req.Test, g.timeout, op, g, seq=e.seq, kind=e.kind,
+                           on_timeout=lambda: recorder.mark_timed_out(e.number))
+        if n is not None:
+            recorder.end(n)
 
     @staticmethod
     def _declines() -> bool:

@@ -31,12 +31,13 @@ from spmd.core import packing
 from spmd.core import wait as _wait
 from spmd.core.context import GroupContext
 from spmd.core.dtypes import MOVE_AS
-from spmd.core.flight_recorder import Entry, recorder
+from spmd.core.flight_recorder import Ring, recorder
 from spmd.core.launch import loaded_libmpi
 from spmd.core.ops import ReduceOp
 from spmd.core.work import observers
 
-__all__ = ["compiled", "reason", "bind", "comm_of", "function"]
+__all__ = ["compiled", "reason", "bind", "comm_of", "register", "unregister", "set_default",
+           "function"]
 
 _module: Any
 try:
@@ -127,12 +128,14 @@ def _reduced() -> list[tuple[ReduceOp, list[tuple[np.dtype, int, int]]]]:
     return out
 
 
-def _expired(op: str, group: GroupContext, entry: Entry | None, waited: float) -> None:
-    """A compiled wait passed the group's timeout: the Python path's error."""
+def _expired(op: str, group: GroupContext, number: int, waited: float) -> None:
+    """A compiled wait passed the group's timeout: the Python path's error (``number``:
+    the op's in the flight recorder, -1 when it is off)."""
+    entry = recorder.entry(number) if number >= 0 else None
     if entry is None:
         raise _wait.timeout_error(op, group, waited)
-    entry.mark_timed_out()
-    raise _wait.timeout_error(op, group, waited, seq=entry.seq, kind=entry.counter.kind)
+    recorder.mark_timed_out(number)
+    raise _wait.timeout_error(op, group, waited, seq=entry.seq, kind=entry.kind)
 
 
 def _mpi_error(code: int) -> None:
@@ -145,10 +148,11 @@ def _shm_all_reduce(shm: Any, raw: memoryview, dtype: np.dtype, op: ReduceOp) ->
     shm.all_reduce(np.frombuffer(raw, dtype), op).wait()
 
 
-def bind(group_type: type, host_type: type, world_state: Any) -> None:
-    """Bind the extension to this process's MPI library and to spmd's objects (the
-    group module calls it once, at import).  Leaves ``compiled`` None, with ``reason``
-    set, where the extension is missing or turned off or the library cannot be bound."""
+def bind() -> None:
+    """Bind the extension to this process's MPI library, the flight recorder and the
+    Python functions it calls back (the group module calls it once, at import).  Leaves
+    ``compiled`` None, with ``reason`` set, where the extension is missing or turned off
+    or the library cannot be bound."""
     global compiled, reason
     if _module is None:
         return
@@ -167,20 +171,56 @@ def bind(group_type: type, host_type: type, world_state: Any) -> None:
     tag_ub = int(MPI.COMM_WORLD.Get_attr(MPI.TAG_UB) or 32767)   # 32767: MPI's minimum
     try:
         _module.bind(functions, sizes.pop(), int(MPI.IN_PLACE), _moved(), _reduced(),
-                     np.ndarray, group_type, host_type, world_state, observers, recorder,
-                     _expired, _mpi_error, _wait, tag_ub, packing, _shm_all_reduce)
+                     np.ndarray, observers, recorder, recorder.push_out, recorder.end,
+                     _expired, _mpi_error, tag_ub, packing.get_bucket_bytes, _shm_all_reduce)
     except TypeError as err:  # an extension built from another version of this module
         reason = f"the built extension does not match spmd ({err}); reinstall spmd"
         return
     compiled = _module
     reason = ""
+    # The recorder's ring, now and after every resize: the extension writes its columns.
+    recorder.listeners.append(_hand_ring)
+    _hand_ring(recorder.ring)
 
 
-def comm_of(group: Any, comm: MPI.Intracomm, shm: Any) -> Any:
-    """The extension's handle of one group's communicator (None when it is off)."""
+def _hand_ring(ring: Ring) -> None:
+    compiled.set_ring(ring.storage())
+
+
+def comm_of(context: GroupContext, comm: MPI.Intracomm, shm: Any) -> Any:
+    """What the extension needs of one group (None when it is off): its communicator,
+    identity and timeout now; the shared-memory engine's thresholds whenever they change;
+    and the end of the group (broken or destroyed), after which it takes no more calls."""
     if compiled is None:
         return None
-    return compiled.FastComm(_handle(comm), group.rank, group.size, shm)
+    fast = compiled.FastComm(_handle(comm), context.rank, context.size, context,
+                             context.index, context.op_counters, context.timeout,
+                             _wait.oversubscribed, shm)
+    if shm is not None:
+        shm.on_thresholds.append(lambda sizes: fast.set_thresholds(*sizes))
+        fast.set_thresholds(*shm.thresholds())
+    context.on_end.append(fast.close)
+    if context.error is not None or context.comm is None:
+        fast.close()
+    return fast
+
+
+def register(group: Any, fast: Any) -> None:
+    """Calls on ``group`` (a ProcessGroup) may take the compiled path through ``fast``."""
+    if compiled is not None and fast is not None:
+        compiled.register(group, fast)
+
+
+def unregister(group: Any) -> None:
+    """No more calls on ``group`` take the compiled path (it is being destroyed)."""
+    if compiled is not None:
+        compiled.unregister(group)
+
+
+def set_default(group: Any) -> None:
+    """``group=None`` means ``group`` from now on (None: there is no default group)."""
+    if compiled is not None:
+        compiled.set_default(group)
 
 
 def function(op: str) -> Any:

@@ -53,7 +53,7 @@ class InFlight:
         self.end = end      # the CUDA event recorded after the operation
         self.kept = kept    # the arrays it reads and writes
         self.work = work    # its Work, weakly: a Work nobody holds still completes
-        self.entry = entry  # its flight-recorder entry (None when recording is off)
+        self.entry = entry  # its number in the flight recorder (None when recording is off)
 
 
 class Communicator:

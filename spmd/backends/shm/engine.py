@@ -37,6 +37,8 @@ Works first.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 from mpi4py import MPI
 
@@ -130,6 +132,8 @@ class ShmEngine:
     all_gather_to: int
 
     def __init__(self, backend, mode: str):
+        # Told the new thresholds whenever they change: the compiled call path keeps a copy.
+        self.on_thresholds: list[Callable[[Thresholds], None]] = []
         self._backend = backend
         self._group = backend.group
         self.mode = mode
@@ -154,6 +158,13 @@ class ShmEngine:
         self.broadcast_from = sizes.broadcast_from
         self.all_gather_from = sizes.all_gather_from
         self.all_gather_to = sizes.all_gather_to
+        for listener in self.on_thresholds:
+            listener(sizes)
+
+    def thresholds(self) -> Thresholds:
+        """The sizes from which this engine takes each op, as they are now."""
+        return Thresholds(self.all_reduce_from, self.reduce_from, self.reduce_scatter_from,
+                          self.broadcast_from, self.all_gather_from, self.all_gather_to)
 
     def gathers(self, nbytes: int) -> bool:
         """True if an all-gather with ``nbytes`` of output runs here."""
