@@ -47,7 +47,8 @@ from spmd.core.typing import Array
 from spmd.core.work import Work
 from spmd.runtime.group import GroupArg, ProcessGroup, resolve
 
-__all__ = ["Plan", "available", "all_reduce", "all_reduce_coalesced", "broadcast", "reduce", "all_gather_into_tensor",
+__all__ = ["Plan", "available", "persistent_collectives_work", "all_reduce",
+           "all_reduce_coalesced", "broadcast", "reduce", "all_gather_into_tensor",
            "reduce_scatter_tensor", "all_to_all_single", "barrier"]
 
 _SUM = ReduceOp.SUM
@@ -60,11 +61,41 @@ _plans_made: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def available() -> bool:
-    """True when this MPI library has persistent collectives and they are not turned
+    """True when this MPI library runs persistent collectives and they are not turned
     off with ``SPMD_PERSISTENT=0``."""
     if os.environ.get("SPMD_PERSISTENT", "1").strip().lower() in ("0", "false", "no", "off"):
         return False
-    return MPI.Get_version() >= (4, 0) and hasattr(MPI.Comm, "Allreduce_init")
+    global _works
+    if _works is None:
+        _works = persistent_collectives_work(MPI.COMM_SELF)
+    return _works
+
+
+_works: bool | None = None   # the probe's answer, once asked
+
+
+def persistent_collectives_work(comm: MPI.Intracomm) -> bool:
+    """Whether ``comm``'s library runs a persistent all-reduce: made, started twice and
+    freed, with the right result.  Asked of the library by using it, not of its version
+    number (Open MPI 5 says MPI 3.1 and has them).  A library gives every rank the same
+    answer, so ranks that ask on COMM_SELF agree without a message."""
+    send, recv = np.array([3], np.int32), np.zeros(1, np.int32)
+    try:
+        req = comm.Allreduce_init(send, recv)
+    except (NotImplementedError, AttributeError, MPI.Exception):
+        return False
+    try:
+        for value in (3, 5):
+            send[0] = value
+            req.Start()
+            req.Wait()
+            if recv[0] != value * comm.Get_size():
+                return False
+    except MPI.Exception:
+        return False
+    finally:
+        req.Free()
+    return True
 
 
 class _AllOf:

@@ -7,8 +7,9 @@ An engine is given its group's context (``spmd.core.context.GroupContext``: comm
 identity, timeout) and nothing else of the group layer.
 
 Every op of ``spmd.core.optable.ENGINE_OPS`` is declared below as a method of
-:class:`DeviceBackend`, with the arguments its table entry names (tests/test_engine_interface.py
-keeps the two alike); an engine overrides the ones it runs.
+:class:`DeviceBackend`, with the arguments its table entry names
+(tests/unit/test_engine_interface.py keeps the two alike); an engine overrides the ones
+it runs.
 """
 
 from __future__ import annotations

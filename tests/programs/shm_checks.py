@@ -1,5 +1,5 @@
 """Checks of the shared-memory engine, shared by tests/engines/test_shm.py (under pytest-mpi)
-and tests/programs/shm_hier.py (pseudo-node jobs).
+and tests/programs/shm_nodes.py (pseudo-node jobs).
 
 Every check runs on every rank of the group and asserts the same things: results
 against numpy references (exact for integers and bool), and, for floats, the same bits
