@@ -245,7 +245,7 @@ def coalescing_manager(group: GroupArg = None, device: object = None,
         yield CoalescingManager(group)
         return
     key = _device_key(device)
-    backend = pg._backend_for(key)
+    backend = pg.engine_for(key)
     if isinstance(backend, _Recorder):
         raise RuntimeError(f"coalescing_manager: a block is already open on group {pg.context.name} "
                            "(they do not nest)")

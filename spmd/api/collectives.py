@@ -183,7 +183,7 @@ def broadcast(tensor: Array, src: int | None = None, group: GroupArg = None,
         if type(host) is HostBackend and host.blocking.broadcast(tensor, root):
             return None
     a = array_out(tensor, "broadcast", "tensor", pg.context)
-    work = pg._backend_for("cpu" if type(a) is _ndarray else array_device(a)).broadcast(a, root)
+    work = pg.engine_for("cpu" if type(a) is _ndarray else array_device(a)).broadcast(a, root)
     if async_op:
         return work
     work.wait()
@@ -203,7 +203,7 @@ def all_reduce(tensor: Array, op: ReduceOp = _SUM, group: GroupArg = None,
         if type(host) is HostBackend and host.blocking.all_reduce(tensor, op):
             return None
     a = array_out(tensor, "all_reduce", "tensor", pg.context)
-    work = pg._backend_for("cpu" if type(a) is _ndarray else array_device(a)).all_reduce(a, op)
+    work = pg.engine_for("cpu" if type(a) is _ndarray else array_device(a)).all_reduce(a, op)
     if async_op:
         return work
     work.wait()
@@ -226,7 +226,7 @@ def all_reduce_coalesced(tensors: Sequence[Array], op: ReduceOp = _SUM, group: G
     arrays = array_list(tensors, "all_reduce_coalesced", "tensors", pg.context, None, out=True)
     if not arrays:
         raise located(ValueError, "all_reduce_coalesced", "tensors is empty", pg.context)
-    work = pg._backend_for(dev).all_reduce_coalesced(arrays, op)
+    work = pg.engine_for(dev).all_reduce_coalesced(arrays, op)
     # torch returns the Future here, not the Work: its value is the list of arrays.
     if async_op:
         return work.get_future()
@@ -248,7 +248,7 @@ def reduce(tensor: Array, dst: int | None = None, op: ReduceOp = _SUM, group: Gr
         if type(host) is HostBackend and host.blocking.reduce(tensor, root, op, pg.context.rank == root):
             return None
     a = (array_out if pg.context.rank == root else array_in)(tensor, "reduce", "tensor", pg.context)
-    work = pg._backend_for("cpu" if type(a) is _ndarray else array_device(a)).reduce(a, root, op)
+    work = pg.engine_for("cpu" if type(a) is _ndarray else array_device(a)).reduce(a, root, op)
     if async_op:
         return work
     work.wait()
@@ -267,7 +267,7 @@ def all_gather(tensor_list: Sequence[Array], tensor: Array, group: GroupArg = No
     dev = common_device("all_gather", pg.context, ("tensor", tensor), ("tensor_list", tensor_list))
     a = array_in(tensor, "all_gather", "tensor", pg.context)
     outs = _one_per_rank(tensor_list, a, "all_gather", "tensor_list", "tensor", True, pg.context)
-    return _done(pg._backend_for(dev).all_gather(outs, a), async_op)
+    return _done(pg.engine_for(dev).all_gather(outs, a), async_op)
 
 
 def all_gather_into_tensor(output_tensor: Array, input_tensor: Array, group: GroupArg = None,
@@ -300,7 +300,7 @@ def all_gather_into_tensor(output_tensor: Array, input_tensor: Array, group: Gro
         raise located(ValueError, "all_gather_into_tensor", f"output_tensor has {out.size} "
                       f"elements, expected world_size ({pg.context.size}) x input ({a.size}) = "
                       f"{pg.context.size * a.size}", pg.context)
-    return _done(pg._backend_for(dev).all_gather_into_tensor(out, a), async_op)
+    return _done(pg.engine_for(dev).all_gather_into_tensor(out, a), async_op)
 
 
 def all_gather_coalesced(output_tensor_lists: Sequence[Sequence[Array]],
@@ -334,7 +334,7 @@ def all_gather_coalesced(output_tensor_lists: Sequence[Sequence[Array]],
                               f"{o.size} elements, expected {x.dtype} with {x.size} (like "
                               f"input_tensor_list[{j}])", pg.context)
         outs.append(arrays)
-    work = pg._backend_for(dev).all_gather_coalesced(outs, ins)
+    work = pg.engine_for(dev).all_gather_coalesced(outs, ins)
     # torch returns the Future here: its value is output_tensor_lists.
     if async_op:
         return work.get_future()
@@ -358,7 +358,7 @@ def gather(tensor: Array, gather_list: Sequence[Array] | None = None, dst: int |
     a = array_in(tensor, "gather", "tensor", pg.context)
     outs = _root_list(gather_list, a, pg.context.rank == root, "gather", "gather_list", "destination",
                       True, pg)
-    return _done(pg._backend_for(dev).gather(a, outs, root), async_op)
+    return _done(pg.engine_for(dev).gather(a, outs, root), async_op)
 
 
 def scatter(tensor: Array, scatter_list: Sequence[Array] | None = None, src: int | None = None,
@@ -377,7 +377,7 @@ def scatter(tensor: Array, scatter_list: Sequence[Array] | None = None, src: int
     out = array_out(tensor, "scatter", "tensor", pg.context)
     ins = _root_list(scatter_list, out, pg.context.rank == root, "scatter", "scatter_list", "source",
                      False, pg)
-    return _done(pg._backend_for(dev).scatter(out, ins, root), async_op)
+    return _done(pg.engine_for(dev).scatter(out, ins, root), async_op)
 
 
 def reduce_scatter(output: Array, input_list: Sequence[Array], op: ReduceOp = _SUM,
@@ -393,7 +393,7 @@ def reduce_scatter(output: Array, input_list: Sequence[Array], op: ReduceOp = _S
     dev = common_device("reduce_scatter", pg.context, ("output", output), ("input_list", input_list))
     out = array_out(output, "reduce_scatter", "output", pg.context)
     ins = _one_per_rank(input_list, out, "reduce_scatter", "input_list", "output", False, pg.context)
-    return _done(pg._backend_for(dev).reduce_scatter(out, ins, op), async_op)
+    return _done(pg.engine_for(dev).reduce_scatter(out, ins, op), async_op)
 
 
 def reduce_scatter_tensor(output: Array, input: Array, op: ReduceOp = _SUM,  # noqa: A002
@@ -421,7 +421,7 @@ def reduce_scatter_tensor(output: Array, input: Array, op: ReduceOp = _SUM,  # n
         raise located(ValueError, "reduce_scatter_tensor", f"input has {a.size} elements, "
                       f"expected world_size ({pg.context.size}) x output ({out.size}) = "
                       f"{pg.context.size * out.size}", pg.context)
-    return _done(pg._backend_for(dev).reduce_scatter_tensor(out, a, op), async_op)
+    return _done(pg.engine_for(dev).reduce_scatter_tensor(out, a, op), async_op)
 
 
 def all_to_all(output_tensor_list: Sequence[Array], input_tensor_list: Sequence[Array],
@@ -441,7 +441,7 @@ def all_to_all(output_tensor_list: Sequence[Array], input_tensor_list: Sequence[
         raise located(ValueError, "all_to_all", f"input_tensor_list[{pg.context.rank}] has "
                       f"{ins[pg.context.rank].size} elements but output_tensor_list[{pg.context.rank}] has "
                       f"{outs[pg.context.rank].size}; this rank sends the one to itself into the other", pg.context)
-    return _done(pg._backend_for(dev).all_to_all(outs, ins), async_op)
+    return _done(pg.engine_for(dev).all_to_all(outs, ins), async_op)
 
 
 def all_to_all_single(output: Array, input: Array,  # noqa: A002
@@ -508,7 +508,7 @@ def all_to_all_single(output: Array, input: Array,  # noqa: A002
             raise located(ValueError, op, f"input_split_sizes[{pg.context.rank}] "
                           f"({input_split_sizes[pg.context.rank]}) != output_split_sizes[{pg.context.rank}] "
                           f"({output_split_sizes[pg.context.rank]}): this rank sends that piece to itself", pg.context)
-    return _done(pg._backend_for(dev).all_to_all_single(out, a, out_counts, in_counts), async_op)
+    return _done(pg.engine_for(dev).all_to_all_single(out, a, out_counts, in_counts), async_op)
 
 
 def _row_size(a) -> int:
@@ -548,7 +548,7 @@ def barrier(group: GroupArg = None, async_op: bool = False,
         host = pg._backends.get("cpu")
         if type(host) is HostBackend and host.blocking.barrier():
             return None
-    work = pg._backend_for(_barrier_device(pg, device_ids)).barrier()
+    work = pg.engine_for(_barrier_device(pg, device_ids)).barrier()
     if async_op:
         return work
     work.wait(timeout)

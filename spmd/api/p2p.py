@@ -79,7 +79,7 @@ def isend(tensor: Array, dst: int | None = None, group: GroupArg = None, tag: in
         return None
     peer = peer_rank(pg, "isend", dst, group_dst, "dst")
     a = array_in(tensor, "isend", "tensor", pg.context)
-    return pg._backend_for(array_device(a)).send(a, peer, check_tag(tag, "isend", pg.context))
+    return pg.engine_for(array_device(a)).send(a, peer, check_tag(tag, "isend", pg.context))
 
 
 def irecv(tensor: Array, src: int | None = None, group: GroupArg = None, tag: int = 0,
@@ -91,7 +91,7 @@ def irecv(tensor: Array, src: int | None = None, group: GroupArg = None, tag: in
         return None
     peer = peer_rank(pg, "irecv", src, group_src, "src", any_source=True)
     a = array_out(tensor, "irecv", "tensor", pg.context)
-    return pg._backend_for(array_device(a)).recv(a, peer, check_tag(tag, "irecv", pg.context))
+    return pg.engine_for(array_device(a)).recv(a, peer, check_tag(tag, "irecv", pg.context))
 
 
 def send(tensor: Array, dst: int | None = None, group: GroupArg = None, tag: int = 0,
@@ -109,7 +109,7 @@ def send(tensor: Array, dst: int | None = None, group: GroupArg = None, tag: int
         if type(host) is HostBackend and host.blocking.send(tensor, peer, tag):
             return None
     a = array_in(tensor, "send", "tensor", pg.context)
-    pg._backend_for(array_device(a)).send(a, peer, tag).wait()
+    pg.engine_for(array_device(a)).send(a, peer, tag).wait()
     return None
 
 
@@ -134,7 +134,7 @@ def recv(tensor: Array, src: int | None = None, group: GroupArg = None, tag: int
         if type(host) is HostBackend and host.blocking.recv(tensor, peer, tag):
             return pg.context.global_rank(peer)
     a = array_out(tensor, "recv", "tensor", pg.context)
-    work = pg._backend_for(array_device(a)).recv(a, peer, tag)
+    work = pg.engine_for(array_device(a)).recv(a, peer, tag)
     return work.source_rank()
 
 
@@ -188,7 +188,7 @@ def batch_isend_irecv(p2p_op_list: Sequence[P2POp]) -> list[Work | None]:
     for i, item in enumerate(started):
         if item is not None:
             pg, sending, a, peer, tag = item
-            backend = pg._backend_for(array_device(a))
+            backend = pg.engine_for(array_device(a))
             positions, ops = batches.setdefault(id(backend), (backend, [], []))[1:]
             positions.append(i)
             ops.append(P2PItem(sending, a, peer, tag))

@@ -317,7 +317,7 @@ def all_reduce_coalesced(tensors: list[Array], op: ReduceOp = _SUM,
             pack.unpack()
 
     return Plan("all_reduce_coalesced", pg, arrays, init if direct else None,
-                lambda: pg._backend_for(dev).all_reduce_coalesced(arrays, op),
+                lambda: pg.engine_for(dev).all_reduce_coalesced(arrays, op),
                 finish, packs, (arrays, op), prepare=prepare, release=release)
 
 

@@ -49,7 +49,7 @@ class ProcessGroup:
                  timeout: float, backend: str, desc: str | None = None,
                  store: Store | None = None):
         self.context = GroupContext(comm, ranks, name, timeout, backend, desc, store)
-        self.context.engine_for = self._backend_for
+        self.context.engine_for = self.engine_for
         self._backends: dict = {}  # device -> engine, made on first use
 
     def rank(self) -> int:
@@ -85,7 +85,9 @@ class ProcessGroup:
     def timeout(self) -> timedelta:
         return timedelta(seconds=self.context.timeout)
 
-    def _backend_for(self, device: str):
+    def engine_for(self, device: str) -> Any:
+        """The group's engine for arrays on ``device`` ("cpu", "cuda"), made on first use
+        (what the public ops hand validated arrays to)."""
         backend = self._backends.get(device)
         if backend is None:
             backend = make_backend(self.context, device)
@@ -159,7 +161,7 @@ world_state = WorldState()
 NON_GROUP_MEMBER = GroupMember.NON_GROUP_MEMBER
 
 # The compiled call path: bound once; groups register with it as their host engine is
-# made (ProcessGroup._backend_for), the default group when init sets it.
+# made (ProcessGroup.engine_for), the default group when init sets it.
 fastcall.bind()
 
 

@@ -207,7 +207,7 @@ def init_process_group(backend: str | None = None, init_method: str | None = Non
     GroupMember.WORLD = pg
     supervision.start(pg, reliability)
     if device_id is not None and devices.get("cuda") == "nccl":
-        pg._backend_for("cuda").connect("init_process_group")  # eager, as c10d does
+        pg.engine_for("cuda").connect("init_process_group")  # eager, as c10d does
 
 
 def destroy_process_group(group: GroupArg = None) -> None:

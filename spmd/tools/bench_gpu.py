@@ -58,7 +58,7 @@ def _impls(spmd: Any, cp: Any, nbytes: int) -> tuple[dict, dict]:
     missing: dict = {}
     x = cp.ones(count, cp.float32)
     calls["spmd-cupy"] = lambda: spmd.all_reduce(x)
-    comm = spmd.GroupMember.WORLD._backend_for("cuda").connect("bench")
+    comm = spmd.GroupMember.WORLD.engine_for("cuda").connect("bench")
     nccl = _gpu.nccl_or_none()
     raw = cp.ones(count, cp.float32)
     calls["cupy-nccl"] = lambda: comm.allReduce(raw.data.ptr, raw.data.ptr, count,

@@ -42,7 +42,7 @@ def _rank_info() -> dict:
         "mpi4py": mpi4py.__version__,
         "numpy": np.__version__,
         "bfloat16": "ml_dtypes" if bfloat16 is not None else "unavailable",
-        "shm_engine": shm_status(default_group("info")._backend_for("cpu")),  # every rank calls it
+        "shm_engine": shm_status(default_group("info").engine_for("cpu")),  # every rank calls it
         "call_path": ("compiled (spmd.backends.mpi._fastcall)" if fastcall.compiled is not None
                       else f"Python: {fastcall.reason}"),
         **gpu_info(),

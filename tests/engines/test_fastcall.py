@@ -339,7 +339,7 @@ def test_all_reduce_coalesced_ranks_on_either_path_meet(dist):
     shared-memory engine's all_reduce size, the engine from it), so the ranks meet and
     agree, below and above that size."""
     n, r = dist.get_world_size(), dist.get_rank()
-    shm = dist.GroupMember.WORLD._backend_for("cpu").shm
+    shm = dist.GroupMember.WORLD.engine_for("cpu").shm
     sizes = [4096]
     if shm is not None and shm.all_reduce_from < (1 << 22):
         sizes.append(max(2 * shm.all_reduce_from, 8192))

@@ -198,7 +198,7 @@ def test_falls_back_to_mpi_without_shared_windows(dist, monkeypatch):
     np.testing.assert_array_equal(x, np.arange(1000.0) * dist.get_world_size())
     engine = engine_of(pg)
     assert engine._win is None
-    said = shm.status(pg._backend_for("cpu"))
+    said = shm.status(pg.engine_for("cpu"))
     assert "unavailable" in said and "MPI_Win_allocate_shared" in said
     out = np.zeros(1000 * dist.get_world_size())
     dist.all_gather_into_tensor(out, x, group=pg)

@@ -94,7 +94,7 @@ def gpu(request):
         parity = dist.split_group(split_ranks=halves, group_desc=f"gpu-{mode}-parity",
                                   backend=spec)
         for pg in (world, parity):
-            backend = pg._backend_for("cuda")
+            backend = pg.engine_for("cuda")
             if mode == "nccl":
                 assert type(backend).__name__ == "NCCLBackend"
             else:

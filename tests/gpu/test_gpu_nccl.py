@@ -64,7 +64,7 @@ def solo(_solo_group):
 
 def test_lazy_creation_and_unique_id(solo):
     cp, dist, pg = solo
-    backend = pg._backend_for("cuda")
+    backend = pg.engine_for("cuda")
     assert type(backend).__name__ == "NCCLBackend" and backend.communicator.nccl_comm is None
     x = cp.arange(4, dtype=cp.float32)
     dist.all_reduce(x, group=pg)
@@ -165,7 +165,7 @@ def test_stream_and_work_semantics(solo):
     assert fut.wait()[0] is x
     many = [dist.all_reduce(cp.ones(8, cp.float32), group=pg, async_op=True) for _ in range(50)]
     many[-1].synchronize()
-    backend = pg._backend_for("cuda")
+    backend = pg.engine_for("cuda")
     backend.communicator.reap()
     assert all(w.is_completed() for w in many) and len(backend.communicator.inflight) <= 1
 

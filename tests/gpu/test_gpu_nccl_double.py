@@ -106,7 +106,7 @@ def test_nccl_hang_is_reported_and_aborted(dist, double, nccl_group):
     g = nccl_group("hang-nccl")
     dist.all_reduce(cp.ones(1, cp.float32), group=g)
     dd.runtime.deviceSynchronize()
-    backend = g._backend_for("cuda")
+    backend = g.engine_for("cuda")
     seen = len(reliability.reports)
     dd.hold()
     try:
@@ -162,7 +162,7 @@ def test_nccl_op_a_peer_never_joins(dist, double, nccl_group):
         assert "all_reduce #2 on group alone-nccl is still running on the GPU (NCCL)" in text
         assert "ranks that have not reached all_reduce #2:" in text, text
         assert "rank 1" in text
-        assert g._backend_for("cuda").communicator.nccl_comm._aborted
+        assert g.engine_for("cuda").communicator.nccl_comm._aborted
 
 
 def test_host_wait_timeout_names_nccl(dist, double, nccl_group):
@@ -180,10 +180,10 @@ def test_host_wait_timeout_names_nccl(dist, double, nccl_group):
     text = str(info.value)
     assert "(collective #2 on group wait-nccl, NCCL, group timeout 1 s)" in text, text
     assert "the NCCL communicator was aborted" in text and "is now broken" in text, text
-    assert g._backend_for("cuda").communicator.nccl_comm._aborted
+    assert g.engine_for("cuda").communicator.nccl_comm._aborted
     with pytest.raises(dist.GroupBrokenError, match=r"broadcast: the group's NCCL communicator "
                        "was aborted after all_reduce timed out"):
-        g._backend_for("cuda").communicator.check("broadcast")
+        g.engine_for("cuda").communicator.check("broadcast")
     g2 = nccl_group("barrier-nccl")
     dist.all_reduce(cp.ones(1, cp.float32), group=g2)
     dd.runtime.deviceSynchronize()
@@ -228,7 +228,7 @@ def test_finished_works_are_reaped(dist, double, nccl_group):
     for _ in range(5):
         dist.all_reduce(cp.ones(8, cp.float32), group=g, async_op=True)  # dropped
     dd.runtime.deviceSynchronize()
-    backend = g._backend_for("cuda")
+    backend = g.engine_for("cuda")
     dist.all_reduce(cp.ones(1, cp.float32), group=g)
     assert len(backend.communicator.inflight) <= 1
     assert all(w._done and w._keep is None for w in kept)
@@ -241,7 +241,7 @@ def test_async_error_aborts_and_names_the_op(dist, double, nccl_group):
     g = nccl_group("error-nccl")
     dist.all_reduce(cp.ones(1, cp.float32), group=g)
     dd.runtime.deviceSynchronize()
-    backend = g._backend_for("cuda")
+    backend = g.engine_for("cuda")
     dd.hold()
     try:
         work = dist.reduce_scatter_tensor(cp.zeros(1, cp.float32),

@@ -48,7 +48,7 @@ def test_stalled_shared_memory_setup_times_out_with_diagnosis(dist):
         try:
             pg = dist.new_group(list(range(dist.get_world_size())), timeout=TIMEOUT,
                                 group_desc="stalled-shm")
-            pg._backend_for("cpu")  # engine made now, window at its first op
+            pg.engine_for("cpu")  # engine made now, window at its first op
         finally:
             if saved is None:
                 del os.environ["SPMD_SHM"]
@@ -66,7 +66,7 @@ def test_stalled_debug_check_times_out_with_diagnosis(dist):
         try:
             pg = dist.new_group(list(range(dist.get_world_size())), timeout=TIMEOUT,
                                 group_desc="stalled-debug")
-            pg._backend_for("cpu")
+            pg.engine_for("cpu")
         finally:
             debug.set_debug_level(before)
         return pg

@@ -38,7 +38,7 @@ def engine_group(dist, ranks=None, *, slot_bytes=None, one_shot_max=None, split=
             os.environ.pop("SPMD_SHM", None)
         else:
             os.environ["SPMD_SHM"] = saved
-    engine = pg._backend_for("cpu").shm
+    engine = pg.engine_for("cpu").shm
     assert engine is not None and engine.mode == "force"
     if slot_bytes is not None:
         engine.slot_bytes = slot_bytes
@@ -48,7 +48,7 @@ def engine_group(dist, ranks=None, *, slot_bytes=None, one_shot_max=None, split=
 
 
 def engine_of(pg):
-    return pg._backend_for("cpu").shm
+    return pg.engine_for("cpu").shm
 
 
 def op_of(dist, name):

@@ -71,7 +71,7 @@ def main() -> None:
     mine = halves[me % 2]
     per_node = [sum(1 for r in mine if r // k == i) for i in range(nodes)]
     if len({c for c in per_node if c}) > 1:
-        assert layout_of(parity) is None and "different numbers" in shm.status(parity._backend_for("cpu"))
+        assert layout_of(parity) is None and "different numbers" in shm.status(parity.engine_for("cpu"))
     else:
         assert layout_of(parity) == (sum(1 for c in per_node if c), max(per_node))
 
@@ -100,7 +100,7 @@ def main() -> None:
     # spans nodes), keep their order among the ops started on MPI meanwhile, even where
     # the ranks reach them at different times.
     order = spmd.new_group(list(range(n)))
-    engine = order._backend_for("cpu").shm
+    engine = order.engine_for("cpu").shm
     assert engine is not None and engine._win is None
     rows = engine.reduce_scatter_from // 4 // n + 1
     src = np.full(n * rows, me + 1, np.int32)
