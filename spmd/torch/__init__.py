@@ -8,10 +8,29 @@ knows the ranks, and rank 0's TCPStore address travels over MPI.
 
 from __future__ import annotations
 
-from _spmd_torch import BACKEND, register
-from spmd.torch._process_group import SpmdProcessGroup
-from spmd.torch._work import SpmdWork
+from typing import TYPE_CHECKING, Any
+
+import torch  # noqa: F401 - without torch, the ImportError says what is missing
+
+from spmd.torch._registration import BACKEND, register
+
+if TYPE_CHECKING:
+    from spmd.torch._process_group import SpmdProcessGroup
+    from spmd.torch._work import SpmdWork
 
 __all__ = ["BACKEND", "SpmdProcessGroup", "SpmdWork", "register"]
+
+
+def __getattr__(name: str) -> Any:
+    # The classes need torch and MPI: loaded when used, so that torch's autoload of the
+    # entry point (spmd.torch._registration:register) imports neither.
+    if name == "SpmdProcessGroup":
+        from spmd.torch._process_group import SpmdProcessGroup
+        return SpmdProcessGroup
+    if name == "SpmdWork":
+        from spmd.torch._work import SpmdWork
+        return SpmdWork
+    raise AttributeError(f"module 'spmd.torch' has no attribute {name!r}")
+
 
 register()

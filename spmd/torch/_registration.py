@@ -2,10 +2,10 @@
 
 torch calls :func:`register` for the ``torch.backends`` entry point while it imports
 (``TORCH_DEVICE_BACKEND_AUTOLOAD=0`` turns that off; ``import spmd.torch`` registers
-explicitly).  This module lives outside the ``spmd`` package on purpose: importing
-``spmd`` imports ``mpi4py.MPI``, which initialises MPI, and a plain ``import torch``
-must not start MPI.  Nothing here imports spmd or mpi4py until a process group with
-the spmd backend is made; then ``spmd.torch`` does the work.
+explicitly).  A plain ``import torch`` must not start MPI, and it does not: importing
+``spmd`` and ``spmd.torch`` starts nothing, and nothing here imports the rest of spmd or
+mpi4py until a process group with the spmd backend is made (or an spmd job's env://
+rendezvous runs); then ``spmd.torch._process_group`` does the work.
 """
 
 from __future__ import annotations
@@ -74,8 +74,7 @@ def _env_rendezvous(url: str, timeout=None, **kwargs):
 def register() -> None:
     """Register the ``"spmd"`` backend with torch.distributed (idempotent, never raises).
 
-    Cheap: it neither imports spmd nor starts MPI; the first process group made with
-    the backend does.
+    Cheap: it starts no MPI; the first process group made with the backend does.
     """
     global _torch_env_handler
     try:
