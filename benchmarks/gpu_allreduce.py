@@ -30,7 +30,7 @@ def main() -> None:
     nbytes = x.nbytes
     spmd.all_reduce(x)  # creates the communicator / pinned buffers
     cp.cuda.get_current_stream().synchronize()
-    backend = spmd.GroupMember.WORLD._backends["cuda"]
+    backend = spmd.GroupMember.WORLD.engine_for("cuda")
     how = type(backend).__name__
     if args.backend == "mpi":
         how += " (direct, GPU-aware MPI)" if backend.direct else " (pinned host staging)"

@@ -138,7 +138,7 @@ def main() -> int:
     if not (err[0] < 1e-10 and err[1] < 1e-9 and err[2] == 0.0):
         raise AssertionError(f"rank {rank}/{world} dp_mlp_gpu: loss err {err[0]:.3g}, param "
                              f"err {err[1]:.3g}, spread across ranks {err[2]:.3g}")
-    backend_name = type(dist.GroupMember.WORLD._backends["cuda"]).__name__
+    backend_name = type(dist.GroupMember.WORLD.engine_for("cuda")).__name__
     print(f"rank {rank}/{world} dp_mlp_gpu OK on cuda:{device} ({backend_name}) "
           f"max_err={err[:2].max():.2e} loss {float(losses[0]):.4f} -> {float(losses[-1]):.4f}",
           flush=True)

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from spmd.backends.host import HostBackend
+from spmd.backends.host import HostEngine
 from spmd.backends.mpi.fastcall import function
 from spmd.core.arrays import (
     array_in,
@@ -179,8 +179,8 @@ def broadcast(tensor: Array, src: int | None = None, group: GroupArg = None,
         return None
     root = root_rank(pg, "broadcast", src, group_src, "src")
     if not async_op and type(tensor) is _ndarray:
-        host = pg._backends.get("cpu")
-        if type(host) is HostBackend and host.blocking.broadcast(tensor, root):
+        host = pg._engines.get("cpu")
+        if type(host) is HostEngine and host.blocking.broadcast(tensor, root):
             return None
     a = array_out(tensor, "broadcast", "tensor", pg.context)
     work = pg.engine_for("cpu" if type(a) is _ndarray else array_device(a)).broadcast(a, root)
@@ -199,8 +199,8 @@ def all_reduce(tensor: Array, op: ReduceOp = _SUM, group: GroupArg = None,
     if pg is None:
         return None
     if not async_op and type(tensor) is _ndarray:
-        host = pg._backends.get("cpu")
-        if type(host) is HostBackend and host.blocking.all_reduce(tensor, op):
+        host = pg._engines.get("cpu")
+        if type(host) is HostEngine and host.blocking.all_reduce(tensor, op):
             return None
     a = array_out(tensor, "all_reduce", "tensor", pg.context)
     work = pg.engine_for("cpu" if type(a) is _ndarray else array_device(a)).all_reduce(a, op)
@@ -244,8 +244,8 @@ def reduce(tensor: Array, dst: int | None = None, op: ReduceOp = _SUM, group: Gr
         return None
     root = root_rank(pg, "reduce", dst, group_dst, "dst")
     if not async_op and type(tensor) is _ndarray:
-        host = pg._backends.get("cpu")
-        if type(host) is HostBackend and host.blocking.reduce(tensor, root, op, pg.context.rank == root):
+        host = pg._engines.get("cpu")
+        if type(host) is HostEngine and host.blocking.reduce(tensor, root, op, pg.context.rank == root):
             return None
     a = (array_out if pg.context.rank == root else array_in)(tensor, "reduce", "tensor", pg.context)
     work = pg.engine_for("cpu" if type(a) is _ndarray else array_device(a)).reduce(a, root, op)
@@ -284,8 +284,8 @@ def all_gather_into_tensor(output_tensor: Array, input_tensor: Array, group: Gro
     if pg is None:
         return None
     if not async_op and type(output_tensor) is _ndarray and type(input_tensor) is _ndarray:
-        host = pg._backends.get("cpu")
-        if type(host) is HostBackend and host.blocking.all_gather_into_tensor(output_tensor,
+        host = pg._engines.get("cpu")
+        if type(host) is HostEngine and host.blocking.all_gather_into_tensor(output_tensor,
                                                                               input_tensor):
             return None
     dev = "cpu" if type(output_tensor) is _ndarray and type(input_tensor) is _ndarray else \
@@ -407,8 +407,8 @@ def reduce_scatter_tensor(output: Array, input: Array, op: ReduceOp = _SUM,  # n
     if pg is None:
         return None
     if not async_op and type(output) is _ndarray and type(input) is _ndarray:
-        host = pg._backends.get("cpu")
-        if type(host) is HostBackend and host.blocking.reduce_scatter_tensor(output, input, op):
+        host = pg._engines.get("cpu")
+        if type(host) is HostEngine and host.blocking.reduce_scatter_tensor(output, input, op):
             return None
     dev = "cpu" if type(output) is _ndarray and type(input) is _ndarray else \
         common_device("reduce_scatter_tensor", pg.context, ("output", output), ("input", input))
@@ -464,8 +464,8 @@ def all_to_all_single(output: Array, input: Array,  # noqa: A002
         return None
     if not async_op and output_split_sizes is None and input_split_sizes is None \
             and type(output) is _ndarray and type(input) is _ndarray:
-        host = pg._backends.get("cpu")
-        if type(host) is HostBackend and host.blocking.all_to_all_single(output, input):
+        host = pg._engines.get("cpu")
+        if type(host) is HostEngine and host.blocking.all_to_all_single(output, input):
             return None
     dev = "cpu" if type(output) is _ndarray and type(input) is _ndarray else \
         common_device(op, pg.context, ("output", output), ("input", input))
@@ -521,7 +521,7 @@ def _row_size(a) -> int:
 def _barrier_device(pg: ProcessGroup, device_ids) -> str:
     """MPI's barrier when the group has a host backend (or device_ids is empty), else the
     GPU backend's (a group made with backend="nccl" has only that)."""
-    if not device_ids and "cpu" in pg._backends:
+    if not device_ids and "cpu" in pg._engines:
         return "cpu"
     from spmd.runtime.world import Backend
 
@@ -545,8 +545,8 @@ def barrier(group: GroupArg = None, async_op: bool = False,
     if pg is None:
         return None
     if not async_op and timeout is None and not device_ids:
-        host = pg._backends.get("cpu")
-        if type(host) is HostBackend and host.blocking.barrier():
+        host = pg._engines.get("cpu")
+        if type(host) is HostEngine and host.blocking.barrier():
             return None
     work = pg.engine_for(_barrier_device(pg, device_ids)).barrier()
     if async_op:

@@ -8,8 +8,8 @@ import weakref
 import zlib
 
 from spmd.core.errors import DistTimeoutError
+from spmd.core.timeouts import to_seconds
 from spmd.core.typing import Timeout
-from spmd.core.work import seconds_of
 from spmd.runtime import diagnosis, reliability
 from spmd.runtime.control import TAG_BARRIER
 from spmd.runtime.group import GroupArg, resolve
@@ -40,7 +40,7 @@ def monitored_barrier(group: GroupArg = None, timeout: Timeout | None = None,
     if pg is None or pg.context.size == 1:
         return
     ctx = pg.context
-    seconds = ctx.timeout if timeout is None else seconds_of(timeout)
+    seconds = ctx.timeout if timeout is None else to_seconds(timeout, "monitored_barrier")
     ch = reliability.state.channel
     if ch is None:
         raise RuntimeError(f"{op}: the control channel is not running [rank {ctx.rank}, "

@@ -10,7 +10,7 @@ from mpi4py import MPI
 
 from spmd.api.collectives import array_device, group_rank_of
 from spmd.backends.base import P2PItem
-from spmd.backends.host import HostBackend
+from spmd.backends.host import HostEngine
 from spmd.backends.mpi.fastcall import function
 from spmd.core.arrays import array_in, array_out
 from spmd.core.context import GroupContext
@@ -105,8 +105,8 @@ def send(tensor: Array, dst: int | None = None, group: GroupArg = None, tag: int
     peer = peer_rank(pg, "send", dst, group_dst, "dst")
     tag = check_tag(tag, "send", pg.context)
     if type(tensor) is _ndarray:
-        host = pg._backends.get("cpu")
-        if type(host) is HostBackend and host.blocking.send(tensor, peer, tag):
+        host = pg._engines.get("cpu")
+        if type(host) is HostEngine and host.blocking.send(tensor, peer, tag):
             return None
     a = array_in(tensor, "send", "tensor", pg.context)
     pg.engine_for(array_device(a)).send(a, peer, tag).wait()
@@ -130,8 +130,8 @@ def recv(tensor: Array, src: int | None = None, group: GroupArg = None, tag: int
     peer = peer_rank(pg, "recv", src, group_src, "src", any_source=True)
     tag = check_tag(tag, "recv", pg.context)
     if peer is not None and type(tensor) is _ndarray:
-        host = pg._backends.get("cpu")
-        if type(host) is HostBackend and host.blocking.recv(tensor, peer, tag):
+        host = pg._engines.get("cpu")
+        if type(host) is HostEngine and host.blocking.recv(tensor, peer, tag):
             return pg.context.global_rank(peer)
     a = array_out(tensor, "recv", "tensor", pg.context)
     work = pg.engine_for(array_device(a)).recv(a, peer, tag)

@@ -7,7 +7,7 @@ An engine is given its group's context (``spmd.core.context.GroupContext``: comm
 identity, timeout) and nothing else of the group layer.
 
 Every op of ``spmd.core.optable.ENGINE_OPS`` is declared below as a method of
-:class:`DeviceBackend`, with the arguments its table entry names
+:class:`Engine`, with the arguments its table entry names
 (tests/unit/test_engine_interface.py keeps the two alike); an engine overrides the ones
 it runs.
 """
@@ -24,7 +24,7 @@ if TYPE_CHECKING:
     from spmd.core.ops import ReduceOp
     from spmd.core.work import Work
 
-__all__ = ["DeviceArray", "DeviceBackend", "P2PItem", "install_op_methods"]
+__all__ = ["DeviceArray", "Engine", "P2PItem", "install_op_methods"]
 
 # An array as engines get it: a numpy array on host engines, a cupy array on GPU ones
 # (CuPy ships no type information, so the two cannot be named together).
@@ -40,7 +40,7 @@ class P2PItem(NamedTuple):
     tag: int
 
 
-class DeviceBackend:
+class Engine:
     """One group's engine for one kind of device.
 
     Every operation of ``spmd.core.optable.ENGINE_OPS`` is a method returning a Work; an
@@ -155,7 +155,7 @@ class DeviceBackend:
 def install_op_methods(cls: type, make: Callable[[str], Callable[..., Any]], doc: str) -> None:
     """Give ``cls`` one method per engine op: ``make(name)`` returns its function,
     renamed after the op so tracebacks say the op; ``doc`` is formatted with ``name``
-    and ``params``.  For wrappers of any engine (debug mode's ``CheckedBackend``)."""
+    and ``params``.  For wrappers of any engine (debug mode's ``CheckedEngine``)."""
     for name in ENGINE_OPS:
         method: Any = make(name)
         method.__name__ = method.__qualname__ = name

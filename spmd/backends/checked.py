@@ -29,14 +29,14 @@ from typing import Any
 import numpy as np
 from mpi4py import MPI
 
-from spmd.backends.base import DeviceBackend, install_op_methods
+from spmd.backends.base import Engine, install_op_methods
 from spmd.core.context import GroupContext
 from spmd.core.errors import CollectiveMismatchError
 from spmd.core.flight_recorder import next_seq, ranks_text
 from spmd.core.optable import OPS
 from spmd.core.wait import wait_until
 
-__all__ = ["CheckedBackend", "active", "check_call", "check_link_call", "check_op", "checking"]
+__all__ = ["CheckedEngine", "active", "check_call", "check_link_call", "check_op", "checking"]
 
 FP_BYTES = 1024   # one rank's fingerprint, JSON, zero-padded: one fixed-size all-gather
 
@@ -263,10 +263,10 @@ def _wait_all(reqs, op: str, ctx: GroupContext, seq: int, what: str) -> None:
                source=f"in debug mode, {what}")
 
 
-class CheckedBackend(DeviceBackend):
+class CheckedEngine(Engine):
     """Wraps a group's engine: each collective compares fingerprints, then runs."""
 
-    def __init__(self, inner: DeviceBackend):
+    def __init__(self, inner: Engine):
         super().__init__(inner.group)
         self.inner = inner
         self.name = inner.name
@@ -294,5 +294,5 @@ def _checked_method(name: str):
     return method
 
 
-install_op_methods(CheckedBackend, _checked_method,
+install_op_methods(CheckedEngine, _checked_method,
                    "{name}, after comparing its fingerprint across the group.")

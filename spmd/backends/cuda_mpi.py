@@ -1,7 +1,7 @@
 """MPI for GPU (cupy) arrays: device buffers handed to a GPU-aware MPI, else staged
 through pinned host memory.
 
-Design: the host engine (HostBackend: MPI, shared memory) already knows every operation, dtype and reduce-op plan
+Design: the host engine (HostEngine: MPI, shared memory) already knows every operation, dtype and reduce-op plan
 (AVG, PREMUL_SUM, float16 in float32, packing of lists).  So the staging path copies
 the device inputs into pinned host arrays, runs the *same* host operation on them, and
 copies the results back into the caller's device arrays when the Work completes:
@@ -25,16 +25,16 @@ from __future__ import annotations
 import numpy as np
 from mpi4py import MPI
 
-from spmd.backends.base import DeviceBackend
-from spmd.backends.host import HostBackend
+from spmd.backends.base import Engine
+from spmd.backends.host import HostEngine
 from spmd.backends.reduction import PLANS, counts_displs
 from spmd.backends.registry import Backend
 from spmd.core import cuda as _gpu
-from spmd.core.arrays import movable
+from spmd.core.arrays import contiguous, movable
 from spmd.core.context import GroupContext
 from spmd.core.work import Work
 
-__all__ = ["CudaMPIBackend"]
+__all__ = ["CudaMPIEngine"]
 
 _IN_PLACE = MPI.IN_PLACE
 _D2H, _H2D = 2, 1  # cudaMemcpyDeviceToHost, cudaMemcpyHostToDevice
@@ -54,7 +54,7 @@ def mpi_view(a, plan):
     return a if plan.view is None else a.view(plan.view)
 
 
-class CudaMPIBackend(DeviceBackend):
+class CudaMPIEngine(Engine):
     """MPI collectives and point-to-point operations on cupy arrays."""
 
     name = "mpi"
@@ -67,8 +67,8 @@ class CudaMPIBackend(DeviceBackend):
         engine_for = group.engine_for if self._cpu_is_mpi(group) else None
         host = engine_for("cpu") if engine_for is not None else None
         host = getattr(host, "inner", host)
-        self._own_host = not isinstance(host, HostBackend)
-        self.host = host if isinstance(host, HostBackend) else HostBackend(group)
+        self._own_host = not isinstance(host, HostEngine)
+        self.host = host if isinstance(host, HostEngine) else HostEngine(group)
         self.comm = group.comm
         self.rank = group.rank
         support = _gpu.mpi_gpu_support()
@@ -106,7 +106,7 @@ class CudaMPIBackend(DeviceBackend):
                 continue
             h = self._pinned(a)
             if a.nbytes:
-                src = a if a.flags.c_contiguous else cp.ascontiguousarray(a)
+                src = contiguous(a, cp)
                 keep.append(src)
                 cp.cuda.runtime.memcpyAsync(h.ctypes.data, src.data.ptr, a.nbytes, _D2H,
                                             stream.ptr)

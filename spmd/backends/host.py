@@ -9,9 +9,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from spmd.backends.base import DeviceBackend
+from spmd.backends.base import Engine
 from spmd.backends.mpi.blocking import BlockingHost
-from spmd.backends.mpi.engine import MPIBackend
+from spmd.backends.mpi.engine import MPIEngine
 from spmd.backends.mpi.fastcall import comm_of
 from spmd.backends.reduction import simple_plan
 from spmd.backends.shm.engine import engine_for
@@ -20,7 +20,7 @@ from spmd.core.optable import ENGINE_OPS
 from spmd.core.packing import get_bucket_bytes, pack_buckets
 from spmd.core.work import then
 
-__all__ = ["HostBackend"]
+__all__ = ["HostEngine"]
 
 # The ops the shared-memory engine may take (the methods below).
 _DISPATCHED = ("all_reduce", "reduce", "reduce_scatter_tensor", "broadcast", "all_gather",
@@ -42,14 +42,14 @@ def fused_on_shm(tensors: list, op: Any, shm_from: int) -> bool:
     return shm_from <= sum(t.nbytes for t in tensors) <= get_bucket_bytes()
 
 
-class HostBackend(DeviceBackend):
+class HostEngine(Engine):
     """Host arrays of one group: the shared-memory engine in front of MPI."""
 
     name = "mpi"
 
     def __init__(self, group: GroupContext):
         super().__init__(group)
-        self.mpi = MPIBackend(group)
+        self.mpi = MPIEngine(group)
         # The engine falls back to MPI for a call its window cannot take.
         self.shm = engine_for(self.mpi)
         # Blocking calls of the common case skip the Work (collectives try it first).

@@ -17,14 +17,14 @@ from spmd.core.dtypes import SUPPORTED_DTYPES, family
 from spmd.core.errors import located
 from spmd.core.ops import ReduceOp
 
-__all__ = ["Plan", "PLANS", "AVERAGE", "premul_factor", "simple_plan", "checked_plan", "mpi_view",
+__all__ = ["ReductionPlan", "PLANS", "AVERAGE", "premul_factor", "simple_plan", "checked_plan", "mpi_view",
            "counts_displs"]
 
 _F32 = np.dtype(np.float32)
 _U8 = np.dtype(np.uint8)
 
 
-class Plan:
+class ReductionPlan:
     """How one (dtype, ReduceOp) pair is reduced by MPI."""
 
     __slots__ = ("mpi_op", "view", "upcast", "avg", "premul", "simple")
@@ -48,18 +48,18 @@ _BOOL_OPS = {"SUM": MPI.MAX, "PRODUCT": MPI.MIN, "MIN": MPI.MIN, "MAX": MPI.MAX,
              "BAND": MPI.BAND, "BOR": MPI.BOR, "BXOR": MPI.BXOR}
 
 
-def _plan_for(dtype: np.dtype, name: str) -> Plan | str:
+def _plan_for(dtype: np.dtype, name: str) -> ReductionPlan | str:
     """The plan, or the reason the pair is refused (one sentence)."""
     fam = family(dtype)
     if fam == "bool":
         if name in _BOOL_OPS:
-            return Plan(_BOOL_OPS[name], view=_U8)
+            return ReductionPlan(_BOOL_OPS[name], view=_U8)
         return f"ReduceOp.{name} is not defined for bool arrays"
     if fam in ("int", "uint"):
         if name in MPI_OPS:
-            return Plan(MPI_OPS[name])
+            return ReductionPlan(MPI_OPS[name])
         if name == "AVG":
-            return Plan(MPI.SUM, avg=fam)
+            return ReductionPlan(MPI.SUM, avg=fam)
         return f"ReduceOp.{name} needs a floating point or complex dtype, got {dtype}"
     if name in _BITWISE:
         return f"ReduceOp.{name} needs an integer or bool dtype, got {dtype}"
@@ -67,14 +67,14 @@ def _plan_for(dtype: np.dtype, name: str) -> Plan | str:
         return f"ReduceOp.{name} is not defined for complex arrays ({dtype})"
     upcast = _F32 if fam == "half" else None
     if name == "AVG":
-        return Plan(MPI.SUM, upcast=upcast, avg="float")
+        return ReductionPlan(MPI.SUM, upcast=upcast, avg="float")
     if name == "PREMUL_SUM":
-        return Plan(MPI.SUM, upcast=upcast, premul=True)
-    return Plan(MPI_OPS[name], upcast=upcast)
+        return ReductionPlan(MPI.SUM, upcast=upcast, premul=True)
+    return ReductionPlan(MPI_OPS[name], upcast=upcast)
 
 
 # Built once: plans by op name, then by dtype.  Refusals are stored as strings.
-PLANS: dict[str, dict[np.dtype, Plan | str]] = {
+PLANS: dict[str, dict[np.dtype, ReductionPlan | str]] = {
     name: {dt: _plan_for(dt, name) for dt in SUPPORTED_DTYPES} for name in MPI_OPS
 }
 for _name in ("AVG", "PREMUL_SUM"):
@@ -96,11 +96,14 @@ def _avg_uint(buf, n):
 
 def _avg_int(buf, n):
     # NCCL truncates toward zero; floor division rounds negative quotients down.
-    fix = (buf < 0) & (np.remainder(buf, n) != 0)
+    # (Operators only: the NCCL engine divides cupy arrays with the same functions.)
+    fix = (buf < 0) & (buf % n != 0)
     buf //= n
-    np.add(buf, fix, out=buf, casting="unsafe")
+    buf += fix
 
 
+# How AVG divides the sum by the group size, per dtype family: every engine's rule, for
+# numpy and cupy arrays alike.
 AVERAGE = {"float": _avg_float, "uint": _avg_uint, "int": _avg_int}
 
 
@@ -111,14 +114,14 @@ def premul_factor(op: ReduceOp):
     return f
 
 
-def simple_plan(dtype, op) -> Plan | None:
+def simple_plan(dtype, op) -> ReductionPlan | None:
     """The plan of ``dtype`` and ``op`` where MPI reduces the array itself (no upcast,
     average or pre-scaling step), else None (also for an ``op`` that is not a ReduceOp)."""
     try:
         plan = PLANS[op.name].get(dtype)
     except (KeyError, AttributeError):
         return None
-    return plan if type(plan) is Plan and plan.simple else None
+    return plan if type(plan) is ReductionPlan and plan.simple else None
 
 
 def checked_plan(plans: dict, dtype, op, opname: str, group: GroupContext):
@@ -144,7 +147,7 @@ def checked_plan(plans: dict, dtype, op, opname: str, group: GroupContext):
     return plan
 
 
-def mpi_view(buf: np.ndarray, plan: Plan) -> np.ndarray:
+def mpi_view(buf: np.ndarray, plan: ReductionPlan) -> np.ndarray:
     return buf if plan.view is None else buf.view(plan.view)
 
 

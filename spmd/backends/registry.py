@@ -84,7 +84,7 @@ def register_backend(name: str, factory: Callable[[Any], Any],
 
     Args:
         name: the backend's name (case-insensitive); it must not be taken.
-        factory: ``factory(context) -> spmd.backends.base.DeviceBackend``, called once per
+        factory: ``factory(context) -> spmd.backends.base.Engine``, called once per
             group and device the first time an array of that device meets the group, with
             the group's :class:`spmd.core.context.GroupContext` (``context.comm`` is its
             MPI communicator; ``rank``, ``size``, ``ranks``, ``name``, ``timeout`` are
@@ -123,7 +123,7 @@ def unavailable(name: str) -> str | None:
     return None
 
 
-def make_backend(group: GroupContext, device: str):
+def make_engine(group: GroupContext, device: str):
     """A new engine of ``group`` for ``device`` arrays (its ProcessGroup keeps it)."""
     name = Backend.device_map(group.backend_name).get(device)
     if name is None:

@@ -15,6 +15,7 @@ from typing import Any
 
 import numpy as np
 
+from spmd.core.arrays import contiguous
 from spmd.core.cuda import empty_pinned
 
 __all__ = ["Staging", "use_device_pointer"]
@@ -58,7 +59,7 @@ class Staging:
         stream = cp.cuda.get_current_stream()
         h = self._empty_pinned(a.shape, a.dtype)
         if a.nbytes:
-            src = a if a.flags.c_contiguous else cp.ascontiguousarray(a)
+            src = contiguous(a, cp)
             cp.cuda.runtime.memcpyAsync(h.ctypes.data, src.data.ptr, a.nbytes, _D2H, stream.ptr)
         stream.synchronize()
         return h

@@ -266,7 +266,13 @@ def movable(a: np.ndarray) -> np.ndarray:
     return a if view is None else a.view(view)
 
 
-def contiguous(a: np.ndarray) -> np.ndarray:
-    """``a`` itself when C-contiguous, else a contiguous copy."""
-    return a if a.flags.c_contiguous else np.ascontiguousarray(a)
+def contiguous(a, xp: Any = np):
+    """``a`` itself when C-contiguous, else a contiguous copy made by the array module
+    ``xp`` (numpy, or cupy for device arrays: bfloat16 is copied as uint16, which every
+    CuPy has kernels for)."""
+    if a.flags.c_contiguous:
+        return a
+    if xp is not np and bfloat16 is not None and a.dtype == bfloat16:
+        return xp.ascontiguousarray(a.view(np.uint16)).view(bfloat16)
+    return xp.ascontiguousarray(a)
 

@@ -7,7 +7,7 @@ nccl-tests' bus bandwidth scales for it.  The debug wrapper, the flight recorder
 timelines, the comms log, bench and the engine interface read it.
 
 Adding an op: one ``_op(...)`` line below, one method per engine that supports it
-(``spmd.backends.base.DeviceBackend`` raises NotImplementedError naming op and engine for
+(``spmd.backends.base.Engine`` raises NotImplementedError naming op and engine for
 the others), and the public function that validates and calls it.
 """
 

@@ -10,6 +10,7 @@ from mpi4py import MPI
 
 from spmd.core.context import GroupContext
 from spmd.core.futures import Future
+from spmd.core.timeouts import to_seconds
 from spmd.core.wait import wait_until
 
 __all__ = ["Work"]
@@ -33,17 +34,6 @@ def add_observer(observer) -> None:
 def remove_observer(observer) -> None:
     if observer in observers:
         observers.remove(observer)
-
-
-def seconds_of(timeout) -> float:
-    """A timeout given as a timedelta or a number of seconds, in seconds."""
-    if isinstance(timeout, timedelta):
-        timeout = timeout.total_seconds()
-    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
-        raise TypeError(f"timeout must be a timedelta or a number of seconds, got {type(timeout).__name__}")
-    if timeout < 0:
-        raise ValueError(f"timeout must not be negative, got {timeout}")
-    return float(timeout)
 
 
 def then(work: Work, fn: Callable[[], None]) -> None:
@@ -125,7 +115,7 @@ class Work:
         Raises:
             DistTimeoutError: the operation did not complete in time.
         """
-        seconds = None if timeout is None else seconds_of(timeout)
+        seconds = None if timeout is None else to_seconds(timeout, f"{self._op}: Work.wait")
         if not self._done:
             # Inlined _test(): this is every blocking call's path.
             reqs = self._reqs

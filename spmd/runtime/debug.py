@@ -24,7 +24,7 @@ import enum
 import os
 
 from spmd.backends import checked, registry
-from spmd.backends.checked import CheckedBackend
+from spmd.backends.checked import CheckedEngine
 
 __all__ = [
     "DebugLevel",
@@ -66,7 +66,7 @@ def set_debug_level(level: DebugLevel | int | str) -> None:
     elif not isinstance(level, DebugLevel):
         raise TypeError(f"set_debug_level: expected a DebugLevel or str, got {type(level).__name__}")
     _level = level
-    registry.wrapper = CheckedBackend if level >= DebugLevel.DETAIL else None
+    registry.wrapper = CheckedEngine if level >= DebugLevel.DETAIL else None
     checked.active = level >= DebugLevel.DETAIL
 
 

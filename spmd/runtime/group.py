@@ -10,10 +10,11 @@ from typing import Any, TypeAlias
 from mpi4py import MPI
 
 from spmd.backends.checked import free_check_comm
-from spmd.backends.host import HostBackend
+from spmd.backends.host import HostEngine
 from spmd.backends.mpi import fastcall
-from spmd.backends.registry import Backend, make_backend
+from spmd.backends.registry import Backend, make_engine
 from spmd.core.context import GroupContext
+from spmd.core.timeouts import to_seconds
 from spmd.core.typing import Timeout
 from spmd.store import Store
 
@@ -29,9 +30,6 @@ __all__ = [
     "get_process_group_ranks",
     "GroupArg",
 ]
-
-DEFAULT_TIMEOUT = timedelta(minutes=30)  # torch's default for non-NCCL backends
-
 
 class ProcessGroup:
     """A set of ranks that communicate together, backed by one MPI communicator.
@@ -50,7 +48,7 @@ class ProcessGroup:
                  store: Store | None = None):
         self.context = GroupContext(comm, ranks, name, timeout, backend, desc, store)
         self.context.engine_for = self.engine_for
-        self._backends: dict = {}  # device -> engine, made on first use
+        self._engines: dict = {}  # device -> engine, made on first use
 
     def rank(self) -> int:
         """This process's rank in the group."""
@@ -88,9 +86,9 @@ class ProcessGroup:
     def engine_for(self, device: str) -> Any:
         """The group's engine for arrays on ``device`` ("cpu", "cuda"), made on first use
         (what the public ops hand validated arrays to)."""
-        backend = self._backends.get(device)
+        backend = self._engines.get(device)
         if backend is None:
-            backend = make_backend(self.context, device)
+            backend = make_engine(self.context, device)
             self.set_engine(device, backend)
         return backend
 
@@ -99,18 +97,18 @@ class ProcessGroup:
         recorder in place for a block, then the engine back).  The compiled call path
         takes the group's calls only while its host engine is the plain one (debug mode
         and coalescing_manager wrap it)."""
-        self._backends[device] = engine
+        self._engines[device] = engine
         if device == "cpu":
-            if type(engine) is HostBackend:
+            if type(engine) is HostEngine:
                 fastcall.register(self, engine.fast)
             else:
                 fastcall.unregister(self)
 
     def _free(self) -> None:
         fastcall.unregister(self)
-        for backend in self._backends.values():
+        for backend in self._engines.values():
             backend.shutdown()
-        self._backends.clear()
+        self._engines.clear()
         free_check_comm(self.context)  # debug mode's, also where no engine was made (objects)
         ctx = self.context
         if ctx.comm is not None:
@@ -217,19 +215,12 @@ def resolve(group: GroupArg, op: str) -> ProcessGroup | None:
 
 
 def timeout_seconds(timeout, op: str) -> float:
+    """A new group's timeout in seconds: the default group's if None."""
     if timeout is None:
         world = world_state.world
         assert world is not None  # the callers found the default group first
         return world.context.timeout
-    if isinstance(timeout, timedelta):
-        seconds = timeout.total_seconds()
-    elif isinstance(timeout, (int, float)) and not isinstance(timeout, bool):
-        seconds = float(timeout)
-    else:
-        raise TypeError(f"{op}: timeout must be a timedelta, got {type(timeout).__name__}")
-    if seconds <= 0:
-        raise ValueError(f"{op}: timeout must be positive, got {timeout}")
-    return seconds
+    return to_seconds(timeout, op, positive=True)
 
 
 def backend_name_of(backend, op: str) -> str:
@@ -313,7 +304,7 @@ def split_comm(parent: ProcessGroup, color: int, key: int, name_of, timeout, bac
         members = [parent.context.ranks[r] for r in comm.allgather(parent.context.rank)]
         pg = register_group(comm, members, name_of(members), timeout_seconds(timeout, op),
                        backend_name_of(backend, op), desc)
-    for backend in list(parent._backends.values()):  # e.g. NCCL's commSplit, collective
+    for backend in list(parent._engines.values()):  # e.g. NCCL's commSplit, collective
         backend.on_split(pg.context if pg is not None else None, color, key)  # over the parent
     return pg
 

@@ -18,10 +18,10 @@ from spmd.core.context import GroupContext
 from spmd.core.launch import LOCAL_RANK_VARS, check_world_size, local_rank_from_env
 from spmd.core.nodes import node_layout
 from spmd.core.settings import parse_options
+from spmd.core.timeouts import DEFAULT_PG_TIMEOUT, to_seconds
 from spmd.core.typing import Timeout
 from spmd.runtime import supervision
 from spmd.runtime.group import (
-    DEFAULT_TIMEOUT,
     GroupArg,
     GroupMember,
     ProcessGroup,
@@ -47,18 +47,18 @@ __all__ = [
 ]
 
 def _mpi_backend(group: GroupContext):
-    from spmd.backends.host import HostBackend
-    return HostBackend(group)
+    from spmd.backends.host import HostEngine
+    return HostEngine(group)
 
 
 def _cuda_mpi_backend(group: GroupContext):
-    from spmd.backends.cuda_mpi import CudaMPIBackend
-    return CudaMPIBackend(group)
+    from spmd.backends.cuda_mpi import CudaMPIEngine
+    return CudaMPIEngine(group)
 
 
 def _nccl_backend(group: GroupContext):
-    from spmd.backends.nccl.engine import NCCLBackend
-    return NCCLBackend(group)
+    from spmd.backends.nccl.engine import NCCLEngine
+    return NCCLEngine(group)
 
 
 def _default_cuda_backend(group: GroupContext):
@@ -180,12 +180,11 @@ def init_process_group(backend: str | None = None, init_method: str | None = Non
     if rank not in (-1, None) and rank != me:
         raise ValueError(f"init_process_group: rank={rank} but MPI says this is rank {me} "
                          f"(of {size})")
-    if timeout is None:
-        seconds = DEFAULT_TIMEOUT.total_seconds()
-    elif isinstance(timeout, timedelta) and timeout.total_seconds() > 0:
-        seconds = timeout.total_seconds()
-    else:
-        raise ValueError(f"init_process_group: timeout must be a positive timedelta, got {timeout!r}")
+    if timeout is not None and not isinstance(timeout, timedelta):   # as torch asks
+        raise TypeError(f"init_process_group: timeout must be a datetime.timedelta, got "
+                        f"{type(timeout).__name__}")
+    seconds = to_seconds(DEFAULT_PG_TIMEOUT if timeout is None else timeout,
+                         "init_process_group", positive=True)
     reliability = parse_options(pg_options)
     comm = world.Dup()
     comm.Set_name(f"spmd:{group_name or 'WORLD'}")

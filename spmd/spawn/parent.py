@@ -59,13 +59,13 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from datetime import timedelta
-from typing import Any, overload
+from typing import Any
 
 from mpi4py import MPI
 
 from spmd.core.errors import DistError, DistTimeoutError
 from spmd.core.launch import SINGLETON, find_hydra, launch_info
+from spmd.core.timeouts import to_seconds
 from spmd.spawn.child import BOOT, HELLO, PAYLOAD, RESULT, STOP
 
 __all__ = [
@@ -230,24 +230,6 @@ def _serialize(fn: Callable, args: tuple) -> tuple[bytes, str | None]:
     return payload, os.path.abspath(main_file) if main_file and b"__main__" in payload else None
 
 
-@overload
-def _seconds(timeout: None, name: str) -> None: ...
-
-
-@overload
-def _seconds(timeout: float | timedelta, name: str) -> float: ...
-
-
-def _seconds(timeout, name: str) -> float | None:
-    if timeout is None:
-        return None
-    value = timeout.total_seconds() if isinstance(timeout, timedelta) else timeout
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-        raise ValueError(f"spawn: {name} must be a positive number of seconds or a timedelta, "
-                         f"got {timeout!r}")
-    return float(value)
-
-
 class ProcessContext:
     """A running spawned job: ``join(timeout)`` until done; results in rank order.
 
@@ -303,7 +285,8 @@ class ProcessContext:
             if self._failure is not None:
                 raise self._failure
             return True
-        until = None if timeout is None else time.monotonic() + _seconds(timeout, "timeout")
+        until = None if timeout is None else \
+            time.monotonic() + to_seconds(timeout, "ProcessContext.join", positive=True)
         try:
             done = self._poll(until)
         except KeyboardInterrupt:
@@ -528,7 +511,7 @@ def spawn(fn: Callable[..., Any], args: Sequence = (), nprocs: int = 1, join: bo
         raise TypeError(f"spawn: args must be a tuple, got {type(args).__name__}")
     if isinstance(nprocs, bool) or not isinstance(nprocs, int) or nprocs < 1:
         raise ValueError(f"spawn: nprocs must be a positive int, got {nprocs!r}")
-    seconds = _seconds(timeout, "timeout")
+    seconds = to_seconds(timeout, "spawn", positive=True)
     child_env = {"SPMD_ABORT_ON_EXCEPTION": "0"}  # failures go back to the parent instead
     if env is not None:
         if not isinstance(env, Mapping) or not all(

@@ -10,17 +10,16 @@ from datetime import timedelta
 from typing import TypeVar
 
 from spmd.core.errors import DistStoreError
+from spmd.core.timeouts import DEFAULT_STORE_TIMEOUT, to_seconds
 from spmd.core.typing import Timeout
 
 # A value to store: bytes, or str (stored UTF-8 encoded).
 Value = bytes | bytearray | str
 _S = TypeVar("_S", bound="Store")
 
-__all__ = ["DEFAULT_TIMEOUT", "Store", "HashStore", "PrefixStore", "dict_add", "dict_compare_set",
-           "to_seconds"]
+__all__ = ["DEFAULT_TIMEOUT", "Store", "HashStore", "PrefixStore", "dict_add", "dict_compare_set"]
 
-DEFAULT_TIMEOUT = timedelta(seconds=300)
-_MAX_WAIT = min(threading.TIMEOUT_MAX, 1e9)  # longer waits are clamped to this
+DEFAULT_TIMEOUT = DEFAULT_STORE_TIMEOUT   # torch's Store default (spmd.core.timeouts)
 
 
 # ----------------------------------------------------------------------------- checks
@@ -44,22 +43,6 @@ def _check_value(value, method: str, what: str = "value") -> bytes:
     if isinstance(value, str):
         return value.encode("utf-8")
     raise TypeError(f"{method}: {what} must be bytes or str, got {type(value).__name__}")
-
-
-def to_seconds(timeout, method: str) -> float:
-    """Convert a timedelta or a number of seconds to float seconds (clamped)."""
-    if isinstance(timeout, timedelta):
-        seconds = timeout.total_seconds()
-    elif isinstance(timeout, numbers.Real) and not isinstance(timeout, bool):
-        seconds = float(timeout)
-    else:
-        raise TypeError(
-            f"{method}: timeout must be a datetime.timedelta or a number of seconds, "
-            f"got {type(timeout).__name__}"
-        )
-    if not seconds >= 0:  # also catches NaN
-        raise ValueError(f"{method}: timeout must be non-negative, got {timeout!r}")
-    return min(seconds, _MAX_WAIT)
 
 
 def _parse_counter(key: str, raw: bytes) -> int:

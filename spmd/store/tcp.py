@@ -21,8 +21,9 @@ import threading
 import time
 
 from spmd.core.errors import DistNetworkError, DistStoreError
+from spmd.core.timeouts import to_seconds
 from spmd.core.typing import Timeout
-from spmd.store.base import DEFAULT_TIMEOUT, HashStore, Store, to_seconds
+from spmd.store.base import DEFAULT_TIMEOUT, HashStore, Store
 
 __all__ = ["TCPStore"]
 

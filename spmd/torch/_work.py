@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 import spmd
+from spmd.core.timeouts import to_seconds
 
 __all__ = ["SpmdWork"]
 
@@ -28,15 +29,14 @@ _monotonic = time.monotonic
 
 
 def _seconds(timeout) -> float | None:
-    """Seconds of a wait timeout; None for none (c10d's kNoTimeout is 0 ms)."""
+    """Seconds of a wait timeout; None for none (c10d's kNoTimeout is 0 ms, and a negative
+    one is its kUnsetTimeout: the group's)."""
     if timeout is None:
         return None
-    if isinstance(timeout, timedelta):
-        timeout = timeout.total_seconds()
-    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
-        raise TypeError(f"Work.wait: timeout must be a timedelta or seconds, got "
-                        f"{type(timeout).__name__}")
-    return float(timeout) if timeout > 0 else None
+    seconds = timeout.total_seconds() if isinstance(timeout, timedelta) else timeout
+    if isinstance(seconds, (int, float)) and not isinstance(seconds, bool) and seconds <= 0:
+        return None
+    return to_seconds(seconds, "Work.wait")
 
 
 class SpmdWork(dist.Work):

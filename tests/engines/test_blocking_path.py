@@ -50,7 +50,7 @@ def taken(dist, monkeypatch):
 
 
 def _host(dist):
-    return dist.GroupMember.WORLD._backends["cpu"]
+    return dist.GroupMember.WORLD._engines["cpu"]
 
 
 def _shm_takes(dist, kind: str, nbytes: int) -> bool:

@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 from spmd.backends.mpi import fastcall
-from spmd.backends.reduction import PLANS, Plan
+from spmd.backends.reduction import PLANS, ReductionPlan
 from spmd.core.dtypes import SUPPORTED_DTYPES
 from spmd.core.ops import ReduceOp
 
@@ -57,7 +57,7 @@ def test_every_reduced_dtype_and_op_matches_numpy(dist):
         op = getattr(ReduceOp, name)
         for dt in SUPPORTED_DTYPES:
             plan = PLANS[name][dt]
-            if type(plan) is not Plan or not plan.simple:
+            if type(plan) is not ReductionPlan or not plan.simple:
                 continue
             want = _reference([_data(dt, k) for k in range(n)], name)
             x = _data(dt, r)
@@ -239,7 +239,7 @@ def test_coalescing_manager_and_unregistered_groups_take_the_python_path(dist):
         dist.all_reduce(x)    # the Python path
         np.testing.assert_array_equal(x, n)
     finally:
-        fastcall.register(world, world._backends["cpu"].fast)
+        fastcall.register(world, world._engines["cpu"].fast)
         fastcall.set_default(world)
     assert barrier(None, False, None, None) is True
 
@@ -261,7 +261,7 @@ def test_group_state_is_pushed_to_the_compiled_path(dist, fresh):
     assert barrier(g, False, None, None) is False  # no engine yet
     dist.all_reduce(x, group=g)          # makes it (the Python path), which registers it
     np.testing.assert_array_equal(x, n * (n + 1) / 2)
-    fast = g._backends["cpu"].fast
+    fast = g._engines["cpu"].fast
     assert fast.alive and barrier(g, False, None, None) is True
     # the compiled call counted on the group's own counters, seen by the recorder
     assert fr.counters(g.context) == (2, 0)
@@ -276,7 +276,7 @@ def test_group_state_is_pushed_to_the_compiled_path(dist, fresh):
         dist.all_reduce(x, group=g)
     # destroyed: closed and unregistered
     dist.all_reduce(x, group=h)
-    fast_h = h._backends["cpu"].fast
+    fast_h = h._engines["cpu"].fast
     dist.destroy_process_group(h)
     assert not fast_h.alive
     assert barrier(h, False, None, None) is False

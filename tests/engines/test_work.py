@@ -94,9 +94,11 @@ def test_async_keeps_arrays_alive_and_results_land_in_views(dist):
 
 def test_wait_timeout_argument_checks(dist):
     work = dist.barrier(async_op=True)
-    with pytest.raises(ValueError, match="must not be negative"):
+    with pytest.raises(ValueError, match="barrier: Work.wait: timeout must be a non-negative "
+                       "timedelta or number of seconds, got -1"):
         work.wait(timeout=-1)
-    with pytest.raises(TypeError):
+    with pytest.raises(TypeError, match="timeout must be a datetime.timedelta or a number of "
+                       "seconds, got str"):
         work.wait(timeout="1")
     work.wait()
 

@@ -96,7 +96,7 @@ def gpu(request):
         for pg in (world, parity):
             backend = pg.engine_for("cuda")
             if mode == "nccl":
-                assert type(backend).__name__ == "NCCLBackend"
+                assert type(backend).__name__ == "NCCLEngine"
             else:
                 assert backend.direct == (mode == "direct")
     yield {"cp": cp, "dist": dist, "world": world, "parity": parity, "mode": mode}

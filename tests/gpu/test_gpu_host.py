@@ -74,11 +74,11 @@ def _reinit(dist):
 
 @pytest.mark.mpi
 def test_user_backend_factory_runs(dist):
-    from spmd.backends.mpi.engine import MPIBackend
+    from spmd.backends.mpi.engine import MPIEngine
 
     calls = collections.Counter()
 
-    class Counting(MPIBackend):
+    class Counting(MPIEngine):
         name = "counting"
 
         def all_reduce(self, a, op):
@@ -192,7 +192,7 @@ def test_nccl_split_waits_for_the_parent_stream(dist):
     cp = type("cp", (), {"cuda": type("cuda", (), {"Device": Device, "runtime": None})})
     nc = Communicator(parent.context, cp, FakeNccl(21805, 21805))
     nc.nccl_comm, nc.stream, nc.device = Comm(), Stream(), 0
-    b = object.__new__(nccl_backend.NCCLBackend)
+    b = object.__new__(nccl_backend.NCCLEngine)
     b.communicator = nc
     child = type("Child", (), {"backend_name": "undefined", "inherited": {}})()
     b.on_split(child, 3, 1)
@@ -202,7 +202,7 @@ def test_nccl_split_waits_for_the_parent_stream(dist):
 
 @pytest.mark.mpi
 def test_nccl_plan_uses_avg_only_when_libnccl_has_it(dist):
-    b = object.__new__(nccl_backend.NCCLBackend)
+    b = object.__new__(nccl_backend.NCCLEngine)
     b.group, b._resolved = dist.GroupMember.WORLD.context, {}
     b._nccl = FakeNccl(20903)  # CuPy defines NCCL_AVG, but libnccl 2.9 has no ncclAvg
     _, _, nop, divide = b._plan(np.dtype(np.float32), spmd.ReduceOp.AVG, "all_reduce")
@@ -245,7 +245,7 @@ def test_cuda_mpi_paths_per_library(dist, monkeypatch, library, direct_ops):
     from spmd.backends import cuda_mpi
 
     support = _gpu.decide_gpu_awareness(library, 1, {})
-    b = object.__new__(cuda_mpi.CudaMPIBackend)
+    b = object.__new__(cuda_mpi.CudaMPIEngine)
     b.group, b.rank = dist.GroupMember.WORLD.context, dist.get_rank()
     b.direct = support.aware
     b.direct_collectives = support.aware and support.nonblocking_collectives

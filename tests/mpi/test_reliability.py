@@ -145,7 +145,7 @@ def test_p2p_timeout_leaves_the_group_usable(dist):
 
 
 def test_timeouts_are_taken_from_group_and_init(dist, fresh):
-    from spmd.runtime.group import DEFAULT_TIMEOUT
+    from spmd.core.timeouts import DEFAULT_PG_TIMEOUT as DEFAULT_TIMEOUT
 
     assert DEFAULT_TIMEOUT == timedelta(minutes=30)
     assert dist.GroupMember.WORLD.timeout == TEST_TIMEOUT
@@ -291,7 +291,7 @@ def test_debug_mode_lets_matching_calls_through(dist, fresh, detail):
     dist.all_to_all_single(a2a, np.full(sum(splits), float(me)), recv, splits, group=g)
     assert (a2a == np.repeat(np.arange(n, dtype=float), recv)).all()
     dist.barrier(group=g)
-    assert type(g._backends["cpu"]).__name__ == "CheckedBackend"
+    assert type(g._engines["cpu"]).__name__ == "CheckedEngine"
 
 
 # ----------------------------------------------------------------------------- monitored barrier

@@ -1,6 +1,6 @@
 """The engine interface and the op table say the same thing.
 
-``spmd.backends.base.DeviceBackend`` declares one method per op of
+``spmd.backends.base.Engine`` declares one method per op of
 ``spmd.core.optable.ENGINE_OPS``, with the arguments the op's table entry names (debug
 mode's wrapper, the flight recorder and bench read the table; engines and the type
 checker read the class), and the shared-memory engine declares the thresholds its
@@ -14,18 +14,18 @@ import types
 
 import pytest
 
-from spmd.backends.base import DeviceBackend
-from spmd.backends.checked import CheckedBackend
+from spmd.backends.base import Engine
+from spmd.backends.checked import CheckedEngine
 from spmd.backends.shm.engine import ShmEngine
 from spmd.backends.shm.thresholds import Thresholds
 from spmd.core.optable import ENGINE_OPS, OPS
 
-# DeviceBackend's methods that are not ops of the table.
+# Engine's methods that are not ops of the table.
 NOT_OPS = {"shutdown", "on_split", "batch_p2p"}
 
 
 def _declared_ops() -> list[str]:
-    return [name for name, member in vars(DeviceBackend).items()
+    return [name for name, member in vars(Engine).items()
             if inspect.isfunction(member) and not name.startswith("_") and name not in NOT_OPS]
 
 
@@ -39,7 +39,7 @@ def test_device_backend_declares_exactly_the_engine_ops():
 
 @pytest.mark.parametrize("name", ENGINE_OPS)
 def test_each_op_takes_the_parameters_of_its_table_entry(name):
-    params = list(inspect.signature(getattr(DeviceBackend, name)).parameters.values())
+    params = list(inspect.signature(getattr(Engine, name)).parameters.values())
     assert params[0].name == "self"
     assert tuple(p.name for p in params[1:]) == OPS[name].params
     for p in params[1:]:
@@ -50,7 +50,7 @@ def test_each_op_takes_the_parameters_of_its_table_entry(name):
 
 @pytest.mark.parametrize("name", ENGINE_OPS)
 def test_an_op_an_engine_lacks_raises_naming_op_engine_rank_and_group(name):
-    engine = DeviceBackend(types.SimpleNamespace(rank=3, name="g7"))
+    engine = Engine(types.SimpleNamespace(rank=3, name="g7"))
     engine.name = "toy"
     with pytest.raises(NotImplementedError) as info:
         getattr(engine, name)(*[None] * len(OPS[name].params))
@@ -59,8 +59,8 @@ def test_an_op_an_engine_lacks_raises_naming_op_engine_rank_and_group(name):
 
 def test_debug_wrapper_wraps_every_engine_op():
     for name in ENGINE_OPS:
-        method = vars(CheckedBackend).get(name)
-        assert inspect.isfunction(method), f"CheckedBackend does not wrap {name}"
+        method = vars(CheckedEngine).get(name)
+        assert inspect.isfunction(method), f"CheckedEngine does not wrap {name}"
         assert method.__name__ == name
 
 

@@ -69,3 +69,4 @@ def test_an_unknown_name_is_an_attribute_error():
         import spmd
 
         spmd.all_reduse  # noqa: B018
+

@@ -818,7 +818,7 @@ static PyObject *fc_all_reduce_coalesced(PyObject *m, PyObject *const *a, Py_ssi
     }
     if (total >= c.fc->from[O_ALL_REDUCE]) {
         /* The shared-memory engine's size: its all_reduce on the packed bytes, as the
-         * Python path (HostBackend.all_reduce_coalesced) does; it records itself. */
+         * Python path (HostEngine.all_reduce_coalesced) does; it records itself. */
         PyObject *mv = PyMemoryView_FromMemory(buf, total, PyBUF_WRITE);
         PyObject *args[4] = {c.fc->shm, mv, dtype, a[1]};
         PyObject *r = mv ? PyObject_Vectorcall(shm_all_reduce, args, 4, NULL) : NULL;

@@ -46,7 +46,7 @@ def _contiguous_pair(out: np.ndarray, a: np.ndarray) -> bool:
 
 
 class BlockingHost:
-    """The short blocking path of one group's host engine (``HostBackend.blocking``)."""
+    """The short blocking path of one group's host engine (``HostEngine.blocking``)."""
 
     __slots__ = ("group", "comm", "shm", "_n")
 

@@ -11,22 +11,22 @@ from __future__ import annotations
 import numpy as np
 from mpi4py import MPI
 
-from spmd.backends.base import DeviceBackend
+from spmd.backends.base import Engine
 from spmd.backends.reduction import (
     AVERAGE,
     PLANS,
-    Plan,
+    ReductionPlan,
     checked_plan,
     counts_displs,
     mpi_view,
     premul_factor,
 )
-from spmd.core.arrays import MOVE_AS, movable
+from spmd.core.arrays import MOVE_AS, contiguous, movable
 from spmd.core.context import GroupContext
 from spmd.core.packing import pack_buckets
 from spmd.core.work import Work
 
-__all__ = ["MPIBackend"]
+__all__ = ["MPIEngine"]
 
 _IN_PLACE = MPI.IN_PLACE
 _ANY_SOURCE = MPI.ANY_SOURCE
@@ -52,10 +52,6 @@ def _unpack_into(outputs: list, buf: np.ndarray) -> None:
         pos += o.size
 
 
-def _contig(a: np.ndarray) -> np.ndarray:
-    return a if a.flags.c_contiguous else np.ascontiguousarray(a)
-
-
 def _recv_buffer(out: np.ndarray, dtype=None) -> np.ndarray:
     """Where MPI writes a result for ``out``: ``out`` itself when it can."""
     if dtype is None and out.flags.c_contiguous:
@@ -63,7 +59,7 @@ def _recv_buffer(out: np.ndarray, dtype=None) -> np.ndarray:
     return np.empty(out.shape, dtype or out.dtype)
 
 
-class MPIBackend(DeviceBackend):
+class MPIEngine(Engine):
     """MPI collectives and point-to-point operations on host (numpy) arrays."""
 
     name = "mpi"
@@ -76,11 +72,11 @@ class MPIBackend(DeviceBackend):
 
     # -- helpers -----------------------------------------------------------------
 
-    def _plan(self, dtype: np.dtype, op, opname: str) -> Plan:
+    def _plan(self, dtype: np.dtype, op, opname: str) -> ReductionPlan:
         return checked_plan(PLANS, dtype, op, opname, self.group)
 
     @staticmethod
-    def _stage(a: np.ndarray, plan: Plan, op, may_modify: bool) -> np.ndarray:
+    def _stage(a: np.ndarray, plan: ReductionPlan, op, may_modify: bool) -> np.ndarray:
         """The buffer MPI reduces: ``a`` itself when possible, else a prepared copy."""
         if plan.upcast is not None:
             buf = a.astype(plan.upcast)
@@ -92,7 +88,7 @@ class MPIBackend(DeviceBackend):
             np.multiply(buf, premul_factor(op), out=buf, casting="unsafe")
         return buf
 
-    def _finisher(self, out: np.ndarray, buf: np.ndarray, plan: Plan):
+    def _finisher(self, out: np.ndarray, buf: np.ndarray, plan: ReductionPlan):
         """What completion does: divide for AVG, copy a staged result back into ``out``."""
         avg = AVERAGE[plan.avg] if plan.avg else None
         if buf is out and avg is None:
@@ -119,7 +115,7 @@ class MPIBackend(DeviceBackend):
             plan = PLANS[op.name][a.dtype]
         except (KeyError, AttributeError):
             plan = None
-        if type(plan) is Plan and plan.simple and a.flags.c_contiguous:
+        if type(plan) is ReductionPlan and plan.simple and a.flags.c_contiguous:
             req = self.comm.Iallreduce(_IN_PLACE, a if plan.view is None else a.view(plan.view),
                                        plan.mpi_op)
             return Work([req], "all_reduce", self.group, [a], keep=a)
@@ -162,7 +158,7 @@ class MPIBackend(DeviceBackend):
             plan = PLANS[op.name][a.dtype]
         except (KeyError, AttributeError):
             plan = None
-        if type(plan) is Plan and plan.simple and a.flags.c_contiguous:
+        if type(plan) is ReductionPlan and plan.simple and a.flags.c_contiguous:
             m = a if plan.view is None else a.view(plan.view)
             if self.rank == root:
                 req = self.comm.Ireduce(_IN_PLACE, m, plan.mpi_op, root)
@@ -183,7 +179,7 @@ class MPIBackend(DeviceBackend):
             plan = PLANS[op.name][a.dtype]
         except (KeyError, AttributeError):
             plan = None
-        if type(plan) is Plan and plan.simple and a.flags.c_contiguous \
+        if type(plan) is ReductionPlan and plan.simple and a.flags.c_contiguous \
                 and out.flags.c_contiguous:
             view = plan.view
             req = self.comm.Ireduce_scatter_block(a if view is None else a.view(view),
@@ -214,13 +210,13 @@ class MPIBackend(DeviceBackend):
             view = MOVE_AS[a.dtype]
             req = self.comm.Ibcast(a if view is None else a.view(view), root)
             return Work([req], "broadcast", self.group, [a], keep=a)
-        buf = _contig(a)
+        buf = contiguous(a)
         req = self.comm.Ibcast(movable(buf), root)
         finish = None if buf is a or self.rank == root else (lambda: np.copyto(a, buf))
         return self._work([req], "broadcast", [a], finish=finish, keep=buf)
 
     def all_gather(self, outputs, a):
-        src = movable(_contig(a))
+        src = movable(contiguous(a))
         counts = [o.size for o in outputs]
         rbuf = np.empty(sum(counts), a.dtype)
         if counts.count(counts[0]) == len(counts):
@@ -238,7 +234,7 @@ class MPIBackend(DeviceBackend):
             else:
                 req = self.comm.Iallgather(a.view(view), out.view(view))
             return Work([req], "all_gather_into_tensor", self.group, [out], keep=(a, out))
-        src = movable(_contig(a))
+        src = movable(contiguous(a))
         rbuf = _recv_buffer(out)
         req = self.comm.Iallgather(src, movable(rbuf))
         finish = None if rbuf is out else (lambda: np.copyto(out, rbuf))
@@ -263,7 +259,7 @@ class MPIBackend(DeviceBackend):
         return self._work([req], "all_gather_coalesced", output_lists, finish=finish, keep=(sbuf, rbuf))
 
     def gather(self, a, outputs, root):
-        src = movable(_contig(a))
+        src = movable(contiguous(a))
         if self.rank != root:
             req = self.comm.Igather(src, None, root)
             return self._work([req], "gather", [], keep=src)
@@ -295,7 +291,7 @@ class MPIBackend(DeviceBackend):
             else:
                 req = self.comm.Ialltoall(a.view(view), out.view(view))
             return Work([req], "all_to_all_single", self.group, [out], keep=(a, out))
-        src = movable(_contig(a))
+        src = movable(contiguous(a))
         rbuf = _recv_buffer(out)
         if input_counts is None:
             req = self.comm.Ialltoall(src, movable(rbuf))
@@ -315,7 +311,7 @@ class MPIBackend(DeviceBackend):
             view = MOVE_AS[a.dtype]
             req = self.comm.Isend(a if view is None else a.view(view), peer, tag)
             return Work([req], "send", self.group, [a], keep=a)
-        buf = movable(_contig(a))
+        buf = movable(contiguous(a))
         return self._work([self.comm.Isend(buf, peer, tag)], "send", [a], keep=buf)
 
     def recv(self, a, peer, tag):

@@ -144,7 +144,7 @@ def _mpi_error(code: int) -> None:
 
 def _shm_all_reduce(shm: Any, raw: memoryview, dtype: np.dtype, op: ReduceOp) -> None:
     """A fused all_reduce_coalesced of the engine's size: its all_reduce on the packed
-    bytes, as HostBackend.all_reduce_coalesced runs it."""
+    bytes, as HostEngine.all_reduce_coalesced runs it."""
     shm.all_reduce(np.frombuffer(raw, dtype), op).wait()
 
 

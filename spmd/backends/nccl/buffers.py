@@ -5,18 +5,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from spmd.core.arrays import bfloat16
+from spmd.core.arrays import bfloat16, contiguous
 
-__all__ = ["bytes_into", "contiguous", "copy_into", "flat_bytes", "typed"]
-
-
-def contiguous(cp, a):
-    """``a`` itself when C-contiguous, else a contiguous copy."""
-    if a.flags.c_contiguous:
-        return a
-    if bfloat16 is not None and a.dtype == bfloat16:
-        return cp.ascontiguousarray(a.view(np.uint16)).view(bfloat16)
-    return cp.ascontiguousarray(a)
+__all__ = ["bytes_into", "copy_into", "flat_bytes", "typed"]
 
 
 def _bits(a):
@@ -35,7 +26,7 @@ def copy_into(cp, out, src) -> None:
 
 def flat_bytes(cp, a):
     """A contiguous array's bytes (a copy only when ``a`` is not contiguous)."""
-    return contiguous(cp, a).reshape(-1).view(np.uint8)
+    return contiguous(a, cp).reshape(-1).view(np.uint8)
 
 
 def typed(buf_u8, like):

@@ -23,8 +23,9 @@ from spmd.core.bootstrap import broadcast_value, check_distinct_gpus
 from spmd.core.context import GroupContext
 from spmd.core.errors import DistBackendError, GroupBrokenError, located
 from spmd.core.flight_recorder import recorder
+from spmd.core.timeouts import to_seconds
 from spmd.core.wait import wait_until
-from spmd.core.work import Work, seconds_of
+from spmd.core.work import Work
 
 __all__ = ["NOCOLOR", "SPLIT_VERSION", "Communicator", "Launch", "NcclWork", "can_split"]
 
@@ -375,7 +376,7 @@ class NcclWork(Work):
 
     def synchronize(self, timeout=None) -> None:
         """Block the host until the operation has completed on the GPU."""
-        seconds = self._group.timeout if timeout is None else seconds_of(timeout)
+        seconds = self._group.timeout if timeout is None else to_seconds(timeout, "Work.wait")
         if not self._done:
             self._owner.host_wait(self, seconds)
             self._complete()

@@ -24,8 +24,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from spmd.backends.base import DeviceBackend, P2PItem
-from spmd.backends.nccl.buffers import bytes_into, contiguous, copy_into, flat_bytes, typed
+from spmd.backends.base import Engine, P2PItem
+from spmd.backends.nccl.buffers import bytes_into, copy_into, flat_bytes, typed
 from spmd.backends.nccl.communicator import NOCOLOR, Communicator, NcclWork
 from spmd.backends.nccl.plans import (
     INT_MAX,
@@ -39,16 +39,17 @@ from spmd.backends.nccl.plans import (
     runtime_version,
 )
 from spmd.backends.nccl.uniqueid import uid_for_cupy, uid_to_bytes
-from spmd.backends.reduction import checked_plan, premul_factor
+from spmd.backends.reduction import AVERAGE, checked_plan, premul_factor
 from spmd.backends.registry import Backend as BackendName
 from spmd.core import cuda as _gpu
+from spmd.core.arrays import contiguous
 from spmd.core.context import GroupContext
 from spmd.core.errors import located
 
-__all__ = ["NCCL_TYPES", "NCCLBackend", "NcclWork", "plan_for", "uid_for_cupy", "uid_to_bytes"]
+__all__ = ["NCCL_TYPES", "NCCLEngine", "NcclWork", "plan_for", "uid_for_cupy", "uid_to_bytes"]
 
 
-class NCCLBackend(DeviceBackend):
+class NCCLEngine(Engine):
     """NCCL collectives and point-to-point operations on cupy arrays: what each operation
     enqueues.  Where and when it runs (the communicator, its stream, the operations in
     flight, the abort) is ``self.communicator``'s."""
@@ -120,20 +121,12 @@ class NCCLBackend(DeviceBackend):
             buf = cp.array(a, order="C")
             cp.multiply(buf, premul_factor(op), out=buf, casting="unsafe")
             return buf
-        return contiguous(cp, a)
+        return contiguous(a, cp)
 
     def _divide(self, buf, divide) -> None:
         if divide is None or not buf.size:
             return
-        n = self.group.size
-        if divide == "float":
-            buf /= n
-        elif divide == "uint":
-            buf //= n
-        else:  # truncate toward zero, as NCCL and the MPI backend do
-            fix = (buf < 0) & (buf % n != 0)
-            buf //= n
-            buf += fix
+        AVERAGE[divide](buf, self.group.size)
 
     # -- reductions --------------------------------------------------------------------
 
@@ -243,7 +236,7 @@ class NCCLBackend(DeviceBackend):
                           "13.4 or later can", self.group)
         launch = nc.launch("broadcast")
         with launch as (comm, s):
-            buf = contiguous(cp, a)
+            buf = contiguous(a, cp)
             if a.nbytes:
                 comm.broadcast(buf.data.ptr, buf.data.ptr, count, getattr(self._nccl, unit),
                                root, s)
@@ -255,7 +248,7 @@ class NCCLBackend(DeviceBackend):
         cp, nc, u8 = self._cp, self.communicator, self._nccl.NCCL_UINT8
         launch = nc.launch("all_gather_into_tensor")
         with launch as (comm, s):
-            src = contiguous(cp, a)
+            src = contiguous(a, cp)
             dst = out if out.flags.c_contiguous else cp.empty(out.shape, out.dtype)
             if a.nbytes:
                 comm.allGather(src.data.ptr, dst.data.ptr, a.nbytes, u8, s)

@@ -64,6 +64,7 @@ from spmd.backends.shm.thresholds import (
 )
 from spmd.backends.shm.window import NodeWindow, nap, open_window
 from spmd.core import wait as _wait
+from spmd.core.arrays import contiguous
 from spmd.core.wait import wait_until
 from spmd.core.work import Work
 
@@ -93,7 +94,7 @@ def _cuts(count: int, parts: int, step: int) -> list[int]:
 
 def _flat(a: np.ndarray) -> np.ndarray:
     """A contiguous 1-D array with ``a``'s items: a view when ``a`` is contiguous."""
-    return a.reshape(-1) if a.flags.c_contiguous else np.ascontiguousarray(a).reshape(-1)
+    return contiguous(a).reshape(-1)
 
 
 def _same_start(x: np.ndarray, y: np.ndarray) -> bool:

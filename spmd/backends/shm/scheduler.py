@@ -18,7 +18,8 @@ from spmd.backends.shm.window import NodeWindow, nap
 from spmd.core import wait as _wait
 from spmd.core.context import GroupContext
 from spmd.core.errors import GroupBrokenError
-from spmd.core.work import Work, seconds_of
+from spmd.core.timeouts import to_seconds
+from spmd.core.work import Work
 
 __all__ = ["Scheduler", "ShmWork", "Task"]
 
@@ -58,7 +59,7 @@ class ShmWork(Work):
 
     def wait(self, timeout=None) -> bool:
         if not self._done and not self._test():
-            self._poll(self._group.timeout if timeout is None else seconds_of(timeout))
+            self._poll(self._group.timeout if timeout is None else to_seconds(timeout, "Work.wait"))
         return super().wait(timeout)
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 from typing import NamedTuple
 
-from spmd.backends.base import DeviceBackend
+from spmd.backends.base import Engine
 
 __all__ = ["ACROSS_NODES", "ACROSS_NODES_FORCED", "ALIGN", "AUTO_FROM",
            "AUTO_FROM_OVERSUBSCRIBED", "FORCED", "NEVER", "NOTHING", "ONE_SHOT_READ", "SHM_ENV",
@@ -107,7 +107,7 @@ def shm_mode(environ=None) -> str:
                          "faster than MPI) or force (at every size)") from None
 
 
-def status(host: DeviceBackend) -> str:
+def status(host: Engine) -> str:
     """What the engine does for the group of the host engine ``host`` (WORLD's in
     ``spmd info``); every member calls it."""
     host = getattr(host, "inner", host)  # the engine the debug mode's wrapper checks

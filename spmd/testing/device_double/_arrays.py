@@ -73,6 +73,9 @@ class DeviceArray:
     strides = property(lambda self: self._h.strides)
     flags = property(lambda self: self._h.flags)
     T = property(lambda self: DeviceArray(self._h.T))
+    # Views, as CuPy's are: an in-place operation on one changes the array.
+    real = property(lambda self: DeviceArray(self._h.real))
+    imag = property(lambda self: DeviceArray(self._h.imag))
 
     @property
     def data(self) -> _Pointer:
