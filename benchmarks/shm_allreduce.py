@@ -50,7 +50,7 @@ def _group(mode: str, one_shot_max=None):
     os.environ[SHM_ENV] = mode
     pg = spmd.new_group(list(range(spmd.get_world_size())))
     spmd.barrier(group=pg)  # makes the group's backend, which reads SPMD_SHM
-    engine = pg._backend_for("cpu").shm
+    engine = pg.engine_for("cpu").shm
     if one_shot_max is not None:
         engine.one_shot_max = one_shot_max
     return pg

@@ -85,6 +85,12 @@ class _Recorder:
         self._cm = cm
         self.backend = backend
 
+    def run(self, op: str, async_op: bool, *args):
+        """What the public ops call (:meth:`spmd.backends.base.Engine.run`): the op is
+        recorded; a blocking call returns at once (the batch runs when the block ends)."""
+        pending = getattr(self, op)(*args)
+        return pending if async_op else None
+
     def all_reduce(self, a, op):
         return self._cm._record("all_reduce", a, None, op)
 

@@ -16,8 +16,6 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from spmd.backends.host import HostEngine
-from spmd.backends.mpi.fastcall import function
 from spmd.core.arrays import (
     array_in,
     array_list,
@@ -56,18 +54,6 @@ _ndarray = np.ndarray  # the exact type the host paths take (a global: one looku
 
 _SUM = ReduceOp.SUM
 
-# The compiled call path of each op (None when it is off); it returns False for a call
-# it does not take.
-_c_broadcast = function("broadcast")
-_c_all_reduce = function("all_reduce")
-_c_all_reduce_coalesced = function("all_reduce_coalesced")
-_c_reduce = function("reduce")
-_c_all_gather_into_tensor = function("all_gather_into_tensor")
-_c_reduce_scatter_tensor = function("reduce_scatter_tensor")
-_c_all_to_all_single = function("all_to_all_single")
-_c_barrier = function("barrier")
-
-
 def array_device(a) -> str:
     """The device of an array the argument checks returned (never None for one)."""
     if type(a) is _ndarray:
@@ -75,13 +61,6 @@ def array_device(a) -> str:
     dev = device_of(a)
     assert dev is not None  # the checks return arrays only
     return dev
-
-
-def _done(work: Work, async_op: bool) -> Work | None:
-    if async_op:
-        return work
-    work.wait()
-    return None
 
 
 def group_rank_of(pg: ProcessGroup, op: str, rank, group_rank, arg: str) -> int | None:
@@ -115,7 +94,7 @@ def root_rank(pg: ProcessGroup, op: str, root, group_root, arg: str, default: in
     ``default`` where torch has one (gather, scatter and the object collectives use
     global rank 0)."""
     if group_root is None and type(root) is int:  # the common case: one lookup
-        r = pg.context.group_rank(root)
+        r = pg.context.index.get(root, -1)
         if r >= 0:
             return r
     if root is None and group_root is None:
@@ -172,42 +151,22 @@ def _one_per_rank(xs, ref, op: str, arg: str, ref_arg: str, out: bool,
 def broadcast(tensor: Array, src: int | None = None, group: GroupArg = None,
               async_op: bool = False, group_src: int | None = None) -> Work | None:
     """Copy ``tensor`` from rank ``src`` into ``tensor`` on every rank of the group."""
-    if _c_broadcast is not None and _c_broadcast(tensor, src, group, async_op, group_src):
-        return None
     pg = resolve(group, "broadcast")
     if pg is None:
         return None
     root = root_rank(pg, "broadcast", src, group_src, "src")
-    if not async_op and type(tensor) is _ndarray:
-        host = pg._engines.get("cpu")
-        if type(host) is HostEngine and host.blocking.broadcast(tensor, root):
-            return None
     a = array_out(tensor, "broadcast", "tensor", pg.context)
-    work = pg.engine_for("cpu" if type(a) is _ndarray else array_device(a)).broadcast(a, root)
-    if async_op:
-        return work
-    work.wait()
-    return None
+    return pg.engine_for("cpu" if type(a) is _ndarray else array_device(a)).run("broadcast", async_op, a, root)
 
 
 def all_reduce(tensor: Array, op: ReduceOp = _SUM, group: GroupArg = None,
                async_op: bool = False) -> Work | None:
     """Reduce ``tensor`` across the group with ``op``; every rank gets the result in place."""
-    if _c_all_reduce is not None and _c_all_reduce(tensor, op, group, async_op):
-        return None
     pg = resolve(group, "all_reduce")
     if pg is None:
         return None
-    if not async_op and type(tensor) is _ndarray:
-        host = pg._engines.get("cpu")
-        if type(host) is HostEngine and host.blocking.all_reduce(tensor, op):
-            return None
     a = array_out(tensor, "all_reduce", "tensor", pg.context)
-    work = pg.engine_for("cpu" if type(a) is _ndarray else array_device(a)).all_reduce(a, op)
-    if async_op:
-        return work
-    work.wait()
-    return None
+    return pg.engine_for("cpu" if type(a) is _ndarray else array_device(a)).run("all_reduce", async_op, a, op)
 
 
 def all_reduce_coalesced(tensors: Sequence[Array], op: ReduceOp = _SUM, group: GroupArg = None,
@@ -216,9 +175,6 @@ def all_reduce_coalesced(tensors: Sequence[Array], op: ReduceOp = _SUM, group: G
 
     With ``async_op=True`` it returns a Future (as torch does) whose value is ``tensors``.
     """
-    if _c_all_reduce_coalesced is not None \
-            and _c_all_reduce_coalesced(tensors, op, group, async_op):
-        return None
     pg = resolve(group, "all_reduce_coalesced")
     if pg is None:
         return None
@@ -226,33 +182,20 @@ def all_reduce_coalesced(tensors: Sequence[Array], op: ReduceOp = _SUM, group: G
     arrays = array_list(tensors, "all_reduce_coalesced", "tensors", pg.context, None, out=True)
     if not arrays:
         raise located(ValueError, "all_reduce_coalesced", "tensors is empty", pg.context)
-    work = pg.engine_for(dev).all_reduce_coalesced(arrays, op)
+    work = pg.engine_for(dev).run("all_reduce_coalesced", async_op, arrays, op)
     # torch returns the Future here, not the Work: its value is the list of arrays.
-    if async_op:
-        return work.get_future()
-    work.wait()
-    return None
+    return work.get_future() if async_op else None
 
 
 def reduce(tensor: Array, dst: int | None = None, op: ReduceOp = _SUM, group: GroupArg = None,
            async_op: bool = False, group_dst: int | None = None) -> Work | None:
     """Reduce ``tensor`` across the group into ``tensor`` on rank ``dst`` only."""
-    if _c_reduce is not None and _c_reduce(tensor, dst, op, group, async_op, group_dst):
-        return None
     pg = resolve(group, "reduce")
     if pg is None:
         return None
     root = root_rank(pg, "reduce", dst, group_dst, "dst")
-    if not async_op and type(tensor) is _ndarray:
-        host = pg._engines.get("cpu")
-        if type(host) is HostEngine and host.blocking.reduce(tensor, root, op, pg.context.rank == root):
-            return None
     a = (array_out if pg.context.rank == root else array_in)(tensor, "reduce", "tensor", pg.context)
-    work = pg.engine_for("cpu" if type(a) is _ndarray else array_device(a)).reduce(a, root, op)
-    if async_op:
-        return work
-    work.wait()
-    return None
+    return pg.engine_for("cpu" if type(a) is _ndarray else array_device(a)).run("reduce", async_op, a, root, op)
 
 
 def all_gather(tensor_list: Sequence[Array], tensor: Array, group: GroupArg = None,
@@ -267,7 +210,7 @@ def all_gather(tensor_list: Sequence[Array], tensor: Array, group: GroupArg = No
     dev = common_device("all_gather", pg.context, ("tensor", tensor), ("tensor_list", tensor_list))
     a = array_in(tensor, "all_gather", "tensor", pg.context)
     outs = _one_per_rank(tensor_list, a, "all_gather", "tensor_list", "tensor", True, pg.context)
-    return _done(pg.engine_for(dev).all_gather(outs, a), async_op)
+    return pg.engine_for(dev).run("all_gather", async_op, outs, a)
 
 
 def all_gather_into_tensor(output_tensor: Array, input_tensor: Array, group: GroupArg = None,
@@ -277,17 +220,9 @@ def all_gather_into_tensor(output_tensor: Array, input_tensor: Array, group: Gro
     The output is the inputs concatenated along dimension 0 (shape ``[n*d0, ...]``) or
     stacked (``[n, d0, ...]``); any shape with ``n`` times the input's elements works.
     """
-    if _c_all_gather_into_tensor is not None \
-            and _c_all_gather_into_tensor(output_tensor, input_tensor, group, async_op):
-        return None
     pg = resolve(group, "all_gather_into_tensor")
     if pg is None:
         return None
-    if not async_op and type(output_tensor) is _ndarray and type(input_tensor) is _ndarray:
-        host = pg._engines.get("cpu")
-        if type(host) is HostEngine and host.blocking.all_gather_into_tensor(output_tensor,
-                                                                              input_tensor):
-            return None
     dev = "cpu" if type(output_tensor) is _ndarray and type(input_tensor) is _ndarray else \
         common_device("all_gather_into_tensor", pg.context, ("output_tensor", output_tensor),
                       ("input_tensor", input_tensor))
@@ -300,7 +235,7 @@ def all_gather_into_tensor(output_tensor: Array, input_tensor: Array, group: Gro
         raise located(ValueError, "all_gather_into_tensor", f"output_tensor has {out.size} "
                       f"elements, expected world_size ({pg.context.size}) x input ({a.size}) = "
                       f"{pg.context.size * a.size}", pg.context)
-    return _done(pg.engine_for(dev).all_gather_into_tensor(out, a), async_op)
+    return pg.engine_for(dev).run("all_gather_into_tensor", async_op, out, a)
 
 
 def all_gather_coalesced(output_tensor_lists: Sequence[Sequence[Array]],
@@ -334,12 +269,9 @@ def all_gather_coalesced(output_tensor_lists: Sequence[Sequence[Array]],
                               f"{o.size} elements, expected {x.dtype} with {x.size} (like "
                               f"input_tensor_list[{j}])", pg.context)
         outs.append(arrays)
-    work = pg.engine_for(dev).all_gather_coalesced(outs, ins)
+    work = pg.engine_for(dev).run(op, async_op, outs, ins)
     # torch returns the Future here: its value is output_tensor_lists.
-    if async_op:
-        return work.get_future()
-    work.wait()
-    return None
+    return work.get_future() if async_op else None
 
 
 def gather(tensor: Array, gather_list: Sequence[Array] | None = None, dst: int | None = None,
@@ -358,7 +290,7 @@ def gather(tensor: Array, gather_list: Sequence[Array] | None = None, dst: int |
     a = array_in(tensor, "gather", "tensor", pg.context)
     outs = _root_list(gather_list, a, pg.context.rank == root, "gather", "gather_list", "destination",
                       True, pg)
-    return _done(pg.engine_for(dev).gather(a, outs, root), async_op)
+    return pg.engine_for(dev).run("gather", async_op, a, outs, root)
 
 
 def scatter(tensor: Array, scatter_list: Sequence[Array] | None = None, src: int | None = None,
@@ -377,7 +309,7 @@ def scatter(tensor: Array, scatter_list: Sequence[Array] | None = None, src: int
     out = array_out(tensor, "scatter", "tensor", pg.context)
     ins = _root_list(scatter_list, out, pg.context.rank == root, "scatter", "scatter_list", "source",
                      False, pg)
-    return _done(pg.engine_for(dev).scatter(out, ins, root), async_op)
+    return pg.engine_for(dev).run("scatter", async_op, out, ins, root)
 
 
 def reduce_scatter(output: Array, input_list: Sequence[Array], op: ReduceOp = _SUM,
@@ -393,23 +325,16 @@ def reduce_scatter(output: Array, input_list: Sequence[Array], op: ReduceOp = _S
     dev = common_device("reduce_scatter", pg.context, ("output", output), ("input_list", input_list))
     out = array_out(output, "reduce_scatter", "output", pg.context)
     ins = _one_per_rank(input_list, out, "reduce_scatter", "input_list", "output", False, pg.context)
-    return _done(pg.engine_for(dev).reduce_scatter(out, ins, op), async_op)
+    return pg.engine_for(dev).run("reduce_scatter", async_op, out, ins, op)
 
 
 def reduce_scatter_tensor(output: Array, input: Array, op: ReduceOp = _SUM,  # noqa: A002
                           group: GroupArg = None, async_op: bool = False) -> Work | None:
     """Reduce ``input`` across the group and scatter it: group rank i gets the i-th of
     ``n`` equal chunks (along dimension 0) in ``output``."""
-    if _c_reduce_scatter_tensor is not None \
-            and _c_reduce_scatter_tensor(output, input, op, group, async_op):
-        return None
     pg = resolve(group, "reduce_scatter_tensor")
     if pg is None:
         return None
-    if not async_op and type(output) is _ndarray and type(input) is _ndarray:
-        host = pg._engines.get("cpu")
-        if type(host) is HostEngine and host.blocking.reduce_scatter_tensor(output, input, op):
-            return None
     dev = "cpu" if type(output) is _ndarray and type(input) is _ndarray else \
         common_device("reduce_scatter_tensor", pg.context, ("output", output), ("input", input))
     out = array_out(output, "reduce_scatter_tensor", "output", pg.context)
@@ -421,7 +346,7 @@ def reduce_scatter_tensor(output: Array, input: Array, op: ReduceOp = _SUM,  # n
         raise located(ValueError, "reduce_scatter_tensor", f"input has {a.size} elements, "
                       f"expected world_size ({pg.context.size}) x output ({out.size}) = "
                       f"{pg.context.size * out.size}", pg.context)
-    return _done(pg.engine_for(dev).reduce_scatter_tensor(out, a, op), async_op)
+    return pg.engine_for(dev).run("reduce_scatter_tensor", async_op, out, a, op)
 
 
 def all_to_all(output_tensor_list: Sequence[Array], input_tensor_list: Sequence[Array],
@@ -441,7 +366,7 @@ def all_to_all(output_tensor_list: Sequence[Array], input_tensor_list: Sequence[
         raise located(ValueError, "all_to_all", f"input_tensor_list[{pg.context.rank}] has "
                       f"{ins[pg.context.rank].size} elements but output_tensor_list[{pg.context.rank}] has "
                       f"{outs[pg.context.rank].size}; this rank sends the one to itself into the other", pg.context)
-    return _done(pg.engine_for(dev).all_to_all(outs, ins), async_op)
+    return pg.engine_for(dev).run("all_to_all", async_op, outs, ins)
 
 
 def all_to_all_single(output: Array, input: Array,  # noqa: A002
@@ -455,18 +380,10 @@ def all_to_all_single(output: Array, input: Array,  # noqa: A002
     divisible by the group size); with them, ``input_split_sizes[i]`` rows go to rank i
     and ``output_split_sizes[i]`` rows come from it.
     """
-    if _c_all_to_all_single is not None and _c_all_to_all_single(
-            output, input, output_split_sizes, input_split_sizes, group, async_op):
-        return None
     op = "all_to_all_single"
     pg = resolve(group, op)
     if pg is None:
         return None
-    if not async_op and output_split_sizes is None and input_split_sizes is None \
-            and type(output) is _ndarray and type(input) is _ndarray:
-        host = pg._engines.get("cpu")
-        if type(host) is HostEngine and host.blocking.all_to_all_single(output, input):
-            return None
     dev = "cpu" if type(output) is _ndarray and type(input) is _ndarray else \
         common_device(op, pg.context, ("output", output), ("input", input))
     a = array_in(input, op, "input", pg.context)
@@ -508,7 +425,7 @@ def all_to_all_single(output: Array, input: Array,  # noqa: A002
             raise located(ValueError, op, f"input_split_sizes[{pg.context.rank}] "
                           f"({input_split_sizes[pg.context.rank]}) != output_split_sizes[{pg.context.rank}] "
                           f"({output_split_sizes[pg.context.rank]}): this rank sends that piece to itself", pg.context)
-    return _done(pg.engine_for(dev).all_to_all_single(out, a, out_counts, in_counts), async_op)
+    return pg.engine_for(dev).run(op, async_op, out, a, out_counts, in_counts)
 
 
 def _row_size(a) -> int:
@@ -539,16 +456,13 @@ def barrier(group: GroupArg = None, async_op: bool = False,
     Args:
         timeout: how long to wait (the group's timeout if None).
     """
-    if _c_barrier is not None and _c_barrier(group, async_op, device_ids, timeout):
-        return None
     pg = resolve(group, "barrier")
     if pg is None:
         return None
-    if not async_op and timeout is None and not device_ids:
-        host = pg._engines.get("cpu")
-        if type(host) is HostEngine and host.blocking.barrier():
-            return None
-    work = pg.engine_for(_barrier_device(pg, device_ids)).barrier()
+    engine = pg.engine_for(_barrier_device(pg, device_ids))
+    if timeout is None:
+        return engine.run("barrier", async_op)
+    work = engine.run("barrier", True)   # a wait of its own length
     if async_op:
         return work
     work.wait(timeout)

@@ -5,13 +5,10 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Literal, overload
 
-import numpy as np
 from mpi4py import MPI
 
 from spmd.api.collectives import array_device, group_rank_of
 from spmd.backends.base import P2PItem
-from spmd.backends.host import HostEngine
-from spmd.backends.mpi.fastcall import function
 from spmd.core.arrays import array_in, array_out
 from spmd.core.context import GroupContext
 from spmd.core.errors import located
@@ -21,9 +18,6 @@ from spmd.runtime.group import GroupArg, ProcessGroup, resolve
 
 __all__ = ["send", "recv", "isend", "irecv", "P2POp", "batch_isend_irecv"]
 
-_ndarray = np.ndarray  # the exact type the host paths take (a global: one lookup)
-
-
 def _tag_ub() -> int:
     ub = MPI.COMM_WORLD.Get_attr(MPI.TAG_UB)
     assert ub is not None  # MPI defines TAG_UB on every communicator
@@ -32,11 +26,6 @@ def _tag_ub() -> int:
 
 # The largest tag is kept for spmd's own object messages (send_object_list).
 OBJECT_TAG = _tag_ub()
-
-
-# The compiled call path (None when it is off); False: a call it does not take.
-_c_send = function("send")
-_c_recv = function("recv")
 
 
 def check_tag(tag, op: str, ctx: GroupContext) -> int:
@@ -79,7 +68,7 @@ def isend(tensor: Array, dst: int | None = None, group: GroupArg = None, tag: in
         return None
     peer = peer_rank(pg, "isend", dst, group_dst, "dst")
     a = array_in(tensor, "isend", "tensor", pg.context)
-    return pg.engine_for(array_device(a)).send(a, peer, check_tag(tag, "isend", pg.context))
+    return pg.engine_for(array_device(a)).run("send", True, a, peer, check_tag(tag, "isend", pg.context))
 
 
 def irecv(tensor: Array, src: int | None = None, group: GroupArg = None, tag: int = 0,
@@ -91,26 +80,19 @@ def irecv(tensor: Array, src: int | None = None, group: GroupArg = None, tag: in
         return None
     peer = peer_rank(pg, "irecv", src, group_src, "src", any_source=True)
     a = array_out(tensor, "irecv", "tensor", pg.context)
-    return pg.engine_for(array_device(a)).recv(a, peer, check_tag(tag, "irecv", pg.context))
+    return pg.engine_for(array_device(a)).run("recv", True, a, peer, check_tag(tag, "irecv", pg.context))
 
 
 def send(tensor: Array, dst: int | None = None, group: GroupArg = None, tag: int = 0,
          group_dst: int | None = None) -> None:
     """Send ``tensor`` to rank ``dst`` and wait until the buffer can be reused."""
-    if _c_send is not None and _c_send(tensor, dst, group, tag, group_dst):
-        return None
     pg = resolve(group, "send")
     if pg is None:
         return None
     peer = peer_rank(pg, "send", dst, group_dst, "dst")
     tag = check_tag(tag, "send", pg.context)
-    if type(tensor) is _ndarray:
-        host = pg._engines.get("cpu")
-        if type(host) is HostEngine and host.blocking.send(tensor, peer, tag):
-            return None
     a = array_in(tensor, "send", "tensor", pg.context)
-    pg.engine_for(array_device(a)).send(a, peer, tag).wait()
-    return None
+    return pg.engine_for(array_device(a)).run("send", False, a, peer, tag)
 
 
 def recv(tensor: Array, src: int | None = None, group: GroupArg = None, tag: int = 0,
@@ -120,22 +102,17 @@ def recv(tensor: Array, src: int | None = None, group: GroupArg = None, tag: int
     Returns:
         The global rank of the sender (-1 on a rank outside ``group``).
     """
-    if _c_recv is not None:
-        sender = _c_recv(tensor, src, group, tag, group_src)
-        if sender is not False:
-            return sender
     pg = resolve(group, "recv")
     if pg is None:
         return -1
     peer = peer_rank(pg, "recv", src, group_src, "src", any_source=True)
     tag = check_tag(tag, "recv", pg.context)
-    if peer is not None and type(tensor) is _ndarray:
-        host = pg._engines.get("cpu")
-        if type(host) is HostEngine and host.blocking.recv(tensor, peer, tag):
-            return pg.context.global_rank(peer)
     a = array_out(tensor, "recv", "tensor", pg.context)
-    work = pg.engine_for(array_device(a)).recv(a, peer, tag)
-    return work.source_rank()
+    engine = pg.engine_for(array_device(a))
+    if peer is None:   # from any source: the Work says who sent it
+        return engine.run("recv", True, a, peer, tag).source_rank()
+    engine.run("recv", False, a, peer, tag)
+    return pg.context.global_rank(peer)
 
 
 class P2POp:

@@ -52,6 +52,17 @@ class Engine:
     def __init__(self, group: GroupContext):
         self.group = group
 
+    def run(self, op: str, async_op: bool, *args: Any) -> Any:
+        """Run ``op`` (a name of the op table) on validated ``args``: the one entry of the
+        public ops.  Returns the Work with ``async_op``, else None once the op has
+        completed.  An engine with a faster way to run a blocking call (the host
+        engine's compiled path) overrides it."""
+        work = getattr(self, op)(*args)
+        if async_op:
+            return work
+        work.wait()
+        return None
+
     def shutdown(self) -> None:
         """Release what the engine holds; the group's communicator is freed by the group."""
 

@@ -7,12 +7,12 @@ the MPI engine's methods at construction, so they cost no extra call.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from spmd.backends.base import Engine
-from spmd.backends.mpi.blocking import BlockingHost
 from spmd.backends.mpi.engine import MPIEngine
-from spmd.backends.mpi.fastcall import comm_of
+from spmd.backends.mpi.fastcall import COMPILED_OPS, comm_of
 from spmd.backends.reduction import simple_plan
 from spmd.backends.shm.engine import engine_for
 from spmd.core.context import GroupContext
@@ -52,13 +52,29 @@ class HostEngine(Engine):
         self.mpi = MPIEngine(group)
         # The engine falls back to MPI for a call its window cannot take.
         self.shm = engine_for(self.mpi)
-        # Blocking calls of the common case skip the Work (collectives try it first).
-        self.blocking = BlockingHost(group, self.mpi.comm, self.shm)
-        # ... and the compiled call path before that (None when it is off).
+        # The compiled call path (None when it is off): blocking calls of the common
+        # case without the Python, and without a Work.
         self.fast = comm_of(group, self.mpi.comm, self.shm)
+        self.compiled: dict[str, Callable[..., bool]] = {} if self.fast is None else \
+            {op: getattr(self.fast, op) for op in COMPILED_OPS}
         for name in (*ENGINE_OPS, "batch_p2p"):
             if self.shm is None or name not in _DISPATCHED:
                 setattr(self, name, getattr(self.mpi, name))
+
+    def run(self, op: str, async_op: bool, *args: Any) -> Any:
+        """A blocking call the compiled path takes runs there (it declines, having done
+        nothing, any other: a view, a dtype or reduce op MPI cannot apply itself, a size
+        the shared-memory engine takes, an observer that needs a Work); every other call
+        goes to this engine's method and its Work."""
+        if not async_op:
+            compiled = self.compiled.get(op)
+            if compiled is not None and compiled(*args):
+                return None
+        work = getattr(self, op)(*args)
+        if async_op:
+            return work
+        work.wait()
+        return None
 
     def shutdown(self) -> None:
         if self.shm is not None:

@@ -10,7 +10,6 @@ from typing import Any, TypeAlias
 from mpi4py import MPI
 
 from spmd.backends.checked import free_check_comm
-from spmd.backends.host import HostEngine
 from spmd.backends.mpi import fastcall
 from spmd.backends.registry import Backend, make_engine
 from spmd.core.context import GroupContext
@@ -94,18 +93,10 @@ class ProcessGroup:
 
     def set_engine(self, device: str, engine: Any) -> None:
         """Make ``engine`` the group's engine for ``device`` (coalescing_manager puts its
-        recorder in place for a block, then the engine back).  The compiled call path
-        takes the group's calls only while its host engine is the plain one (debug mode
-        and coalescing_manager wrap it)."""
+        recorder in place for a block, then the engine back)."""
         self._engines[device] = engine
-        if device == "cpu":
-            if type(engine) is HostEngine:
-                fastcall.register(self, engine.fast)
-            else:
-                fastcall.unregister(self)
 
     def _free(self) -> None:
-        fastcall.unregister(self)
         for backend in self._engines.values():
             backend.shutdown()
         self._engines.clear()
@@ -158,8 +149,7 @@ class WorldState:
 world_state = WorldState()
 NON_GROUP_MEMBER = GroupMember.NON_GROUP_MEMBER
 
-# The compiled call path: bound once; groups register with it as their host engine is
-# made (ProcessGroup.engine_for), the default group when init sets it.
+# The compiled call path: bound once; each group's host engine makes its FastComm.
 fastcall.bind()
 
 

@@ -9,7 +9,6 @@ from datetime import timedelta
 from mpi4py import MPI
 
 from spmd.backends import registry
-from spmd.backends.mpi import fastcall
 from spmd.backends.registry import Backend, register_backend
 from spmd.core import cuda as _gpu
 from spmd.core import wait as _wait
@@ -201,7 +200,6 @@ def init_process_group(backend: str | None = None, init_method: str | None = Non
         comm.Free()
         raise
     world_state.world = pg
-    fastcall.set_default(pg)
     world_state.groups = [pg]
     GroupMember.WORLD = pg
     supervision.start(pg, reliability)
@@ -224,7 +222,6 @@ def destroy_process_group(group: GroupArg = None) -> None:
             pg._free()
         world_state.groups = []
         world_state.world = None
-        fastcall.set_default(None)
         world_state.store = None
         _gpu.bind_device_id(None)
         GroupMember.WORLD = None

@@ -421,7 +421,7 @@ def _fusion(spmd, comm, cfg) -> list[dict]:
 
     impls = {"spmd all_reduce x N": separate, "mpi4py Allreduce x N": raw_separate,
              "spmd all_reduce_coalesced": coalesced, "spmd coalescing_manager": manager}
-    plan = spmd.api.persistent.all_reduce_coalesced(arrays) if "spmd-persistent" in cfg.impls else None
+    plan = spmd.persistent.all_reduce_coalesced(arrays) if "spmd-persistent" in cfg.impls else None
     if plan is not None:  # the training loop's case: the same arrays fused every step
         impls["spmd persistent all_reduce_coalesced"] = lambda: plan.start().wait()
     small = SimpleNamespace(**vars(cfg))
@@ -457,7 +457,7 @@ def _environment(comm, torch_, torch_note, cfg) -> dict:
             "mpi_standard": "{}.{}".format(*MPI.Get_version()), "mpi4py": mpi4py.__version__,
             "numpy": np.__version__, "spmd": spmd.__version__, "python": platform.python_version(),
             "torch": torch_.version if torch_ else None, "torch_note": torch_note,
-            "persistent_native": spmd.api.persistent.available(), "quick": cfg.quick,
+            "persistent_native": spmd.persistent.available(), "quick": cfg.quick,
             "call_path": "compiled" if fastcall.compiled is not None else
             f"Python ({fastcall.reason})",
             "date": time.strftime("%Y-%m-%d %H:%M:%S")}

@@ -214,41 +214,28 @@ def test_other_threads_run_while_a_call_waits(dist):
 
 
 @pytest.mark.mpi
-def test_coalescing_manager_and_unregistered_groups_take_the_python_path(dist):
-    """Calls the compiled path must decline: inside coalescing_manager (the group's
-    host backend is wrapped), and on a group no FastComm is registered for (the
-    default group included); results still exact."""
+def test_coalescing_manager_takes_the_python_path(dist):
+    """Calls inside coalescing_manager never reach the compiled path (the block's
+    recorder stands in for the group's engine): results exact, no call counted on the
+    group's FastComm."""
     n = dist.get_world_size()
+    fast = dist.GroupMember.WORLD.engine_for("cpu").fast
+    before = fast.taken if fast is not None else 0
     arrays = [np.full(3, float(k)) for k in range(4)]
     with dist.coalescing_manager():
         for a in arrays:
             dist.all_reduce(a)
     for k, a in enumerate(arrays):
         np.testing.assert_array_equal(a, k * n)
-    if fastcall.compiled is None:
-        return
-    world = dist.GroupMember.WORLD
-    barrier = fastcall.compiled.barrier   # (an op the shared-memory engine never takes)
-    assert barrier(None, False, None, None) is True
-    fastcall.unregister(world)
-    fastcall.set_default(None)
-    try:
-        for group in (None, world, object(), [1]):   # (an unhashable one too)
-            assert barrier(group, False, None, None) is False
-        x = np.ones(2)
-        dist.all_reduce(x)    # the Python path
-        np.testing.assert_array_equal(x, n)
-    finally:
-        fastcall.register(world, world._engines["cpu"].fast)
-        fastcall.set_default(world)
-    assert barrier(None, False, None, None) is True
+    if fast is not None:
+        assert fast.taken == before
 
 
 @pytest.mark.mpi
 def test_group_state_is_pushed_to_the_compiled_path(dist, fresh):
     """The compiled path reads no attribute of spmd's objects: what it needs is pushed.
-    A new group registers as its host engine is made; its timeout, ranks and sequence
-    counters are the context's; breaking or destroying the group closes it at once."""
+    A group's host engine makes its FastComm; its timeout, ranks and sequence counters
+    are the context's; breaking or destroying the group closes it at once."""
     from spmd.core import flight_recorder as fr
     from spmd.core.errors import GroupBrokenError
 
@@ -256,30 +243,31 @@ def test_group_state_is_pushed_to_the_compiled_path(dist, fresh):
         pytest.skip(f"the compiled path is off: {fastcall.reason}")
     n, me = dist.get_world_size(), dist.get_rank()
     g, h = fresh(), fresh()
-    barrier = fastcall.compiled.barrier   # (an op the shared-memory engine never takes)
+    fast = g.engine_for("cpu").fast
     x = np.full(4, me + 1, np.float32)
-    assert barrier(g, False, None, None) is False  # no engine yet
-    dist.all_reduce(x, group=g)          # makes it (the Python path), which registers it
+    dist.all_reduce(x, group=g, async_op=True).wait()   # a Work: not the compiled path
     np.testing.assert_array_equal(x, n * (n + 1) / 2)
-    fast = g._engines["cpu"].fast
-    assert fast.alive and barrier(g, False, None, None) is True
+    assert fast.alive and fast.taken == 0
+    dist.barrier(group=g)            # (an op the shared-memory engine never takes)
+    assert fast.taken == 1
     # the compiled call counted on the group's own counters, seen by the recorder
     assert fr.counters(g.context) == (2, 0)
     last = [e for e in fr.recorder.entries() if e.group is g.context][-1]
     assert (last.op, last.seq, last.size, last.dtype, last.state()) == \
         ("barrier", 2, None, None, "completed")
-    # broken: closed, and the Python path raises for it on every rank alike
+    # a root or peer out of range, a tag MPI cannot carry: declined, nothing sent
+    assert fast.broadcast(x, n) is False and fast.send(x, me, 0) is False
+    assert fast.recv(x, (me + 1) % n, -1) is False
+    assert fast.taken == 1
+    # broken: closed, and the engine's path raises for it on every rank alike
     g.context.mark_broken("a test broke it")
-    assert not fast.alive
-    assert barrier(g, False, None, None) is False
+    assert not fast.alive and fast.barrier() is False
     with pytest.raises(GroupBrokenError, match="a test broke it"):
-        dist.all_reduce(x, group=g)
-    # destroyed: closed and unregistered
-    dist.all_reduce(x, group=h)
-    fast_h = h._engines["cpu"].fast
+        dist.barrier(group=g)
+    # destroyed: closed
+    fast_h = h.engine_for("cpu").fast
     dist.destroy_process_group(h)
-    assert not fast_h.alive
-    assert barrier(h, False, None, None) is False
+    assert not fast_h.alive and fast_h.barrier() is False
 
 
 @pytest.mark.mpi
@@ -287,18 +275,11 @@ def test_all_reduce_coalesced_fuses_in_one_call(dist, monkeypatch):
     """The compiled all_reduce_coalesced (packs, reduces once, unpacks) gives numpy's
     result; lists it declines (mixed dtypes, a view, over the fusion limit) give the
     same through the Python path."""
-    from spmd.api import collectives
     from spmd.core import packing
 
     n, r = dist.get_world_size(), dist.get_rank()
+    fast = dist.GroupMember.WORLD.engine_for("cpu").fast
     taken = []
-    compiled = collectives._c_all_reduce_coalesced
-    if compiled is not None:
-        def counted(*args):
-            ok = compiled(*args)
-            taken.append(ok)
-            return ok
-        monkeypatch.setattr(collectives, "_c_all_reduce_coalesced", counted)
 
     def value(a, k):
         return np.full(a.shape, k % 2 == 0 if a.dtype == np.bool_ else k + 1, a.dtype)
@@ -310,7 +291,9 @@ def test_all_reduce_coalesced_fuses_in_one_call(dist, monkeypatch):
             if m.shape == (4, 2):     # made a view of a wider array (not contiguous)
                 mine[i] = np.zeros((4, 4), m.dtype)[:, ::2]
                 mine[i][...] = m
+        before = fast.taken if fast is not None else 0
         dist.all_reduce_coalesced(mine, op=op)
+        taken.append(fast is not None and fast.taken == before + 1)
         for got, w in zip(mine, want):
             np.testing.assert_array_equal(got, w)
 
@@ -324,7 +307,7 @@ def test_all_reduce_coalesced_fuses_in_one_call(dist, monkeypatch):
     monkeypatch.setattr(packing, "_bucket_bytes", 16)
     case([np.zeros(3), np.zeros(3), np.zeros(2)])                     # three buckets
     expect += [False, False, False]
-    if compiled is not None:
+    if fast is not None:
         assert taken == expect
     # recorded once per fused call, like the Python path's Work
     from spmd.core import flight_recorder as fr

@@ -1,11 +1,10 @@
 /* The compiled call path of the common blocking ops on host arrays.
  *
- * A blocking collective or send/recv on contiguous numpy arrays, on a plain group,
- * with a reduce op MPI applies itself and a size below the shared-memory engine's
- * thresholds: the same case spmd/backends/mpi/blocking.py takes in Python, taken here
- * without the Python.  Each function returns False, having done nothing, for a call
- * outside that case (the Python path then runs it and raises the errors for bad
- * input); True (recv: the sender's global rank) once the op has completed.
+ * A blocking collective or send/recv on contiguous numpy arrays, with a reduce op MPI
+ * applies itself and a size below the shared-memory engine's thresholds, runs here
+ * without the Python: the MPI call the MPI engine makes for it, then a wait without a
+ * Work.  Each method returns False, having done nothing, for a call outside that case
+ * (the engine's Python path then runs it); True once the op has completed.
  *
  * Nothing here links against MPI.  spmd/backends/mpi/fastcall.py binds the library mpi4py
  * loaded: the addresses of the MPI functions, the handle size of that library's ABI (4
@@ -17,10 +16,12 @@
  * the group's timeout ends in the Python function that raises the same diagnosed
  * DistTimeoutError, signals are checked and the GIL is handed over while waiting.
  *
- * State crosses into C as arguments, never by looking up attribute names: each group's
- * engine makes a FastComm holding what this path needs of the group and pushes every
- * change to it (thresholds, the group broken or destroyed); the group layer registers
- * which FastComm serves which group; the recorder hands over its ring's columns.
+ * The path is the host engine's: the engine (spmd/backends/host.py) calls a FastComm's
+ * method for a blocking op on its group, with the arguments its own method gets (group
+ * ranks, validated arrays).  State crosses into C as arguments, never by looking up
+ * attribute names: the engine makes the FastComm with what this path needs of the group
+ * and pushes every change to it (thresholds, the group broken or destroyed); the
+ * recorder hands over its ring's columns.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -121,8 +122,6 @@ static PyObject *expired;        /* (op, context, number, waited): raises DistTi
 static PyObject *mpi_error;      /* (code): raises mpi4py's MPI.Exception */
 static PyObject *bucket_bytes;   /* (): the fusion limit (spmd.core.packing.get_bucket_bytes) */
 static PyObject *shm_all_reduce; /* (engine, buffer, dtype, op): its all_reduce, waited */
-static PyObject *fast_comms;     /* group -> its FastComm (register/unregister) */
-static PyObject *default_group;  /* what group=None means (set_default) */
 static long tag_ub;
 static int bound;
 
@@ -224,6 +223,7 @@ typedef struct {
     intptr_t comm;
     int rank, size;
     int alive;              /* 0 once the group is broken or destroyed (close()) */
+    unsigned long long taken;   /* calls run here (tests read it: which path ran) */
     int yield;              /* ranks outnumber cores: give the core away while waiting */
     double timeout;         /* seconds */
     PyObject *ctx;          /* the group's context: what Works, the recorder, errors name */
@@ -300,51 +300,7 @@ static PyObject *fastcomm_close(FastComm *self, PyObject *unused) {
     Py_RETURN_NONE;
 }
 
-static PyObject *fastcomm_alive(FastComm *self, void *unused) {
-    return PyBool_FromLong(self->alive);
-}
-
-static PyMethodDef fastcomm_methods[] = {
-    {"set_thresholds", (PyCFunction)fastcomm_set_thresholds, METH_VARARGS,
-     "set_thresholds(all_reduce_from, reduce_from, reduce_scatter_from, broadcast_from, "
-     "all_gather_from, all_gather_to): the shared-memory engine's sizes."},
-    {"close", (PyCFunction)fastcomm_close, METH_NOARGS,
-     "close(): the group is broken or destroyed; this path takes no more of its calls."},
-    {NULL, NULL, 0, NULL},
-};
-
-static PyGetSetDef fastcomm_getset[] = {
-    {"alive", (getter)fastcomm_alive, NULL, "False once close() was called.", NULL},
-    {NULL, NULL, NULL, NULL, NULL},
-};
-
-static PyTypeObject FastCommType = {
-    PyVarObject_HEAD_INIT(NULL, 0)
-    .tp_name = "spmd.backends.mpi._fastcall.FastComm",
-    .tp_doc = "FastComm(comm, rank, size, context, index, op_counters, timeout, "
-              "oversubscribed, shm): what the compiled call path needs of one group.",
-    .tp_basicsize = sizeof(FastComm),
-    .tp_flags = Py_TPFLAGS_DEFAULT,
-    .tp_new = PyType_GenericNew,
-    .tp_init = (initproc)fastcomm_init,
-    .tp_dealloc = (destructor)fastcomm_dealloc,
-    .tp_methods = fastcomm_methods,
-    .tp_getset = fastcomm_getset,
-};
-
 /* -- one call ----------------------------------------------------------------------- */
-
-/* The FastComm serving group (None: the default group) where the call may take this
- * path: registered by the group layer and alive.  NULL if not (borrowed). */
-static FastComm *resolve(PyObject *group) {
-    if (group == Py_None) group = default_group;
-    PyObject *fc = PyDict_GetItemWithError(fast_comms, group);
-    if (fc == NULL) {   /* not registered, or not hashable: the Python path says why */
-        PyErr_Clear();
-        return NULL;
-    }
-    return ((FastComm *)fc)->alive ? (FastComm *)fc : NULL;
-}
 
 /* 1 if only the flight recorder (or nothing) observes Works, 0 if another observer
  * needs a Work; *record set when the recorder is on. */
@@ -538,15 +494,11 @@ static PyObject *complete(int rc, Handle *req, int op, int record_on, FastComm *
     Py_RETURN_TRUE;
 }
 
-static int is_false(PyObject *o) { return o == Py_False || o == Py_None; }
-
-/* The group rank of a root or peer given as a global rank (an exact int), -1 if not. */
-static int group_rank(FastComm *fc, PyObject *global) {
-    if (!PyLong_CheckExact(global)) return -1;
-    PyObject *r = PyDict_GetItemWithError(fc->index, global);
-    long x = r != NULL && PyLong_CheckExact(r) ? PyLong_AsLong(r) : -1;
-    PyErr_Clear();
-    return (int)x;
+/* A group rank given as an exact int in [0, size); -1 if not. */
+static int rank_arg(FastComm *fc, PyObject *r) {
+    long x = PyLong_CheckExact(r) ? PyLong_AsLong(r) : -1;
+    if (x == -1) PyErr_Clear();
+    return x >= 0 && x < fc->size ? (int)x : -1;
 }
 
 static int check_bound(void) {
@@ -564,22 +516,18 @@ typedef struct {
     Py_buffer view[2];
 } Call;
 
-/* The checks every op starts with: the argument count, bind() done, no Work asked for
- * (``declined``: async_op and the like), no observer but the recorder, a group the path
- * takes.  1: go on (release with end_call); 0: decline; -1: error raised. */
-static int start_call(Call *c, const char *op, Py_ssize_t n, Py_ssize_t want,
-                      PyObject *group, int declined) {
+/* The checks every op starts with: the argument count, bind() done, no observer but the
+ * recorder, the group not broken or destroyed.  1: go on (release with end_call); 0:
+ * decline; -1: error raised. */
+static int start_call(Call *c, FastComm *fc, const char *op, Py_ssize_t n, Py_ssize_t want) {
     if (n != want) {
         PyErr_Format(PyExc_TypeError, "%s: expected %zd arguments, got %zd", op, want, n);
         return -1;
     }
     if (!check_bound()) return -1;
     c->nviews = 0;
-    if (declined || !observed_by_recorder(&c->rec)) return 0;
-    c->fc = resolve(group);
-    if (c->fc == NULL) return 0;
-    Py_INCREF(c->fc);   /* the registry may drop it while the GIL is released */
-    return 1;
+    c->fc = fc;
+    return fc->alive && observed_by_recorder(&c->rec);
 }
 
 /* Hold the buffer of a (see array()); 0 if it is not one the path takes. */
@@ -591,62 +539,63 @@ static int hold(Call *c, PyObject *a, int writable, PyObject **dtype) {
 
 static PyObject *end_call(Call *c, PyObject *res) {
     for (int i = 0; i < c->nviews; i++) PyBuffer_Release(&c->view[i]);
-    Py_DECREF(c->fc);
+    if (res == Py_True) c->fc->taken++;
     return res;
 }
 
-#define START(op, want, group, declined)                              \
+#define START(op, want)                                               \
     Call c;                                                           \
-    int go_ = start_call(&c, op, n, want, group, declined);           \
+    int go_ = start_call(&c, self, op, n, want);                      \
     if (go_ < 0) return NULL;                                         \
     if (go_ == 0) Py_RETURN_FALSE
 #define DECLINE return end_call(&c, Py_NewRef(Py_False))
 #define COUNT(v) ((v).len / (v).itemsize)
 #define FITS(v) (COUNT(v) <= INT_MAX)
 
-/* all_reduce(tensor, op, group, async_op) */
-static PyObject *fc_all_reduce(PyObject *m, PyObject *const *a, Py_ssize_t n) {
-    START("all_reduce", 4, a[2], !is_false(a[3]));
+/* all_reduce(tensor, op) */
+static PyObject *fc_all_reduce(FastComm *self, PyObject *const *a, Py_ssize_t n) {
+    START("all_reduce", 2);
     PyObject *dtype;
     intptr_t type, mop;
     if (!hold(&c, a[0], 1, &dtype)) DECLINE;
     Py_buffer *v = &c.view[0];
     if (!reduced_type(a[1], dtype, &type, &mop) || !FITS(*v)
-            || v->len >= c.fc->from[O_ALL_REDUCE]) DECLINE;
+            || v->len >= self->from[O_ALL_REDUCE]) DECLINE;
     Handle req;
-    int rc = c_reduction(FN_IALLREDUCE, in_place, v->buf, (int)COUNT(*v), type, mop, c.fc->comm, &req);
-    return end_call(&c, complete(rc, &req, O_ALL_REDUCE, c.rec, c.fc, &c.view[0], dtype));
+    int rc = c_reduction(FN_IALLREDUCE, in_place, v->buf, (int)COUNT(*v), type, mop, self->comm,
+                         &req);
+    return end_call(&c, complete(rc, &req, O_ALL_REDUCE, c.rec, self, v, dtype));
 }
 
-/* reduce(tensor, dst, op, group, async_op, group_dst) */
-static PyObject *fc_reduce(PyObject *m, PyObject *const *a, Py_ssize_t n) {
-    START("reduce", 6, a[3], !is_false(a[4]) || a[5] != Py_None);
-    int root = group_rank(c.fc, a[1]);
-    int is_root = root == c.fc->rank;
+/* reduce(tensor, root, op): root a group rank */
+static PyObject *fc_reduce(FastComm *self, PyObject *const *a, Py_ssize_t n) {
+    START("reduce", 3);
+    int root = rank_arg(self, a[1]);
+    int is_root = root == self->rank;
     PyObject *dtype;
     intptr_t type, mop;
     if (root < 0 || !hold(&c, a[0], is_root, &dtype)) DECLINE;
     Py_buffer *v = &c.view[0];
     if (!reduced_type(a[2], dtype, &type, &mop) || !FITS(*v)
-            || v->len >= c.fc->from[O_REDUCE]) DECLINE;
+            || v->len >= self->from[O_REDUCE]) DECLINE;
     Handle req;
     int rc = c_ireduce(is_root ? in_place : v->buf, is_root ? v->buf : NULL, (int)COUNT(*v),
-                       type, mop, root, c.fc->comm, &req);
-    return end_call(&c, complete(rc, &req, O_REDUCE, c.rec, c.fc, &c.view[0], dtype));
+                       type, mop, root, self->comm, &req);
+    return end_call(&c, complete(rc, &req, O_REDUCE, c.rec, self, v, dtype));
 }
 
-/* broadcast(tensor, src, group, async_op, group_src) */
-static PyObject *fc_broadcast(PyObject *m, PyObject *const *a, Py_ssize_t n) {
-    START("broadcast", 5, a[2], !is_false(a[3]) || a[4] != Py_None);
-    int root = group_rank(c.fc, a[1]);
+/* broadcast(tensor, root): root a group rank */
+static PyObject *fc_broadcast(FastComm *self, PyObject *const *a, Py_ssize_t n) {
+    START("broadcast", 2);
+    int root = rank_arg(self, a[1]);
     PyObject *dtype;
     if (root < 0 || !hold(&c, a[0], 1, &dtype)) DECLINE;
     Py_buffer *v = &c.view[0];
     intptr_t type = moved_type(dtype);
-    if (!type || !FITS(*v) || v->len >= c.fc->from[O_BROADCAST]) DECLINE;
+    if (!type || !FITS(*v) || v->len >= self->from[O_BROADCAST]) DECLINE;
     Handle req;
-    int rc = c_ibcast(v->buf, (int)COUNT(*v), type, root, c.fc->comm, &req);
-    return end_call(&c, complete(rc, &req, O_BROADCAST, c.rec, c.fc, &c.view[0], dtype));
+    int rc = c_ibcast(v->buf, (int)COUNT(*v), type, root, self->comm, &req);
+    return end_call(&c, complete(rc, &req, O_BROADCAST, c.rec, self, v, dtype));
 }
 
 /* The output and input of a gather, scatter or exchange: both held, one dtype. */
@@ -655,95 +604,89 @@ static int hold_pair(Call *c, PyObject *out, PyObject *in, PyObject **dtype) {
     return hold(c, out, 1, dtype) && hold(c, in, 0, &d2) && d2 == *dtype;
 }
 
-/* all_gather_into_tensor(output, input, group, async_op) */
-static PyObject *fc_all_gather(PyObject *m, PyObject *const *a, Py_ssize_t n) {
-    START("all_gather_into_tensor", 4, a[2], !is_false(a[3]));
+/* all_gather_into_tensor(output, tensor) */
+static PyObject *fc_all_gather(FastComm *self, PyObject *const *a, Py_ssize_t n) {
+    START("all_gather_into_tensor", 2);
     PyObject *dtype;
     if (!hold_pair(&c, a[0], a[1], &dtype)) DECLINE;
     Py_buffer *vo = &c.view[0], *vi = &c.view[1];
     intptr_t type = moved_type(dtype);
-    if (!type || vo->len != (Py_ssize_t)c.fc->size * vi->len || !FITS(*vi)
-            || shm_gathers(c.fc, vo->len)) DECLINE;
+    if (!type || vo->len != (Py_ssize_t)self->size * vi->len || !FITS(*vi)
+            || shm_gathers(self, vo->len)) DECLINE;
     Handle req;
-    int rc = c_exchange(FN_IALLGATHER, vi->buf, vo->buf, (int)COUNT(*vi), type, c.fc->comm,
+    int rc = c_exchange(FN_IALLGATHER, vi->buf, vo->buf, (int)COUNT(*vi), type, self->comm,
                         &req);
-    return end_call(&c, complete(rc, &req, O_ALL_GATHER, c.rec, c.fc, &c.view[0], dtype));
+    return end_call(&c, complete(rc, &req, O_ALL_GATHER, c.rec, self, vo, dtype));
 }
 
-/* reduce_scatter_tensor(output, input, op, group, async_op) */
-static PyObject *fc_reduce_scatter(PyObject *m, PyObject *const *a, Py_ssize_t n) {
-    START("reduce_scatter_tensor", 5, a[3], !is_false(a[4]));
+/* reduce_scatter_tensor(output, tensor, op) */
+static PyObject *fc_reduce_scatter(FastComm *self, PyObject *const *a, Py_ssize_t n) {
+    START("reduce_scatter_tensor", 3);
     PyObject *dtype;
     intptr_t type, mop;
     if (!hold_pair(&c, a[0], a[1], &dtype)) DECLINE;
     Py_buffer *vo = &c.view[0], *vi = &c.view[1];
-    if (!reduced_type(a[2], dtype, &type, &mop) || vi->len != (Py_ssize_t)c.fc->size * vo->len
-            || !FITS(*vo) || vi->len >= c.fc->from[O_REDUCE_SCATTER]) DECLINE;
+    if (!reduced_type(a[2], dtype, &type, &mop) || vi->len != (Py_ssize_t)self->size * vo->len
+            || !FITS(*vo) || vi->len >= self->from[O_REDUCE_SCATTER]) DECLINE;
     Handle req;
     int rc = c_reduction(FN_IREDUCE_SCATTER_BLOCK, vi->buf, vo->buf, (int)COUNT(*vo), type, mop,
-                                     c.fc->comm, &req);
-    return end_call(&c, complete(rc, &req, O_REDUCE_SCATTER, c.rec, c.fc, &c.view[0], dtype));
+                         self->comm, &req);
+    return end_call(&c, complete(rc, &req, O_REDUCE_SCATTER, c.rec, self, vo, dtype));
 }
 
-/* all_to_all_single(output, input, output_split_sizes, input_split_sizes, group,
- * async_op): equal splits only (the same shape in and out, the first dimension a
- * multiple of the group size). */
-static PyObject *fc_all_to_all(PyObject *m, PyObject *const *a, Py_ssize_t n) {
-    START("all_to_all_single", 6, a[4], !is_false(a[5]) || a[2] != Py_None || a[3] != Py_None);
+/* all_to_all_single(output, tensor, output_counts, input_counts): equal splits only (no
+ * counts, the same shape in and out, the first dimension a multiple of the group size). */
+static PyObject *fc_all_to_all(FastComm *self, PyObject *const *a, Py_ssize_t n) {
+    START("all_to_all_single", 4);
     PyObject *dtype;
-    if (!hold_pair(&c, a[0], a[1], &dtype)) DECLINE;
+    if (a[2] != Py_None || a[3] != Py_None || !hold_pair(&c, a[0], a[1], &dtype)) DECLINE;
     Py_buffer *vo = &c.view[0], *vi = &c.view[1];
     int same = vo->ndim == vi->ndim && vi->ndim > 0;
     for (int d = 0; same && d < vi->ndim; d++) same = vo->shape[d] == vi->shape[d];
     intptr_t type = moved_type(dtype);
-    if (!type || !same || vi->shape[0] % c.fc->size || !FITS(*vi)) DECLINE;
+    if (!type || !same || vi->shape[0] % self->size || !FITS(*vi)) DECLINE;
     Handle req;
-    int rc = c_exchange(FN_IALLTOALL, vi->buf, vo->buf, (int)(COUNT(*vi) / c.fc->size), type,
-                        c.fc->comm, &req);
-    return end_call(&c, complete(rc, &req, O_ALL_TO_ALL, c.rec, c.fc, &c.view[0], dtype));
+    int rc = c_exchange(FN_IALLTOALL, vi->buf, vo->buf, (int)(COUNT(*vi) / self->size), type,
+                        self->comm, &req);
+    return end_call(&c, complete(rc, &req, O_ALL_TO_ALL, c.rec, self, vo, dtype));
 }
 
-/* barrier(group, async_op, device_ids, timeout) */
-static PyObject *fc_barrier(PyObject *m, PyObject *const *a, Py_ssize_t n) {
-    START("barrier", 4, a[0], !is_false(a[1]) || a[2] != Py_None || a[3] != Py_None);
+/* barrier() */
+static PyObject *fc_barrier(FastComm *self, PyObject *const *a, Py_ssize_t n) {
+    START("barrier", 0);
     Handle req;
-    int rc = c_ibarrier(c.fc->comm, &req);
-    return end_call(&c, complete(rc, &req, O_BARRIER, c.rec, c.fc, NULL, NULL));
+    int rc = c_ibarrier(self->comm, &req);
+    return end_call(&c, complete(rc, &req, O_BARRIER, c.rec, self, NULL, NULL));
 }
 
-/* send(tensor, dst, group, tag, group_dst) and recv(tensor, src, group, tag, group_src):
- * to or from a given peer, a tag in range; recv returns the sender's global rank. */
-static PyObject *p2p(int op, PyObject *const *a, Py_ssize_t n) {
-    START(OP_NAMES[op], 5, a[2], a[4] != Py_None);
-    long tag = PyLong_CheckExact(a[3]) ? PyLong_AsLong(a[3]) : -1;
+/* send(tensor, peer, tag) and recv(tensor, peer, tag): to or from another group rank,
+ * a tag in range. */
+static PyObject *p2p(FastComm *self, int op, PyObject *const *a, Py_ssize_t n) {
+    START(OP_NAMES[op], 3);
+    long tag = PyLong_CheckExact(a[2]) ? PyLong_AsLong(a[2]) : -1;
     if (tag == -1) PyErr_Clear();
     if (tag < 0 || tag >= tag_ub) DECLINE;
-    int peer = group_rank(c.fc, a[1]);     /* itself: an error the Python path raises */
+    int peer = rank_arg(self, a[1]);     /* itself: an error the Python path raises */
     PyObject *dtype;
-    if (peer < 0 || peer == c.fc->rank || !hold(&c, a[0], op == O_RECV, &dtype)) DECLINE;
+    if (peer < 0 || peer == self->rank || !hold(&c, a[0], op == O_RECV, &dtype)) DECLINE;
     Py_buffer *v = &c.view[0];
     intptr_t type = moved_type(dtype);
     if (!type || !FITS(*v)) DECLINE;
     Handle req;
     int rc = c_p2p(op == O_SEND ? FN_ISEND : FN_IRECV, v->buf, (int)COUNT(*v), type, peer,
-                   (int)tag, c.fc->comm, &req);
-    PyObject *res = complete(rc, &req, op, c.rec, c.fc, &c.view[0], dtype);
-    if (res == Py_True && op == O_RECV) {
-        Py_DECREF(res);
-        res = Py_NewRef(a[1]);      /* the sender's global rank */
-    }
-    return end_call(&c, res);
+                   (int)tag, self->comm, &req);
+    return end_call(&c, complete(rc, &req, op, c.rec, self, v, dtype));
 }
 
-static PyObject *fc_send(PyObject *m, PyObject *const *a, Py_ssize_t n) {
-    return p2p(O_SEND, a, n);
+static PyObject *fc_send(FastComm *self, PyObject *const *a, Py_ssize_t n) {
+    return p2p(self, O_SEND, a, n);
 }
 
-static PyObject *fc_recv(PyObject *m, PyObject *const *a, Py_ssize_t n) {
-    return p2p(O_RECV, a, n);
+static PyObject *fc_recv(FastComm *self, PyObject *const *a, Py_ssize_t n) {
+    return p2p(self, O_RECV, a, n);
 }
 
-/* all_reduce_coalesced(tensors, op, group, async_op): two or more arrays of one dtype,
+/* all_reduce_coalesced(tensors, op): two or more arrays of one dtype,
  * each an exact, C-contiguous, writable ndarray, at most one fusion bucket together:
  * packed into one buffer, one all-reduce, copied back (the Python path's MPI call on
  * the same bytes, without its Python per array). */
@@ -754,8 +697,8 @@ static int scratch_busy;         /* a call in another thread holds it (GIL relea
 
 typedef struct { char *data; Py_ssize_t len; } Piece;
 
-static PyObject *fc_all_reduce_coalesced(PyObject *m, PyObject *const *a, Py_ssize_t n) {
-    START("all_reduce_coalesced", 4, a[2], !is_false(a[3]));
+static PyObject *fc_all_reduce_coalesced(FastComm *self, PyObject *const *a, Py_ssize_t n) {
+    START("all_reduce_coalesced", 2);
     PyObject *seq = a[0];
     Py_ssize_t k = PyList_CheckExact(seq) ? PyList_GET_SIZE(seq) : -1;
     PyObject *dtype;
@@ -816,11 +759,11 @@ static PyObject *fc_all_reduce_coalesced(PyObject *m, PyObject *const *a, Py_ssi
         memcpy(buf + pos, pieces[i].data, (size_t)pieces[i].len);
         pos += pieces[i].len;
     }
-    if (total >= c.fc->from[O_ALL_REDUCE]) {
+    if (total >= self->from[O_ALL_REDUCE]) {
         /* The shared-memory engine's size: its all_reduce on the packed bytes, as the
          * Python path (HostEngine.all_reduce_coalesced) does; it records itself. */
         PyObject *mv = PyMemoryView_FromMemory(buf, total, PyBUF_WRITE);
-        PyObject *args[4] = {c.fc->shm, mv, dtype, a[1]};
+        PyObject *args[4] = {self->shm, mv, dtype, a[1]};
         PyObject *r = mv ? PyObject_Vectorcall(shm_all_reduce, args, 4, NULL) : NULL;
         res = r == NULL ? NULL : Py_NewRef(Py_True);
         Py_XDECREF(r);
@@ -832,7 +775,7 @@ static PyObject *fc_all_reduce_coalesced(PyObject *m, PyObject *const *a, Py_ssi
         Py_XDECREF(mv);
     } else {
         Handle req;
-        int rc = c_reduction(FN_IALLREDUCE, in_place, buf, (int)(total / itemsize), type, mop, c.fc->comm,
+        int rc = c_reduction(FN_IALLREDUCE, in_place, buf, (int)(total / itemsize), type, mop, self->comm,
                               &req);
         res = complete(rc, &req, O_COALESCED, c.rec, c.fc, &c.view[0], dtype);
     }
@@ -865,6 +808,61 @@ done:
     PyMem_Free(refs);
     return end_call(&c, res);
 }
+
+static PyObject *fastcomm_alive(FastComm *self, void *unused) {
+    return PyBool_FromLong(self->alive);
+}
+
+static PyObject *fastcomm_taken(FastComm *self, void *unused) {
+    return PyLong_FromUnsignedLongLong(self->taken);
+}
+
+#define FASTCALL(name, f, doc) {name, (PyCFunction)(void (*)(void))f, METH_FASTCALL, doc}
+
+static PyMethodDef fastcomm_methods[] = {
+    {"set_thresholds", (PyCFunction)fastcomm_set_thresholds, METH_VARARGS,
+     "set_thresholds(all_reduce_from, reduce_from, reduce_scatter_from, broadcast_from, "
+     "all_gather_from, all_gather_to): the shared-memory engine's sizes."},
+    {"close", (PyCFunction)fastcomm_close, METH_NOARGS,
+     "close(): the group is broken or destroyed; this path takes no more of its calls."},
+    FASTCALL("all_reduce", fc_all_reduce, "all_reduce(tensor, op) -> bool"),
+    FASTCALL("reduce", fc_reduce, "reduce(tensor, root, op) -> bool"),
+    FASTCALL("broadcast", fc_broadcast, "broadcast(tensor, root) -> bool"),
+    FASTCALL("all_gather_into_tensor", fc_all_gather,
+             "all_gather_into_tensor(output, tensor) -> bool"),
+    FASTCALL("reduce_scatter_tensor", fc_reduce_scatter,
+             "reduce_scatter_tensor(output, tensor, op) -> bool"),
+    FASTCALL("all_to_all_single", fc_all_to_all,
+             "all_to_all_single(output, tensor, output_counts, input_counts) -> bool"),
+    FASTCALL("barrier", fc_barrier, "barrier() -> bool"),
+    FASTCALL("send", fc_send, "send(tensor, peer, tag) -> bool"),
+    FASTCALL("recv", fc_recv, "recv(tensor, peer, tag) -> bool"),
+    FASTCALL("all_reduce_coalesced", fc_all_reduce_coalesced,
+             "all_reduce_coalesced(tensors, op) -> bool"),
+    {NULL, NULL, 0, NULL},
+};
+
+static PyGetSetDef fastcomm_getset[] = {
+    {"alive", (getter)fastcomm_alive, NULL, "False once close() was called.", NULL},
+    {"taken", (getter)fastcomm_taken, NULL, "How many calls this path has run.", NULL},
+    {NULL, NULL, NULL, NULL, NULL},
+};
+
+static PyTypeObject FastCommType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "spmd.backends.mpi._fastcall.FastComm",
+    .tp_doc = "FastComm(comm, rank, size, context, index, op_counters, timeout, "
+              "oversubscribed, shm): one group's engine ops on the compiled call path.  "
+              "Each op method runs a blocking op and returns True, or returns False having "
+              "done nothing for a call outside its case (the engine's Python path runs it).",
+    .tp_basicsize = sizeof(FastComm),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_new = PyType_GenericNew,
+    .tp_init = (initproc)fastcomm_init,
+    .tp_dealloc = (destructor)fastcomm_dealloc,
+    .tp_methods = fastcomm_methods,
+    .tp_getset = fastcomm_getset,
+};
 
 /* -- binding -------------------------------------------------------------------------- */
 
@@ -966,57 +964,10 @@ fail:
 }
 
 
-/* register(group, fast_comm): calls on group (a ProcessGroup) may take this path. */
-static PyObject *fc_register(PyObject *m, PyObject *args) {
-    PyObject *group, *fc;
-    if (!PyArg_ParseTuple(args, "OO!", &group, &FastCommType, &fc)) return NULL;
-    if (PyDict_SetItem(fast_comms, group, fc) < 0) return NULL;
-    Py_RETURN_NONE;
-}
-
-/* unregister(group): no more (the group is destroyed). */
-static PyObject *fc_unregister(PyObject *m, PyObject *group) {
-    if (PyDict_DelItem(fast_comms, group) < 0) {
-        if (!PyErr_ExceptionMatches(PyExc_KeyError)) return NULL;
-        PyErr_Clear();
-    }
-    Py_RETURN_NONE;
-}
-
-/* set_default(group): what group=None means from now on (None: no default group). */
-static PyObject *fc_set_default(PyObject *m, PyObject *group) {
-    set_ref(&default_group, group);
-    Py_RETURN_NONE;
-}
-
-#define FASTCALL(name, f, doc) {name, (PyCFunction)(void (*)(void))f, METH_FASTCALL, doc}
-
 static PyMethodDef methods[] = {
     {"bind", (PyCFunction)fc_bind, METH_VARARGS, "Bind the MPI library and spmd's objects."},
     {"set_ring", (PyCFunction)fc_set_ring, METH_O,
      "set_ring(storage): the flight recorder's ring (Ring.storage())."},
-    {"register", (PyCFunction)fc_register, METH_VARARGS,
-     "register(group, fast_comm): the group's calls may take this path."},
-    {"unregister", (PyCFunction)fc_unregister, METH_O, "unregister(group): no more."},
-    {"set_default", (PyCFunction)fc_set_default, METH_O,
-     "set_default(group): the group that group=None means (None: none)."},
-    FASTCALL("all_reduce", fc_all_reduce, "all_reduce(tensor, op, group, async_op) -> bool"),
-    FASTCALL("reduce", fc_reduce, "reduce(tensor, dst, op, group, async_op, group_dst) -> bool"),
-    FASTCALL("broadcast", fc_broadcast,
-             "broadcast(tensor, src, group, async_op, group_src) -> bool"),
-    FASTCALL("all_gather_into_tensor", fc_all_gather,
-             "all_gather_into_tensor(output, input, group, async_op) -> bool"),
-    FASTCALL("reduce_scatter_tensor", fc_reduce_scatter,
-             "reduce_scatter_tensor(output, input, op, group, async_op) -> bool"),
-    FASTCALL("all_to_all_single", fc_all_to_all,
-             "all_to_all_single(output, input, output_split_sizes, input_split_sizes, group, "
-             "async_op) -> bool"),
-    FASTCALL("barrier", fc_barrier, "barrier(group, async_op, device_ids, timeout) -> bool"),
-    FASTCALL("send", fc_send, "send(tensor, dst, group, tag, group_dst) -> bool"),
-    FASTCALL("recv", fc_recv,
-             "recv(tensor, src, group, tag, group_src) -> sender's global rank, or False"),
-    FASTCALL("all_reduce_coalesced", fc_all_reduce_coalesced,
-             "all_reduce_coalesced(tensors, op, group, async_op) -> bool"),
     {NULL, NULL, 0, NULL},
 };
 
@@ -1032,8 +983,6 @@ PyMODINIT_FUNC PyInit__fastcall(void) {
     if (PyType_Ready(&FastCommType) < 0) return NULL;
     INTERN(s_mpi_engine, "MPI");
     for (int i = 0; i < N_OPS; i++) INTERN(s_ops[i], OP_NAMES[i]);
-    if ((fast_comms = PyDict_New()) == NULL) return NULL;
-    default_group = Py_NewRef(Py_None);
     PyObject *m = PyModule_Create(&module);
     if (m == NULL) return NULL;
     Py_INCREF(&FastCommType);

@@ -1,10 +1,12 @@
 """The compiled call path: the common blocking ops on host arrays without the Python.
 
-``spmd.backends.mpi._fastcall`` (spmd/backends/mpi/_fastcall.c, built by pip where a C compiler is present) runs
-the case :mod:`spmd.backends.mpi.blocking` runs in Python: a blocking collective or
-send/recv on contiguous numpy arrays, a plain group, a reduce op MPI applies itself, a
-size below the shared-memory engine's thresholds.  Every public op tries it first; a
-call it declines takes the Python path, which also raises the errors for bad input.
+``spmd.backends.mpi._fastcall`` (spmd/backends/mpi/_fastcall.c, built by pip where a C
+compiler is present) runs a blocking collective or send/recv on contiguous numpy arrays,
+with a reduce op MPI applies itself and a size below the shared-memory engine's
+thresholds, without the Python and without a Work.  It is the host engine's
+(:meth:`spmd.backends.host.HostEngine.run`): each group's engine holds a ``FastComm``
+(:func:`comm_of`) and calls it, after the public op has validated its arguments, with
+the arguments of its own method; a call it declines runs on the engine's Python path.
 
 The extension does not link against MPI.  :func:`bind` hands it the library mpi4py
 loaded: the addresses of the MPI functions, the handle size of that library's ABI and
@@ -13,8 +15,8 @@ build works with MPICH, Open MPI or the MPI-5 ABI, and both paths make the same 
 calls.  Waits keep what the Python path gives: the flight recorder's entry, the group's
 timeout ending in the same diagnosed DistTimeoutError, signals, the GIL handed over.
 
-``SPMD_FASTCALL=0`` turns it off (the Python path then takes every call); ``spmd info``
-says whether it is on and, if not, why.
+``SPMD_FASTCALL=0`` turns it off (the engine's Python path then takes every call);
+``spmd info`` says whether it is on and, if not, why.
 """
 
 from __future__ import annotations
@@ -36,8 +38,12 @@ from spmd.core.launch import loaded_libmpi
 from spmd.core.ops import ReduceOp
 from spmd.core.work import observers
 
-__all__ = ["compiled", "reason", "bind", "comm_of", "register", "unregister", "set_default",
-           "function"]
+__all__ = ["COMPILED_OPS", "compiled", "reason", "bind", "comm_of"]
+
+# The ops a FastComm runs (its methods of the same names and arguments as the engine's).
+COMPILED_OPS = ("all_reduce", "all_reduce_coalesced", "reduce", "broadcast",
+                "all_gather_into_tensor", "reduce_scatter_tensor", "all_to_all_single",
+                "barrier", "send", "recv")
 
 _module: Any
 try:
@@ -203,27 +209,3 @@ def comm_of(context: GroupContext, comm: MPI.Intracomm, shm: Any) -> Any:
     if context.error is not None or context.comm is None:
         fast.close()
     return fast
-
-
-def register(group: Any, fast: Any) -> None:
-    """Calls on ``group`` (a ProcessGroup) may take the compiled path through ``fast``."""
-    if compiled is not None and fast is not None:
-        compiled.register(group, fast)
-
-
-def unregister(group: Any) -> None:
-    """No more calls on ``group`` take the compiled path (it is being destroyed)."""
-    if compiled is not None:
-        compiled.unregister(group)
-
-
-def set_default(group: Any) -> None:
-    """``group=None`` means ``group`` from now on (None: there is no default group)."""
-    if compiled is not None:
-        compiled.set_default(group)
-
-
-def function(op: str) -> Any:
-    """The compiled function of ``op`` (the public ops look it up once, at import), or
-    None when the extension is off."""
-    return None if compiled is None else getattr(compiled, op)
