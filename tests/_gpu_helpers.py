@@ -8,6 +8,7 @@ import os
 import numpy as np
 import pytest
 
+from spmd.backends import gpu_aware_mpi as _aware
 from spmd.core import cuda as _gpu
 
 
@@ -99,15 +100,15 @@ class mpi_mode:
         self.value = {"staging": "0", "direct": "1"}[mode]
 
     def __enter__(self):
-        self.old = os.environ.get(_gpu.AWARE_ENV)
-        os.environ[_gpu.AWARE_ENV] = self.value
+        self.old = os.environ.get(_aware.AWARE_ENV)
+        os.environ[_aware.AWARE_ENV] = self.value
         return self
 
     def __exit__(self, *exc):
         if self.old is None:
-            os.environ.pop(_gpu.AWARE_ENV, None)
+            os.environ.pop(_aware.AWARE_ENV, None)
         else:
-            os.environ[_gpu.AWARE_ENV] = self.old
+            os.environ[_aware.AWARE_ENV] = self.old
 
 
 class FakeCudaArray:

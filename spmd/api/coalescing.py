@@ -26,9 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from spmd.core.errors import located
-from spmd.core.ops import ReduceOp
-from spmd.core.packing import (
+from spmd.backends.mpi.packing import (
     DEFAULT_BUCKET_BYTES,
     Packed,
     buckets,
@@ -38,6 +36,8 @@ from spmd.core.packing import (
     set_bucket_bytes,
     unpack,
 )
+from spmd.core.errors import located
+from spmd.core.ops import ReduceOp
 from spmd.core.typing import Timeout
 from spmd.core.work import Work, then
 from spmd.runtime.group import GroupArg, resolve

@@ -25,8 +25,9 @@ import numpy as np
 from mpi4py import MPI
 
 from spmd.api.collectives import root_rank
-from spmd.api.p2p import OBJECT_TAG, peer_rank
+from spmd.api.p2p import peer_rank
 from spmd.backends import checked as _checked
+from spmd.backends.mpi.engine import OBJECT_TAG
 from spmd.core.errors import DistTimeoutError, located
 from spmd.core.work import Work
 from spmd.runtime.group import GroupArg, ProcessGroup, resolve

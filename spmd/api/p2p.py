@@ -5,10 +5,9 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Literal, overload
 
-from mpi4py import MPI
-
 from spmd.api.collectives import array_device, group_rank_of
 from spmd.backends.base import P2PItem
+from spmd.backends.mpi.engine import OBJECT_TAG
 from spmd.core.arrays import array_in, array_out
 from spmd.core.context import GroupContext
 from spmd.core.errors import located
@@ -17,16 +16,6 @@ from spmd.core.work import Work
 from spmd.runtime.group import GroupArg, ProcessGroup, resolve
 
 __all__ = ["send", "recv", "isend", "irecv", "P2POp", "batch_isend_irecv"]
-
-def _tag_ub() -> int:
-    ub = MPI.COMM_WORLD.Get_attr(MPI.TAG_UB)
-    assert ub is not None  # MPI defines TAG_UB on every communicator
-    return ub
-
-
-# The largest tag is kept for spmd's own object messages (send_object_list).
-OBJECT_TAG = _tag_ub()
-
 
 def check_tag(tag, op: str, ctx: GroupContext) -> int:
     if isinstance(tag, bool) or not isinstance(tag, int):

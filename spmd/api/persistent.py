@@ -37,12 +37,12 @@ from mpi4py import MPI
 
 from spmd.api import collectives as _c
 from spmd.backends import checked as _checked
+from spmd.backends.mpi.packing import PackPlan
 from spmd.backends.reduction import AVERAGE, PLANS, checked_plan, mpi_view
 from spmd.core.arrays import array_in, array_list, array_out, common_device, movable
 from spmd.core.errors import located
 from spmd.core.ops import ReduceOp
 from spmd.core.optable import OPS
-from spmd.core.packing import PackPlan
 from spmd.core.typing import Array
 from spmd.core.work import Work
 from spmd.runtime.group import GroupArg, ProcessGroup, resolve

@@ -7,7 +7,7 @@ the device inputs into pinned host arrays, runs the *same* host operation on the
 copies the results back into the caller's device arrays when the Work completes:
 one implementation of the semantics, whatever the array's device.
 
-When MPI can read device memory (see ``spmd.core.cuda.mpi_gpu_support``), operations that
+When MPI can read device memory (see ``spmd.backends.gpu_aware_mpi.mpi_gpu_support``), operations that
 are one contiguous buffer each way and need no arithmetic outside MPI (broadcast,
 all_gather_into_tensor, all_to_all_single, send/recv, and reductions whose plan is a
 plain MPI op) hand the device pointer to MPI directly.  On Open MPI only Isend/Irecv
@@ -25,6 +25,7 @@ from __future__ import annotations
 import numpy as np
 from mpi4py import MPI
 
+from spmd.backends import gpu_aware_mpi as _aware
 from spmd.backends.base import Engine
 from spmd.backends.host import HostEngine
 from spmd.backends.reduction import PLANS, counts_displs
@@ -71,7 +72,7 @@ class CudaMPIEngine(Engine):
         self.host = host if isinstance(host, HostEngine) else HostEngine(group)
         self.comm = group.comm
         self.rank = group.rank
-        support = _gpu.mpi_gpu_support()
+        support = _aware.mpi_gpu_support()
         self.support = support
         self.direct = support.aware  # point to point
         self.direct_collectives = support.aware and support.nonblocking_collectives

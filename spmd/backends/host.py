@@ -13,11 +13,11 @@ from typing import Any
 from spmd.backends.base import Engine
 from spmd.backends.mpi.engine import MPIEngine
 from spmd.backends.mpi.fastcall import COMPILED_OPS, comm_of
+from spmd.backends.mpi.packing import get_bucket_bytes, pack_buckets
 from spmd.backends.reduction import simple_plan
 from spmd.backends.shm.engine import engine_for
 from spmd.core.context import GroupContext
 from spmd.core.optable import ENGINE_OPS
-from spmd.core.packing import get_bucket_bytes, pack_buckets
 from spmd.core.work import then
 
 __all__ = ["HostEngine"]

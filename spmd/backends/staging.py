@@ -2,7 +2,7 @@
 where MPI reads device memory, else pinned host staging.
 
 The choice is the MPI engine's for GPU arrays (``spmd.backends.cuda_mpi``): a device
-pointer only where ``spmd.core.cuda.mpi_gpu_support()`` found (or was told) that MPI reads
+pointer only where ``spmd.backends.gpu_aware_mpi.mpi_gpu_support()`` found (or was told) that MPI reads
 device memory, and for nonblocking collectives only where that MPI's nonblocking
 collectives do too (not Open MPI's); everything else goes through pinned host copies
 made on the caller's stream.  NCCL is not among the choices: a link is an MPI
@@ -27,7 +27,7 @@ def use_device_pointer(support: Any, a: Any, collective: bool) -> bool:
     """Whether MPI gets ``a``'s device memory itself rather than a host copy.
 
     Args:
-        support: ``spmd.core.cuda.mpi_gpu_support()`` (a GpuAwareness).
+        support: ``spmd.backends.gpu_aware_mpi.mpi_gpu_support()`` (a GpuAwareness).
         a: the cupy array; only a contiguous one is handed over as it is.
         collective: the operation is a nonblocking collective, not Isend/Irecv.
     """

@@ -10,11 +10,12 @@ from __future__ import annotations
 
 from array import array
 from collections.abc import Callable, Sequence
-from typing import Any
-
-from mpi4py import MPI
+from typing import TYPE_CHECKING, Any
 
 from spmd.core.errors import GroupBrokenError
+
+if TYPE_CHECKING:
+    from mpi4py import MPI
 
 __all__ = ["GroupContext"]
 

@@ -26,8 +26,6 @@ from array import array
 from collections.abc import Callable
 from typing import Any
 
-from mpi4py import MPI
-
 from spmd.core.context import GroupContext
 from spmd.core.lines import write_lines
 from spmd.core.optable import P2P_OPS
@@ -366,8 +364,9 @@ class FlightRecorder:
             })
         return {
             "format": FORMAT, "version": VERSION, "reason": reason,
-            "rank": world.rank if world is not None else MPI.COMM_WORLD.Get_rank(),
-            "world_size": world.size if world is not None else MPI.COMM_WORLD.Get_size(),
+            # (-1 and 0 before init_process_group: no group, no rank yet)
+            "rank": world.rank if world is not None else -1,
+            "world_size": world.size if world is not None else 0,
             "host": socket.gethostname(), "pid": os.getpid(), "dumped_at": now_wall,
             "capacity": self.size, "groups": groups, "entries": entries,
         }

@@ -29,6 +29,7 @@ from mpi4py import MPI
 
 from spmd.api.p2p import check_tag
 from spmd.backends import checked as _checked
+from spmd.backends import gpu_aware_mpi as _aware
 from spmd.backends.staging import Staging, use_device_pointer
 from spmd.core import cuda as _gpu
 from spmd.core.arrays import array_in, array_out, contiguous, is_device_array, movable
@@ -264,7 +265,7 @@ class Link:
     def _device_source(self, a, op: str, collective: bool):
         """What MPI sends for device array ``a``: its memory, or a host copy."""
         stager = self._stager(op)
-        if use_device_pointer(_gpu.mpi_gpu_support(), a, collective):
+        if use_device_pointer(_aware.mpi_gpu_support(), a, collective):
             stager.sync()
             return movable(a)
         return stager.down(a)
@@ -272,7 +273,7 @@ class Link:
     def _device_target(self, a, op: str, collective: bool):
         """(where MPI writes device array ``a``'s result, what copies it into ``a``)."""
         stager = self._stager(op)
-        if use_device_pointer(_gpu.mpi_gpu_support(), a, collective):
+        if use_device_pointer(_aware.mpi_gpu_support(), a, collective):
             stager.sync()
             return a, None
         h = stager.host_buffer(a)

@@ -18,6 +18,7 @@ def _rank_info() -> dict:
     from mpi4py import MPI
 
     from spmd._version import __version__
+    from spmd.backends.gpu_aware_mpi import mpi_gpu_support
     from spmd.backends.mpi import fastcall
     from spmd.backends.shm.engine import status as shm_status
     from spmd.core.arrays import bfloat16
@@ -29,6 +30,11 @@ def _rank_info() -> dict:
     levels = {MPI.THREAD_SINGLE: "single", MPI.THREAD_FUNNELED: "funneled",
               MPI.THREAD_SERIALIZED: "serialized", MPI.THREAD_MULTIPLE: "multiple"}
     launch = launch_info()
+    try:
+        support = mpi_gpu_support()
+        gpu_aware = f"{'yes' if support.aware else 'no'} ({support.reason})"
+    except ValueError as exc:   # SPMD_CUDA_AWARE_MPI set to something else than 0 or 1
+        gpu_aware = f"unknown ({exc})"
     return {
         "rank": MPI.COMM_WORLD.Get_rank(),
         "host": launch.hostname,
@@ -45,6 +51,7 @@ def _rank_info() -> dict:
         "shm_engine": shm_status(default_group("info").engine_for("cpu")),  # every rank calls it
         "call_path": ("compiled (spmd.backends.mpi._fastcall)" if fastcall.compiled is not None
                       else f"Python: {fastcall.reason}"),
+        "gpu_aware_mpi": gpu_aware,
         **gpu_info(),
     }
 

@@ -275,7 +275,7 @@ def test_all_reduce_coalesced_fuses_in_one_call(dist, monkeypatch):
     """The compiled all_reduce_coalesced (packs, reduces once, unpacks) gives numpy's
     result; lists it declines (mixed dtypes, a view, over the fusion limit) give the
     same through the Python path."""
-    from spmd.core import packing
+    from spmd.backends.mpi import packing
 
     n, r = dist.get_world_size(), dist.get_rank()
     fast = dist.GroupMember.WORLD.engine_for("cpu").fast

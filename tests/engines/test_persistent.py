@@ -97,7 +97,7 @@ def _fused_arrays(rank: int, step: int) -> list:
 @pytest.mark.parametrize("opname", ["SUM", "AVG", "MAX"])
 @pytest.mark.parametrize("bucket_bytes", [None, 64])   # 64 B: several buckets per dtype
 def test_all_reduce_coalesced_over_starts(dist, mode, opname, bucket_bytes, monkeypatch):
-    from spmd.core import packing
+    from spmd.backends.mpi import packing
 
     if bucket_bytes is not None:
         monkeypatch.setattr(packing, "_bucket_bytes", bucket_bytes)

@@ -22,6 +22,8 @@ from conftest import _initialised, all_dtypes
 from mpi4py import MPI
 from refs import PREMUL_FACTOR, REDUCE_OPS, assert_equal, make, reduce_ref, supported
 
+from spmd.backends import gpu_aware_mpi as _aware
+
 pytestmark = pytest.mark.mpi
 if gpu_skip_reason() is not None:
     pytest.skip(gpu_skip_reason(), allow_module_level=True)
@@ -75,14 +77,13 @@ def _expect(gpu, dt, opname) -> str:
 def gpu(request):
     """cupy, and WORLD-sized and parity groups whose GPU arrays take one path."""
     cp = cupy()
-    from spmd.core import cuda as _gpu
 
     mode = request.param
     dist = _initialised()
     n = dist.get_world_size()
     if mode == "direct":
-        found = _gpu.decide_gpu_awareness(MPI.Get_library_version(),
-                                          _gpu.query_cuda_support()[0], {})
+        found = _aware.decide_gpu_awareness(MPI.Get_library_version(),
+                                          _aware.query_cuda_support()[0], {})
         if not found.aware:
             pytest.skip(f"MPI here is not GPU-aware: {found.reason}")
     if mode == "nccl" and nccl_ranks_skip_reason(n) is not None:

@@ -11,6 +11,7 @@ from _gpu_helpers import FakeCudaArray, FakeDLPack, FakeNccl
 from conftest import TEST_TIMEOUT, all_dtypes
 
 import spmd
+from spmd.backends import gpu_aware_mpi as _aware
 from spmd.backends.nccl import engine as nccl_backend
 from spmd.backends.nccl.communicator import Communicator
 from spmd.core import cuda as _gpu
@@ -244,7 +245,7 @@ def test_cuda_mpi_paths_per_library(dist, monkeypatch, library, direct_ops):
     nonblocking collectives are not CUDA-aware outside UCX); MPICH in collectives too."""
     from spmd.backends import cuda_mpi
 
-    support = _gpu.decide_gpu_awareness(library, 1, {})
+    support = _aware.decide_gpu_awareness(library, 1, {})
     b = object.__new__(cuda_mpi.CudaMPIEngine)
     b.group, b.rank = dist.GroupMember.WORLD.context, dist.get_rank()
     b.direct = support.aware

@@ -11,6 +11,8 @@ import pytest
 from _gpu_helpers import cupy, gpu_skip_reason, mpi_mode, to_device, to_host
 from mpi4py import MPI
 
+from spmd.backends import gpu_aware_mpi as _aware
+
 pytestmark = pytest.mark.mpi
 if gpu_skip_reason() is not None:
     pytest.skip(gpu_skip_reason(), allow_module_level=True)
@@ -22,14 +24,13 @@ def _name(rank):
 
 @pytest.fixture(params=["staging", "direct"])
 def link(request, dist):
-    from spmd.core import cuda as _gpu
 
     cp = cupy()
     if dist.get_world_size() < 2:
         pytest.skip("a link needs two programs, so at least 2 ranks")
     if request.param == "direct":
-        found = _gpu.decide_gpu_awareness(MPI.Get_library_version(),
-                                          _gpu.query_cuda_support()[0], {})
+        found = _aware.decide_gpu_awareness(MPI.Get_library_version(),
+                                          _aware.query_cuda_support()[0], {})
         if not found.aware:
             pytest.skip(f"MPI here is not GPU-aware: {found.reason}")
     me = dist.get_rank()

@@ -11,7 +11,7 @@ same code (a host stand-in for the CUDA copies); tests/gpu/test_gpu_mpmd.py runs
 import numpy as np
 import pytest
 
-from spmd.core import cuda as _gpu
+from spmd.backends import gpu_aware_mpi as _aware
 from spmd.layouts import mpmd
 
 
@@ -208,7 +208,7 @@ def test_link_debug_mode_mismatch_raises_on_both_programs(dist, programs, detail
 
 # -- GPU arrays on links: the path, with numpy through the same code -------------------
 
-A = _gpu.GpuAwareness
+A = _aware.GpuAwareness
 
 
 class HostStaging:
@@ -245,7 +245,7 @@ def test_link_gpu_arrays_host_side(dist, programs, monkeypatch, aware, nonblocki
     stager = HostStaging()
     link._staging = stager
     monkeypatch.setattr(mpmd, "is_device_array", lambda a: True)
-    monkeypatch.setattr(mpmd._gpu, "mpi_gpu_support",
+    monkeypatch.setattr(mpmd._aware, "mpi_gpu_support",
                         lambda: A(aware, "injected", nonblocking))
     r = link.rank()
     staged_p2p = not aware

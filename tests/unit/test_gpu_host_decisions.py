@@ -15,6 +15,7 @@ from conftest import all_dtypes
 from mpi4py import MPI
 
 import spmd
+from spmd.backends import gpu_aware_mpi as _aware
 from spmd.backends.cuda_mpi import direct_plan
 from spmd.backends.nccl import communicator, plans, uniqueid
 from spmd.backends.staging import use_device_pointer
@@ -55,7 +56,7 @@ MPICH = "MPICH Version:      4.2.0\nMPICH Release date: Fri Feb  9 2024"
     (OMPI4, 0, {"OMPI_MCA_opal_cuda_support": "true"}, False, False, "returned 0"),
 ])
 def test_gpu_awareness_decision(version, query, env, aware, nonblocking, reason):
-    got = _gpu.decide_gpu_awareness(version, query, env)
+    got = _aware.decide_gpu_awareness(version, query, env)
     assert (got.aware, got.nonblocking_reductions) == (aware, nonblocking)
     # Open MPI's nonblocking collectives are not CUDA-aware (outside UCX): staged there.
     assert got.nonblocking_collectives == (aware and "Open MPI" not in version)
@@ -65,13 +66,13 @@ def test_gpu_awareness_decision(version, query, env, aware, nonblocking, reason)
 @pytest.mark.parametrize("value", ["yes", "2", "true"])
 def test_gpu_awareness_bad_override(value):
     with pytest.raises(ValueError, match=f"SPMD_CUDA_AWARE_MPI must be 0 or 1, got '{value}'"):
-        _gpu.decide_gpu_awareness(MPICH, None, {"SPMD_CUDA_AWARE_MPI": value})
+        _aware.decide_gpu_awareness(MPICH, None, {"SPMD_CUDA_AWARE_MPI": value})
 
 
 def test_query_cuda_support_on_the_loaded_mpi(monkeypatch):
-    paths = _gpu.mpi_library_paths()
+    paths = _aware.mpi_library_paths()
     assert paths and all(os.path.basename(p).startswith(("libmpi", "libmpich")) for p in paths)
-    result, where = _gpu.query_cuda_support()
+    result, where = _aware.query_cuda_support()
     version = MPI.Get_library_version()
     if version.startswith("MPICH Version") and int(version.split()[2].split(".")[0]) >= 4:
         # MPICH 4+ exports it; what it answers depends on the build and the machine.
@@ -79,21 +80,21 @@ def test_query_cuda_support_on_the_loaded_mpi(monkeypatch):
     if result is None:
         assert where == ""
     monkeypatch.delenv("SPMD_CUDA_AWARE_MPI", raising=False)
-    decided = _gpu.mpi_gpu_support()
+    decided = _aware.mpi_gpu_support()
     if result is not None:
         assert decided.aware == (result == 1)
         assert f"MPIX_Query_cuda_support() returned {result}" in decided.reason
     monkeypatch.setenv("SPMD_CUDA_AWARE_MPI", "1")
-    assert _gpu.mpi_gpu_support().aware
+    assert _aware.mpi_gpu_support().aware
     monkeypatch.setenv("SPMD_CUDA_AWARE_MPI", "0")
-    assert not _gpu.mpi_gpu_support().aware
+    assert not _aware.mpi_gpu_support().aware
 
 
 def test_query_cuda_support_without_the_symbol():
     import ctypes.util
 
     libc = ctypes.util.find_library("c")
-    assert _gpu.query_cuda_support([libc or "libc.so.6", "/nonexistent/libmpi.so"]) == (None, "")
+    assert _aware.query_cuda_support([libc or "libc.so.6", "/nonexistent/libmpi.so"]) == (None, "")
 
 
 def test_direct_mpi_plans():
@@ -314,7 +315,7 @@ def test_nccl_host_identity(monkeypatch):
 
 # -- GPU arrays on links: the path, with numpy through the same code -------------------
 
-A = _gpu.GpuAwareness
+A = _aware.GpuAwareness
 
 
 @pytest.mark.parametrize("support, contiguous, collective, direct", [

@@ -70,3 +70,12 @@ def test_an_unknown_name_is_an_attribute_error():
 
         spmd.all_reduse  # noqa: B018
 
+
+
+def test_spawn_is_the_function_whatever_was_imported_first():
+    assert _run("""
+        import spmd.spawn.parent        # the subpackage first: spmd.spawn stays the function
+        import spmd
+        from spmd.spawn import ProcessRaisedException, spawn
+        print(spmd.spawn is spawn, callable(spmd.spawn), ProcessRaisedException.__name__)
+    """) == "True True ProcessRaisedException"

@@ -120,7 +120,7 @@ static PyObject *push_out;       /* recorder.push_out(slot): keep an in-flight o
 static PyObject *end_op;         /* recorder.end(number): an op pushed out while waited on */
 static PyObject *expired;        /* (op, context, number, waited): raises DistTimeoutError */
 static PyObject *mpi_error;      /* (code): raises mpi4py's MPI.Exception */
-static PyObject *bucket_bytes;   /* (): the fusion limit (spmd.core.packing.get_bucket_bytes) */
+static PyObject *bucket_bytes;   /* (): the fusion limit (spmd.backends.mpi.packing.get_bucket_bytes) */
 static PyObject *shm_all_reduce; /* (engine, buffer, dtype, op): its all_reduce, waited */
 static long tag_ub;
 static int bound;

@@ -12,6 +12,7 @@ import numpy as np
 from mpi4py import MPI
 
 from spmd.backends.base import Engine
+from spmd.backends.mpi.packing import pack_buckets
 from spmd.backends.reduction import (
     AVERAGE,
     PLANS,
@@ -23,13 +24,23 @@ from spmd.backends.reduction import (
 )
 from spmd.core.arrays import MOVE_AS, contiguous, movable
 from spmd.core.context import GroupContext
-from spmd.core.packing import pack_buckets
 from spmd.core.work import Work
 
-__all__ = ["MPIEngine"]
+__all__ = ["MPIEngine", "OBJECT_TAG"]
 
 _IN_PLACE = MPI.IN_PLACE
 _ANY_SOURCE = MPI.ANY_SOURCE
+
+
+def _tag_ub() -> int:
+    ub = MPI.COMM_WORLD.Get_attr(MPI.TAG_UB)
+    assert ub is not None  # MPI defines TAG_UB on every communicator
+    return ub
+
+
+# Tags a user may give are below this one, the largest MPI carries: it is kept for
+# spmd's own object messages (send_object_list).
+OBJECT_TAG = _tag_ub()
 _F32 = np.dtype(np.float32)
 _U8 = np.dtype(np.uint8)
 

@@ -28,8 +28,8 @@ from typing import Any
 import numpy as np
 from mpi4py import MPI
 
+from spmd.backends.mpi import packing
 from spmd.backends.reduction import MPI_OPS, PLANS, simple_plan
-from spmd.core import packing
 from spmd.core import wait as _wait
 from spmd.core.context import GroupContext
 from spmd.core.dtypes import MOVE_AS
