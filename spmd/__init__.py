@@ -20,7 +20,6 @@ import importlib.abc
 import importlib.machinery
 import pathlib
 import sys
-import types
 from typing import TYPE_CHECKING, Any
 
 from spmd._version import __version__ as __version__
@@ -190,20 +189,11 @@ class _ShortNames(importlib.abc.MetaPathFinder, importlib.abc.Loader):
 sys.meta_path.append(_ShortNames())
 
 
-class _Package(types.ModuleType):
-    """spmd's own module type, for one name: ``spmd.spawn`` is the function (torch's
-    ``spawn``), and the subpackage of the same name is reached through its import path
-    (``from spmd.spawn import ProcessRaisedException``), as when the package imported
-    everything eagerly.  The import system sets each subpackage on its parent once
-    loaded; for this one name, the function keeps the attribute."""
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        if name == "spawn" and isinstance(value, types.ModuleType):
-            return
-        super().__setattr__(name, value)
-
-
-sys.modules[__name__].__class__ = _Package
+# spmd.spawn is the function (torch's spawn); the subpackage of the same name is reached
+# by its import path (from spmd.spawn import ProcessRaisedException).  Bound now, as the
+# import system sets a subpackage on its parent when it is first imported: the function
+# must come after it.  (spmd.spawn imports no MPI: spawning starts it.)
+from spmd.spawn import spawn as spawn  # noqa: E402
 
 __all__ = [
     "Backend",

@@ -34,29 +34,7 @@ from typing import Any
 from mpi4py import MPI
 
 from spmd.runtime.world import destroy_process_group, init_process_group
-
-BOOT = """\
-import sys
-del sys.path[0]  # the private directory this file is in
-import json, os, socket, traceback
-job = json.load(open(sys.argv[1]))
-os.environ.update(job["env"])
-sys.path[:0] = job["path"]
-os.chdir(job["cwd"])
-from mpi4py import MPI
-parent = MPI.Comm.Get_parent()
-parent.send((MPI.COMM_WORLD.Get_rank(), os.getpid(), socket.gethostname()), dest=0, tag=101)
-try:
-    from spmd.spawn import child
-except BaseException as exc:
-    parent.send(("error", type(exc).__qualname__, str(exc), traceback.format_exc()), 0, 103)
-    parent.Disconnect()
-    raise SystemExit(1)
-child.main(job, parent)
-"""
-
-# Message tags on the intercommunicator (spmd/spawn/child.py describes the protocol).
-HELLO, PAYLOAD, RESULT, STOP = 101, 102, 103, 104
+from spmd.spawn.protocol import PAYLOAD, RESULT, STOP
 
 __all__ = ["main"]
 

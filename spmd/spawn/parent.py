@@ -59,14 +59,15 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
-
-from mpi4py import MPI
+from typing import TYPE_CHECKING, Any
 
 from spmd.core.errors import DistError, DistTimeoutError
 from spmd.core.launch import SINGLETON, find_hydra, launch_info
 from spmd.core.timeouts import to_seconds
-from spmd.spawn.child import BOOT, HELLO, PAYLOAD, RESULT, STOP
+from spmd.spawn.protocol import BOOT, HELLO, PAYLOAD, RESULT, STOP
+
+if TYPE_CHECKING:
+    from mpi4py import MPI
 
 __all__ = [
     "ProcessContext",
@@ -143,6 +144,8 @@ class _Launcher:
         """Make sure MPICH's singleton init finds a Hydra that runs in its own group."""
         if self.prepared:
             return
+        from mpi4py import MPI  # (called by spawn, which started MPI)
+
         if launch_info().launcher == SINGLETON and "MPICH" in MPI.Get_library_version():
             real = find_hydra()
             d = self.private_dir()
@@ -324,6 +327,8 @@ class ProcessContext:
 
     def _drain(self) -> bool:
         """Handle every message that has arrived; True if there was one."""
+        from mpi4py import MPI  # (the job runs: MPI started when it was spawned)
+
         comm = self._comm
         assert comm is not None  # messages are drained only until the job ends
         got = False
@@ -511,13 +516,15 @@ def spawn(fn: Callable[..., Any], args: Sequence = (), nprocs: int = 1, join: bo
         raise TypeError(f"spawn: args must be a tuple, got {type(args).__name__}")
     if isinstance(nprocs, bool) or not isinstance(nprocs, int) or nprocs < 1:
         raise ValueError(f"spawn: nprocs must be a positive int, got {nprocs!r}")
-    seconds = to_seconds(timeout, "spawn", positive=True)
+    seconds = None if timeout is None else to_seconds(timeout, "spawn", positive=True)
     child_env = {"SPMD_ABORT_ON_EXCEPTION": "0"}  # failures go back to the parent instead
     if env is not None:
         if not isinstance(env, Mapping) or not all(
                 isinstance(k, str) and isinstance(v, str) for k, v in env.items()):
             raise TypeError(f"spawn: env must map str to str, got {env!r}")
         child_env.update(env)
+    from mpi4py import MPI  # spawning starts MPI in this process; importing spmd does not
+
     size = MPI.COMM_WORLD.Get_size()
     if size > 1:
         raise RuntimeError(
