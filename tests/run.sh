@@ -14,6 +14,10 @@
 #                              SHM_OFF_SIZES: the engine runs forced on, off;
 #                              PYTHON_PATH_SIZES: with the compiled call path off;
 #                              DOUBLE_SIZES: the GPU tests on the device double)
+#   OTHER_MPIS="VENV..." tests/run.sh
+#                              the MPI part again on other MPI libraries, each from a
+#                              virtual environment with spmd and that MPI's wheel in it
+#                              (OTHER_MPI_SIZES, OTHER_MPI_SHM_SIZES: where it runs)
 #
 # Uses python and mpiexec from PATH (or $PYTHON / $SPMD_MPIEXEC).
 set -uo pipefail
@@ -33,10 +37,13 @@ if [ -z "$MPIEXEC" ]; then
     echo "tests/run.sh: no mpiexec on PATH; install spmd[mpich] or set SPMD_MPIEXEC" >&2
     exit 2
 fi
-MPIFLAGS=()
-case "$("$MPIEXEC" --version 2>/dev/null)" in   # Open MPI 4 says "OpenRTE", 5 "Open MPI"
-    *"Open MPI"*|*OpenRTE*) MPIFLAGS=(--oversubscribe --allow-run-as-root) ;;
-esac
+mpi_flags() {  # the flags $MPIEXEC needs here (ranks may outnumber cores; CI runs as root)
+    MPIFLAGS=()
+    case "$("$MPIEXEC" --version 2>/dev/null)" in   # Open MPI 4 says "OpenRTE", 5 "Open MPI"
+        *"Open MPI"*|*OpenRTE*) MPIFLAGS=(--oversubscribe --allow-run-as-root) ;;
+    esac
+}
+mpi_flags
 
 failed=()
 summary=()
@@ -45,11 +52,11 @@ mpi_run() {  # mpi_run NAME N [VAR=VALUE...]: the MPI tests of PATHS at world si
     shift 2
     echo "=== MPI tests at world size $n${*:+ ($*)} ==="
     env "$@" timeout -k 10 "$LIMIT" "$MPIEXEC" "${MPIFLAGS[@]}" -n "$n" "$PYTHON" \
-        tests/mpi_pytest.py "$LOGS/${name// /_}" -q -p no:cacheprovider -m mpi "${PATHS[@]}"
+        tests/mpi_pytest.py "$LOGS/${name//[^A-Za-z0-9=.-]/_}" -q -p no:cacheprovider -m mpi "${PATHS[@]}"
     local rc=$?
     if [ $rc -ne 0 ]; then
         failed+=("$name (exit $rc)")
-        for f in "$LOGS/${name// /_}"/rank*.log; do
+        for f in "$LOGS/${name//[^A-Za-z0-9=.-]/_}"/rank*.log; do
             [ -f "$f" ] && { echo "--- tail of $f"; tail -n 40 "$f"; }
         done
     fi
@@ -104,6 +111,27 @@ if "$PYTHON" -c "import torch.distributed, expecttest" 2>/dev/null; then
 else
     echo "=== torch distributed_test: skipped (torch or expecttest is not installed) ==="
 fi
+
+# The MPI part on other MPI libraries (Open MPI...), each from its own virtual
+# environment: at a few sizes, and with the shared-memory engine forced, where an MPI
+# behaves differently (progress, shared-memory windows, persistent collectives, error
+# classes); what cannot differ between MPIs runs once, above.
+for venv in ${OTHER_MPIS:-}; do
+    saved=("$PYTHON" "$MPIEXEC")
+    PYTHON="$venv/bin/python" MPIEXEC="$venv/bin/mpiexec"
+    mpi_flags
+    library=$("$PYTHON" -c "from mpi4py import MPI; v, n = MPI.get_vendor(); print(v, '.'.join(map(str, n)))")
+    PATHS=(tests/mpi tests/engines)
+    for n in ${OTHER_MPI_SIZES:-2 3}; do
+        mpi_run "$library: mpi n=$n" "$n"
+    done
+    PATHS=(tests/engines)
+    for n in ${OTHER_MPI_SHM_SIZES:-2}; do
+        mpi_run "$library: mpi n=$n shm=force" "$n" SPMD_SHM=force
+    done
+    PYTHON=${saved[0]} MPIEXEC=${saved[1]}
+    mpi_flags
+done
 
 echo "=== tests that launch their own jobs ==="
 timeout -k 10 "$LIMIT" "$PYTHON" -m pytest -q -p no:cacheprovider -m "not mpi" -rs tests/unit tests/jobs

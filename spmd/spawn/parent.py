@@ -233,6 +233,21 @@ def _serialize(fn: Callable, args: tuple) -> tuple[bytes, str | None]:
     return payload, os.path.abspath(main_file) if main_file and b"__main__" in payload else None
 
 
+def singleton_spawn_problem(launcher: str, vendor: tuple[str, tuple[int, ...]]) -> str | None:
+    """Why this MPI cannot spawn from a process no launcher started, or None.
+
+    Open MPI 5's MPI_Comm_spawn from a singleton fails inside the library ("OPAL ERROR:
+    Error in file ompi/dpm/dpm.c", open-mpi/ompi#12349 and #12916; mpi4py's own tests skip
+    it); under ``mpiexec -n 1`` it works."""
+    name, version = vendor
+    if launcher == SINGLETON and name == "Open MPI" and version[:1] >= (5,):
+        return (f"Open MPI {'.'.join(map(str, version))} cannot spawn from a process that "
+                "mpiexec did not start (its singleton MPI_Comm_spawn fails upstream, "
+                "open-mpi/ompi#12349); start this interpreter with `mpiexec -n 1 python ...`, "
+                "or use MPICH (pip install 'spmd[mpich]')")
+    return None
+
+
 class ProcessContext:
     """A running spawned job: ``join(timeout)`` until done; results in rank order.
 
@@ -533,6 +548,9 @@ def spawn(fn: Callable[..., Any], args: Sequence = (), nprocs: int = 1, join: bo
             "rank instead; spawn starts a job from a single process (python, ipython, Jupyter)")
     if _launcher.dead is not None:
         raise RuntimeError(f"spawn: {_launcher.dead}")
+    problem = singleton_spawn_problem(launch_info().launcher, MPI.get_vendor())
+    if problem is not None:
+        raise RuntimeError(f"spawn: {problem}")
     payload, main_file = _serialize(fn, tuple(args))
     start = time.monotonic()
     with _launcher.lock:
