@@ -36,6 +36,7 @@ __all__ = ["Entry", "FlightRecorder", "Ring", "dump_flight_recorder", "recorder"
 _monotonic = time.monotonic
 
 MPI_ENGINE = "MPI"
+NCCL_ENGINE = "NCCL"   # its blocking calls return when enqueued, before the op completes
 STARTED, COMPLETED = "started", "completed"
 KINDS = ("collective", "p2p")     # a group's op_counters, in this order
 

@@ -24,6 +24,10 @@ class Config:
     watchdog_interval: float = 1.0       # seconds between checks [SPMD_WATCHDOG_INTERVAL]
     heartbeat_timeout: float = 480.0     # stuck-watchdog report after [SPMD_HEARTBEAT_TIMEOUT]
     query_timeout: float = 3.0           # how long a diagnosis waits for peers [SPMD_QUERY_TIMEOUT]
+    # After an op on a GPU engine whose blocking calls return before it completes (NCCL)
+    # timed out: "abort" ends the job (torch's default, TORCH_NCCL_ASYNC_ERROR_HANDLING=3);
+    # "raise" keeps the process up, and the op's Work and the group's next op raise.
+    device_timeout: str = "abort"        # [SPMD_DEVICE_TIMEOUT]
 
 
 _ENV = {
@@ -31,6 +35,7 @@ _ENV = {
     "dump_dir": "SPMD_DUMP_DIR", "flight_recorder_size": "SPMD_FLIGHT_RECORDER_SIZE",
     "watchdog": "SPMD_WATCHDOG", "watchdog_interval": "SPMD_WATCHDOG_INTERVAL",
     "heartbeat_timeout": "SPMD_HEARTBEAT_TIMEOUT", "query_timeout": "SPMD_QUERY_TIMEOUT",
+    "device_timeout": "SPMD_DEVICE_TIMEOUT",
 }
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
 
@@ -55,6 +60,11 @@ def _convert(key: str, value, where: str):
             if level not in ("OFF", "INFO", "DETAIL"):
                 raise ValueError
             return level
+        elif key == "device_timeout":
+            policy = str(value).strip().lower()
+            if policy not in ("abort", "raise"):
+                raise ValueError
+            return policy
         else:
             return None if value in (None, "") else os.fspath(value)
     except (TypeError, ValueError):

@@ -17,7 +17,7 @@ from spmd.core.errors import DistTimeoutError
 from spmd.core.lines import write_lines
 from spmd.runtime.reliability import state
 
-__all__ = ["ABORT_GRACE", "excepthook"]
+__all__ = ["ABORT_GRACE", "abort_job", "after_device_timeout", "excepthook"]
 
 ABORT_GRACE = 0.5  # seconds between an uncaught exception's traceback and MPI_Abort
 
@@ -38,11 +38,39 @@ def excepthook(exc_type, exc, tb) -> None:
                 flight_recorder.dump(state.config.dump_dir, f"uncaught {exc_type.__name__}")
             except OSError:
                 pass
-        sys.stderr.write(f"{tag}spmd: uncaught {exc_type.__name__}: aborting the MPI job so no "
-                         "rank waits forever (SPMD_ABORT_ON_EXCEPTION=0 turns this off)\n")
-        sys.stderr.flush()
-        # The launcher forwards output through pipes and stops reading them when the
-        # abort reaches it: give it a moment to pass the traceback on first.
-        time.sleep(ABORT_GRACE)
-        MPI.COMM_WORLD.Abort(1)
+        abort_job(f"spmd: uncaught {exc_type.__name__}: aborting the MPI job so no rank waits "
+                  "forever (SPMD_ABORT_ON_EXCEPTION=0 turns this off)")
     sys.stderr.flush()
+
+
+def abort_job(text: str) -> None:
+    """Print ``text`` (rank-tagged) and end the whole MPI job (``MPI_Abort``)."""
+    tag = f"[rank {state.rank}] "
+    with contextlib.suppress(Exception):
+        sys.stdout.flush()
+    write_lines("\n".join(tag + line for line in text.splitlines()), sys.stderr)
+    sys.stderr.flush()
+    # The launcher forwards output through pipes and stops reading them when the abort
+    # reaches it: give it a moment to pass the text on first.
+    time.sleep(ABORT_GRACE)
+    MPI.COMM_WORLD.Abort(1)
+
+
+def after_device_timeout(engine: str, op: str, seq: int | None,
+                         diagnosis: str | None = None) -> None:
+    """An op on ``engine`` timed out (found by the watchdog or by a waiting rank).  On an
+    engine whose blocking calls return before the op completes (NCCL), the program may
+    already hold the op's outputs as if they were results; by default the job ends here,
+    after the diagnosis (torch's default does the same).  With ``SPMD_DEVICE_TIMEOUT=
+    raise`` the process stays up: the op's Work, the group's next op and its next wait
+    raise instead, so a fault-tolerant program can go on without that data.
+
+    ``diagnosis``: the timeout's text where nobody has printed it yet (a waiting rank's,
+    which would otherwise only be raised)."""
+    if engine != flight_recorder.NCCL_ENGINE or state.config.device_timeout != "abort":
+        return
+    text = "" if diagnosis is None else diagnosis + "\n"
+    abort_job(text + f"spmd: {op} #{seq} timed out on the GPU ({engine}); its outputs are not "
+              "results, so the job ends here (SPMD_DEVICE_TIMEOUT=raise, or pg_options="
+              "{'device_timeout': 'raise'}, keeps this process up: the op's Work and the "
+              "group's next op then raise)")

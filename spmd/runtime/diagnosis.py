@@ -11,6 +11,7 @@ from spmd.backends.checked import checking
 from spmd.core import flight_recorder
 from spmd.core.context import GroupContext
 from spmd.core.optable import is_p2p
+from spmd.runtime.abort import after_device_timeout
 from spmd.runtime.group import world_state
 from spmd.runtime.locations import where
 from spmd.runtime.reliability import state
@@ -228,4 +229,5 @@ def diagnose_timeout(op: str, g: GroupContext, seq: int | None, kind: str, waite
     text = handle_timeout(op, g, seq, kind, waited, source, engine)
     if source != "wait":
         text += f"\n  (timed out {source})"
+    after_device_timeout(engine, op, seq, f"{op}: {text}")
     return text

@@ -11,6 +11,7 @@ import time
 import traceback
 
 from spmd.core import flight_recorder
+from spmd.runtime.abort import after_device_timeout
 from spmd.runtime.diagnosis import handle_timeout
 from spmd.runtime.locations import frame_of
 from spmd.runtime.reliability import report, state
@@ -66,6 +67,7 @@ class Watchdog:
                     text += f"\n  the group's {engine} communicator was aborted"
                 report(f"spmd watchdog: {op} #{seq} on group {g.name} is still {where} "
                        f"{age:.1f} s after it started and nobody waits for it:\n{text}")
+                after_device_timeout(engine, op, seq)
 
     def close(self) -> None:
         self._stop.set()

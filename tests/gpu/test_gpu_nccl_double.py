@@ -31,8 +31,15 @@ def double(dist):
 
 
 @pytest.fixture
-def nccl_group(fresh, double):
-    """Makes a new group of every rank whose GPU arrays go to NCCL, with a 1 s timeout."""
+def nccl_group(fresh, double, monkeypatch):
+    """Makes a new group of every rank whose GPU arrays go to NCCL, with a 1 s timeout.
+
+    These tests time NCCL ops out on purpose and look at what follows in the process, so
+    the device-timeout policy is "raise" here; the default ("abort": the job ends) is
+    tested on whole jobs (tests/jobs/test_reliability_jobs.py)."""
+    from spmd.runtime.reliability import state
+
+    monkeypatch.setattr(state.config, "device_timeout", "raise")
     return lambda desc: fresh(backend=SPEC, timeout=timedelta(seconds=1), group_desc=desc)
 
 

@@ -22,7 +22,7 @@ from spmd.core import cuda as _gpu
 from spmd.core.bootstrap import broadcast_value, check_distinct_gpus
 from spmd.core.context import GroupContext
 from spmd.core.errors import DistBackendError, GroupBrokenError, located
-from spmd.core.flight_recorder import recorder
+from spmd.core.flight_recorder import NCCL_ENGINE, recorder
 from spmd.core.timeouts import to_seconds
 from spmd.core.wait import wait_until
 from spmd.core.work import Work
@@ -323,7 +323,7 @@ class NcclWork(Work):
 
     __slots__ = ("_blocking", "_device_end", "_event", "_owner", "_peer")
 
-    engine = "NCCL"
+    engine = NCCL_ENGINE
 
     def __init__(self, owner: Communicator, event, op: str, outputs, keep, blocking=False,
                  peer=None):
