@@ -28,8 +28,8 @@ from spmd.api.collectives import root_rank
 from spmd.api.p2p import peer_rank
 from spmd.backends import checked as _checked
 from spmd.backends.mpi.engine import OBJECT_TAG
+from spmd.backends.mpi.work import MPIWork
 from spmd.core.errors import DistTimeoutError, located
-from spmd.core.work import Work
 from spmd.runtime.group import GroupArg, ProcessGroup, resolve
 
 __all__ = [
@@ -73,8 +73,8 @@ def _pieces(buf: np.ndarray) -> list[np.ndarray]:
     return [buf[i:i + per] for i in range(0, buf.size, per)] or [buf]
 
 
-def _wait(pg: ProcessGroup, op: str, reqs, keep=None, status=None) -> Work:
-    work = Work(reqs if isinstance(reqs, list) else [reqs], op, pg.context, None, keep=keep, status=status)
+def _wait(pg: ProcessGroup, op: str, reqs, keep=None, status=None) -> MPIWork:
+    work = MPIWork(reqs if isinstance(reqs, list) else [reqs], op, pg.context, None, keep=keep, status=status)
     work.wait()
     return work
 

@@ -38,6 +38,7 @@ from mpi4py import MPI
 from spmd.api import collectives as _c
 from spmd.backends import checked as _checked
 from spmd.backends.mpi.packing import PackPlan
+from spmd.backends.mpi.work import MPIWork
 from spmd.backends.reduction import AVERAGE, PLANS, checked_plan, mpi_view
 from spmd.core.arrays import array_in, array_list, array_out, common_device, movable
 from spmd.core.errors import located
@@ -176,13 +177,13 @@ class Plan:
             assert work is not None  # the plan's group holds this rank: a Work, not None
         elif type(self._req) is not list:
             self._req.Start()
-            work = Work([self._req], self.name, self.group.context, self._outputs, finish=self._finish,
+            work = MPIWork([self._req], self.name, self.group.context, self._outputs, finish=self._finish,
                         keep=self._keep)
         else:
             if self._prepare is not None:
                 self._prepare()
             _startall(self._req)
-            work = Work([_AllOf(self._req)], self.name, self.group.context, self._outputs,
+            work = MPIWork([_AllOf(self._req)], self.name, self.group.context, self._outputs,
                         finish=self._finish, keep=self._keep)
         self._work = work
         return work

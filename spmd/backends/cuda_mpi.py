@@ -28,6 +28,7 @@ from mpi4py import MPI
 from spmd.backends import gpu_aware_mpi as _aware
 from spmd.backends.base import Engine
 from spmd.backends.host import HostEngine
+from spmd.backends.mpi.work import MPIWork
 from spmd.backends.reduction import PLANS, counts_displs
 from spmd.backends.registry import Backend
 from spmd.core import cuda as _gpu
@@ -152,7 +153,7 @@ class CudaMPIEngine(Engine):
         return work
 
     def _direct(self, reqs, op, outputs, keep, status=None) -> Work:
-        return Work(reqs, op, self.group, outputs, keep=keep, status=status)
+        return MPIWork(reqs, op, self.group, outputs, keep=keep, status=status)
 
     # -- reductions --------------------------------------------------------------------
 

@@ -1,4 +1,10 @@
-"""Work: the handle of a started operation, wrapping its nonblocking MPI requests."""
+"""Work: the handle of a started operation, whatever engine runs it.
+
+Each engine's Work says how to test its operation (``_test``): MPI requests
+(:class:`spmd.backends.mpi.work.MPIWork`), the shared-memory engine's steps, an NCCL end
+event.  What every Work does alike lives here: the wait under the group's timeout
+through the one wait helper, the finish step, the observers, the Future.
+"""
 
 from __future__ import annotations
 
@@ -6,17 +12,12 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
-from mpi4py import MPI
-
 from spmd.core.context import GroupContext
 from spmd.core.futures import Future
 from spmd.core.timeouts import to_seconds
 from spmd.core.wait import wait_until
 
 __all__ = ["Work"]
-
-_testall = MPI.Request.Testall
-
 
 # Side paths (comms logger, flight recorder, watchdog) see every Work when it starts
 # and when it completes.  With none registered the cost is one truth test per event.
@@ -57,22 +58,19 @@ class Work:
     until it completes; results land in the caller's arrays when it completes.
     """
 
-    __slots__ = ("_reqs", "_finish", "_outputs", "_keep", "_done", "_exc", "_future",
-                 "_op", "_group", "_status", "_meta", "_fr_entry", "__weakref__")
+    __slots__ = ("_finish", "_outputs", "_keep", "_done", "_exc", "_future",
+                 "_op", "_group", "_meta", "_fr_entry", "__weakref__")
 
-    engine = "MPI"        # what runs the operation, for diagnoses
+    engine = "?"          # what runs the operation, for diagnoses (each engine's Work says)
     _device_end: tuple[Any, Any] | None = None  # (engine, end event) of an operation that ends on a GPU stream
 
-    def __init__(self, reqs: list, op: str, group: GroupContext, outputs: list | None = None,
-                 *, finish: Callable[[], None] | None = None, keep: Any = None,
-                 status: MPI.Status | None = None):
-        self._reqs = reqs
+    def __init__(self, op: str, group: GroupContext, outputs: list | None = None,
+                 *, finish: Callable[[], None] | None = None, keep: Any = None):
         self._op = op
         self._group = group
         self._outputs = outputs
         self._finish = finish
-        self._keep = keep          # buffers MPI is reading or writing
-        self._status = status      # for receives: who sent it
+        self._keep = keep          # buffers the operation is reading or writing
         self._done = False
         self._exc: BaseException | None = None
         self._future: Future | None = None
@@ -82,10 +80,8 @@ class Work:
                 obs.started(self)
 
     def _test(self) -> bool:
-        reqs = self._reqs
-        if len(reqs) == 1:  # most ops: Test skips Testall's list conversion
-            return reqs[0].Test(self._status)
-        return _testall(reqs)
+        """Whether the operation has completed; never blocks (each engine's Work says how)."""
+        raise NotImplementedError(f"{type(self).__name__} does not say how to test {self._op}")
 
     def _complete(self) -> None:
         self._done = True
@@ -117,9 +113,7 @@ class Work:
         """
         seconds = None if timeout is None else to_seconds(timeout, f"{self._op}: Work.wait")
         if not self._done:
-            # Inlined _test(): this is every blocking call's path.
-            reqs = self._reqs
-            if not (reqs[0].Test(self._status) if len(reqs) == 1 else _testall(reqs)):
+            if not self._test():
                 self._poll(self._group.timeout if seconds is None else seconds)
             if self._finish is None and not observers and self._future is None:
                 self._done = True  # _complete() with nothing to run
@@ -131,9 +125,7 @@ class Work:
         return True
 
     def _poll(self, seconds: float) -> None:
-        reqs = self._reqs
-        test = reqs[0].Test if len(reqs) == 1 and self._status is None else self._test
-        wait_until(test, seconds, self._op, self._group, work=self)
+        wait_until(self._test, seconds, self._op, self._group, work=self)
 
     def synchronize(self) -> None:
         """Block the host until the operation completes (same as ``wait`` for host arrays)."""
@@ -159,11 +151,8 @@ class Work:
         return self._outputs if self._outputs is not None else []
 
     def source_rank(self) -> int:
-        """For a receive from any source: the global rank of the sender (waits first)."""
-        if self._status is None:
-            raise RuntimeError(f"{self._op}: source_rank() is only defined for receives")
-        self.wait()
-        return self._group.global_rank(self._status.Get_source())
+        """For a receive: the global rank of the sender (waits first)."""
+        raise RuntimeError(f"{self._op}: source_rank() is only defined for receives")
 
     def get_future(self) -> Future:
         """Return a Future completed with the output arrays when this Work completes."""

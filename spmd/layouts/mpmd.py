@@ -30,6 +30,7 @@ from mpi4py import MPI
 from spmd.api.p2p import check_tag
 from spmd.backends import checked as _checked
 from spmd.backends import gpu_aware_mpi as _aware
+from spmd.backends.mpi.work import MPIWork
 from spmd.backends.staging import Staging, use_device_pointer
 from spmd.core import cuda as _gpu
 from spmd.core.arrays import array_in, array_out, contiguous, is_device_array, movable
@@ -293,7 +294,7 @@ class Link:
             buf = self._device_source(a, op, collective=False)
         else:
             buf = movable(contiguous(a))
-        return Work([comm.Isend(buf, peer, tag)], op, self._ctx, [a], keep=(a, buf))
+        return MPIWork([comm.Isend(buf, peer, tag)], op, self._ctx, [a], keep=(a, buf))
 
     def _irecv(self, tensor, src, tag, op: str) -> Work:
         comm = self._live(op)
@@ -306,7 +307,7 @@ class Link:
             buf, finish = self._host_target(a)
         status = MPI.Status()
         req = comm.Irecv(movable(buf), peer, tag)
-        return Work([req], op, self._ctx, [a], finish=finish, keep=(a, buf), status=status)
+        return MPIWork([req], op, self._ctx, [a], finish=finish, keep=(a, buf), status=status)
 
     def isend(self, tensor: Array, dst: int, tag: int = 0) -> Work:
         """Start sending ``tensor`` to rank ``dst`` of the other program; return a Work."""
@@ -339,7 +340,7 @@ class Link:
         return sending
 
     def _wait(self, req, op: str, keep=None, status=None) -> Work:
-        work = Work([req], op, self._ctx, None, keep=keep, status=status)
+        work = MPIWork([req], op, self._ctx, None, keep=keep, status=status)
         work.wait()
         return work
 

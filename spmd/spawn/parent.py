@@ -254,7 +254,7 @@ class ProcessContext:
     Returned by ``spawn(..., join=False)``; ``spawn(..., join=True)`` joins it for you.
     """
 
-    def __init__(self, comm: MPI.Intercomm, nprocs: int, deadline: float | None,
+    def __init__(self, comm: Any, nprocs: int, deadline: float | None,
                  job_file: str | None):
         self._comm: MPI.Intercomm | None = comm  # None once the job has ended
         self.nprocs, self._deadline = nprocs, deadline

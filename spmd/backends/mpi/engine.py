@@ -13,6 +13,7 @@ from mpi4py import MPI
 
 from spmd.backends.base import Engine
 from spmd.backends.mpi.packing import pack_buckets
+from spmd.backends.mpi.work import MPIWork
 from spmd.backends.reduction import (
     AVERAGE,
     PLANS,
@@ -115,7 +116,7 @@ class MPIEngine(Engine):
         return finish
 
     def _work(self, reqs, op, outputs, *, finish=None, keep=None, status=None) -> Work:
-        return Work(reqs, op, self.group, outputs, finish=finish, keep=keep, status=status)
+        return MPIWork(reqs, op, self.group, outputs, finish=finish, keep=keep, status=status)
 
     # -- reductions --------------------------------------------------------------
 
@@ -129,7 +130,7 @@ class MPIEngine(Engine):
         if type(plan) is ReductionPlan and plan.simple and a.flags.c_contiguous:
             req = self.comm.Iallreduce(_IN_PLACE, a if plan.view is None else a.view(plan.view),
                                        plan.mpi_op)
-            return Work([req], "all_reduce", self.group, [a], keep=a)
+            return MPIWork([req], "all_reduce", self.group, [a], keep=a)
         plan = self._plan(a.dtype, op, "all_reduce")
         buf = self._stage(a, plan, op, True)
         req = self.comm.Iallreduce(_IN_PLACE, mpi_view(buf, plan), plan.mpi_op)
@@ -162,7 +163,7 @@ class MPIEngine(Engine):
                     avg(p.buf, n)
                 p.unpack()
 
-        return Work(reqs, "all_reduce_coalesced", self.group, list(tensors), finish=finish, keep=packed)
+        return MPIWork(reqs, "all_reduce_coalesced", self.group, list(tensors), finish=finish, keep=packed)
 
     def reduce(self, a, root, op):
         try:
@@ -175,7 +176,7 @@ class MPIEngine(Engine):
                 req = self.comm.Ireduce(_IN_PLACE, m, plan.mpi_op, root)
             else:
                 req = self.comm.Ireduce(m, None, plan.mpi_op, root)
-            return Work([req], "reduce", self.group, [a], keep=a)
+            return MPIWork([req], "reduce", self.group, [a], keep=a)
         plan = self._plan(a.dtype, op, "reduce")
         is_root = self.rank == root
         buf = self._stage(a, plan, op, is_root)
@@ -196,7 +197,7 @@ class MPIEngine(Engine):
             req = self.comm.Ireduce_scatter_block(a if view is None else a.view(view),
                                                   out if view is None else out.view(view),
                                                   plan.mpi_op)
-            return Work([req], "reduce_scatter_tensor", self.group, [out], keep=(a, out))
+            return MPIWork([req], "reduce_scatter_tensor", self.group, [out], keep=(a, out))
         plan = self._plan(a.dtype, op, "reduce_scatter_tensor")
         buf = self._stage(a, plan, op, False)
         rbuf = _recv_buffer(out, plan.upcast)
@@ -220,7 +221,7 @@ class MPIEngine(Engine):
         if a.flags.c_contiguous:  # the common case: MPI moves the array itself
             view = MOVE_AS[a.dtype]
             req = self.comm.Ibcast(a if view is None else a.view(view), root)
-            return Work([req], "broadcast", self.group, [a], keep=a)
+            return MPIWork([req], "broadcast", self.group, [a], keep=a)
         buf = contiguous(a)
         req = self.comm.Ibcast(movable(buf), root)
         finish = None if buf is a or self.rank == root else (lambda: np.copyto(a, buf))
@@ -244,7 +245,7 @@ class MPIEngine(Engine):
                 req = self.comm.Iallgather(a, out)
             else:
                 req = self.comm.Iallgather(a.view(view), out.view(view))
-            return Work([req], "all_gather_into_tensor", self.group, [out], keep=(a, out))
+            return MPIWork([req], "all_gather_into_tensor", self.group, [out], keep=(a, out))
         src = movable(contiguous(a))
         rbuf = _recv_buffer(out)
         req = self.comm.Iallgather(src, movable(rbuf))
@@ -301,7 +302,7 @@ class MPIEngine(Engine):
                 req = self.comm.Ialltoall(a, out)
             else:
                 req = self.comm.Ialltoall(a.view(view), out.view(view))
-            return Work([req], "all_to_all_single", self.group, [out], keep=(a, out))
+            return MPIWork([req], "all_to_all_single", self.group, [out], keep=(a, out))
         src = movable(contiguous(a))
         rbuf = _recv_buffer(out)
         if input_counts is None:
@@ -313,7 +314,7 @@ class MPIEngine(Engine):
         return self._work([req], "all_to_all_single", [out], finish=finish, keep=(src, rbuf))
 
     def barrier(self):
-        return Work([self.comm.Ibarrier()], "barrier", self.group, [])
+        return MPIWork([self.comm.Ibarrier()], "barrier", self.group, [])
 
     # -- point to point ----------------------------------------------------------
 
@@ -321,7 +322,7 @@ class MPIEngine(Engine):
         if a.flags.c_contiguous:
             view = MOVE_AS[a.dtype]
             req = self.comm.Isend(a if view is None else a.view(view), peer, tag)
-            return Work([req], "send", self.group, [a], keep=a)
+            return MPIWork([req], "send", self.group, [a], keep=a)
         buf = movable(contiguous(a))
         return self._work([self.comm.Isend(buf, peer, tag)], "send", [a], keep=buf)
 
@@ -331,7 +332,7 @@ class MPIEngine(Engine):
             status = MPI.Status()
             req = self.comm.Irecv(a if view is None else a.view(view),
                                   _ANY_SOURCE if peer is None else peer, tag)
-            return Work([req], "recv", self.group, [a], keep=a, status=status)
+            return MPIWork([req], "recv", self.group, [a], keep=a, status=status)
         buf = _recv_buffer(a)
         status = MPI.Status()
         req = self.comm.Irecv(movable(buf), MPI.ANY_SOURCE if peer is None else peer, tag)

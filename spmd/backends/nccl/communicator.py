@@ -333,7 +333,7 @@ class NcclWork(Work):
         self._peer = peer          # receives: the group rank received from
         # The flight recorder asks the end event itself whether the op has finished.
         self._device_end = (owner, event)
-        super().__init__([], op, owner.group, outputs, keep=keep)
+        super().__init__(op, owner.group, outputs, keep=keep)
 
     def _test(self) -> bool:
         self._owner.check(self._op)

@@ -51,7 +51,7 @@ class ShmWork(Work):
 
     def __init__(self, task: Task, op: str, group: GroupContext, outputs, keep=None):
         self._task = task
-        super().__init__([], op, group, outputs, keep=keep)
+        super().__init__(op, group, outputs, keep=keep)
 
     def _test(self) -> bool:
         task = self._task
