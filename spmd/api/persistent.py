@@ -48,7 +48,8 @@ from spmd.core.typing import Array
 from spmd.core.work import Work
 from spmd.runtime.group import GroupArg, ProcessGroup, resolve
 
-__all__ = ["Plan", "available", "persistent_collectives_work", "all_reduce",
+__all__ = ["Plan", "available", "native_on", "persistent_collectives_work", "restarts_correctly",
+           "all_reduce",
            "all_reduce_coalesced", "broadcast", "reduce", "all_gather_into_tensor",
            "reduce_scatter_tensor", "all_to_all_single", "barrier"]
 
@@ -59,6 +60,8 @@ _ndarray = np.ndarray
 
 # Plans made per group: a plan's number, the same on every rank that makes the same plans.
 _plans_made: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+# Per group: whether its communicator restarts a persistent collective correctly.
+_restarts: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def available() -> bool:
@@ -73,6 +76,28 @@ def available() -> bool:
 
 
 _works: bool | None = None   # the probe's answer, once asked
+
+
+def restarts_correctly(comm: MPI.Intracomm) -> bool:
+    """Whether a persistent all-gather on ``comm`` gives every rank the right result when
+    started again with new input; collective, the same answer on every rank.
+
+    Intel MPI 2021.18 at 2 and 4 ranks leaves a rank's own block one start behind (the
+    second start returns the first start's input there), so a group whose library does
+    that runs its plans as nonblocking collectives instead."""
+    n, rank = comm.Get_size(), comm.Get_rank()
+    send, recv = np.zeros(2, np.int32), np.zeros(2 * n, np.int32)
+    req = comm.Allgather_init(send, recv)
+    ok = True
+    try:
+        for step in (1, 2):
+            send[:] = 10 * rank + step
+            req.Start()
+            req.Wait()
+            ok = ok and bool((recv == np.repeat(10 * np.arange(n) + step, 2)).all())
+    finally:
+        req.Free()
+    return bool(comm.allreduce(ok, op=MPI.LAND))
 
 
 def persistent_collectives_work(comm: MPI.Intracomm) -> bool:
@@ -118,6 +143,18 @@ class _AllOf:
         return True
 
 
+def native_on(pg: ProcessGroup) -> bool:
+    """Whether ``pg``'s plans may be the library's persistent collectives: the library
+    has them, and (asked once per group, of every rank) restarts them correctly."""
+    if not available():
+        return False
+    verdict = _restarts.get(pg)
+    if verdict is None:
+        ctx = pg.context
+        verdict = _restarts[pg] = ctx.size == 1 or restarts_correctly(ctx.comm)
+    return verdict
+
+
 class Plan:
     """One prepared collective; ``start()`` runs it and returns its Work."""
 
@@ -144,7 +181,7 @@ class Plan:
         self._args = args  # the planned collective's engine arguments: its fingerprint
         if _checked.active:
             self._check("make")
-        ok = native_init is not None and available()
+        ok = native_init is not None and native_on(pg)
         # Both sides of a plan must be the same kind on every rank (an MPI_Start does
         # not match a nonblocking collective), so the ranks agree before either starts.
         if pg.context.size > 1:

@@ -9,17 +9,25 @@ from spmd.api import persistent
 pytestmark = pytest.mark.mpi
 
 
-@pytest.fixture(params=["native", "fallback"])
-def mode(request, monkeypatch):
+@pytest.fixture(params=["native", "fallback", "auto"])
+def mode(request, monkeypatch, dist):
+    """native: the library's persistent collectives (where it runs them right);
+    fallback: nonblocking collectives (SPMD_PERSISTENT=0); auto: whatever spmd chose on
+    this library, results checked all the same."""
     if request.param == "fallback":
         monkeypatch.setenv("SPMD_PERSISTENT", "0")
-    elif not persistent.available():
-        pytest.skip("this MPI library has no persistent collectives")
+    elif request.param == "native":
+        if not persistent.available():
+            pytest.skip("this MPI library has no persistent collectives")
+        if not persistent.native_on(dist.GroupMember.WORLD):
+            pytest.skip("this MPI library restarts a persistent all-gather wrongly on this "
+                        "group (Intel MPI 2021.18 at 2 and 4 ranks): plans fall back")
     return request.param
 
 
 def _check_native(plan, mode):
-    assert plan.native == (mode == "native"), plan
+    if mode != "auto":
+        assert plan.native == (mode == "native"), plan
 
 
 def test_all_reduce_over_starts(dist, mode):
