@@ -217,7 +217,7 @@ def _case(op: str, count: int, dtype, spmd, comm, torch_, persistent_ok: bool):
     plans = []
     impls: dict = {}
     td = torch_.dist if torch_ else None
-    persistent = spmd.api.persistent if persistent_ok and op in _PERSISTENT_OPS else None
+    persistent = spmd.persistent if persistent_ok and op in _PERSISTENT_OPS else None
 
     def start_wait(plan):
         plans.append(plan)

@@ -26,7 +26,7 @@ def test_import_torch_registers_without_starting_mpi():
     proc = _plain()
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout.splitlines()[0]) == \
-        {"registered": True, "mpi4py.MPI": False, "spmd": False}
+        {"registered": True, "mpi4py.MPI": False, "spmd.runtime": False}
 
 
 def test_autoload_off_then_explicit_import():
