@@ -32,6 +32,7 @@ from spmd.core.ops import ReduceOp
 from spmd.core.typing import Array, Timeout
 from spmd.core.work import Work
 from spmd.runtime.group import GroupArg, ProcessGroup, resolve
+from spmd.runtime.world import Backend
 
 __all__ = [
     "broadcast",
@@ -438,10 +439,6 @@ def _row_size(a) -> int:
 def _barrier_device(pg: ProcessGroup, device_ids) -> str:
     """MPI's barrier when the group has a host backend (or device_ids is empty), else the
     GPU backend's (a group made with backend="nccl" has only that)."""
-    if not device_ids and "cpu" in pg._engines:
-        return "cpu"
-    from spmd.runtime.world import Backend
-
     devices = Backend.device_map(pg.context.backend_name)
     if "cpu" in devices and not device_ids:
         return "cpu"

@@ -34,7 +34,7 @@ from spmd.backends.registry import Backend
 from spmd.core import cuda as _gpu
 from spmd.core.arrays import contiguous, movable
 from spmd.core.context import GroupContext
-from spmd.core.work import Work
+from spmd.core.work import Work, then
 
 __all__ = ["CudaMPIEngine"]
 
@@ -139,17 +139,10 @@ class CudaMPIEngine(Engine):
     def _staged(self, work: Work, pairs, outputs) -> Work:
         """Let ``work`` (a host operation on staged buffers) finish by copying ``pairs``
         (device array, host buffer) back, and report the device arrays as its outputs."""
-        host_finish = work._finish
         up = self._up
-
-        def finish():
-            if host_finish is not None:
-                host_finish()
-            up(pairs)
-
-        work._finish = finish
-        work._outputs = outputs
-        work._keep = (work._keep, pairs)
+        then(work, lambda: up(pairs))
+        work.outputs = outputs
+        work.keep = (work.keep, pairs)
         return work
 
     def _direct(self, reqs, op, outputs, keep, status=None) -> Work:

@@ -96,7 +96,7 @@ class HostEngine(Engine):
             except BaseException:
                 packed.release()
                 raise
-            work._outputs = list(tensors)   # the Future's value, as torch gives
+            work.outputs = list(tensors)   # the Future's value, as torch gives
             then(work, packed.unpack)
             return work
         return self.mpi.all_reduce_coalesced(tensors, op)

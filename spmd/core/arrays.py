@@ -89,6 +89,7 @@ def tensor_as_numpy(t, op: str, arg: str, group: GroupContext, bits_as=None) -> 
     try:
         src = t if bits_as is None else t.view(bits_as)
         if _to_dlpack is None:
+            # torch's private _C: the versioned DLPack export, where torch has it
             _to_dlpack = getattr(sys.modules["torch"]._C, "_to_dlpack_versioned", False)
         if _to_dlpack is False:
             return np.from_dlpack(src)

@@ -246,21 +246,21 @@ class FlightRecorder:
 
     def started(self, work) -> None:
         try:
-            a = work._outputs[0]
+            a = work.outputs[0]
             a.size  # noqa: B018 - an array, not a list of lists
         except (TypeError, IndexError, AttributeError):  # no outputs, or a list of lists
             a = None
-        n = work._fr_entry = self.begin(work._op, work._group, a, work.engine)
-        device_end = work._device_end
+        n = work.flight_number = self.begin(work.op, work.group, a, work.engine)
+        device_end = work.device_end
         if device_end is not None:
             self.ring.devices[n % self.ring.capacity] = device_end
 
     def completed(self, work) -> None:
         try:
-            n = work._fr_entry
+            n = work.flight_number
         except AttributeError:  # started before the recorder was registered
             return
-        self.end(n, work._exc is not None)
+        self.end(n, work.error is not None)
 
     def mark_timed_out(self, number: int) -> None:
         """A timeout was reported for operation ``number`` (the watchdog reports it no

@@ -30,7 +30,7 @@ class Future:
         self._poll_fn: Callable[[], object] | None = None
 
     @classmethod
-    def _driven_by(cls, wait_fn: Callable[[], object], poll_fn: Callable[[], object]) -> Future:
+    def driven_by(cls, wait_fn: Callable[[], object], poll_fn: Callable[[], object]) -> Future:
         """A future completed by its producer: ``wait_fn`` blocks until the producer is
         done, ``poll_fn`` tests it once (both complete the future through set_result)."""
         fut = cls()
@@ -100,7 +100,7 @@ class Future:
 
         An exception raised by the callback becomes the new future's error.
         """
-        child = Future._driven_by(self.wait, self.done)
+        child = Future.driven_by(self.wait, self.done)
 
         def run(parent: Future) -> None:
             try:
@@ -126,7 +126,7 @@ def collect_all(futures: Iterable[Future]) -> Future:
             except Exception:  # noqa: BLE001 - each future keeps its own error
                 pass
 
-    result = Future._driven_by(wait_each, lambda: all(f.done() for f in futs))
+    result = Future.driven_by(wait_each, lambda: all(f.done() for f in futs))
     remaining = [len(futs)]
 
     def one_done(_: Future) -> None:

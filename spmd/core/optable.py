@@ -186,17 +186,17 @@ def work_bytes(work: Any) -> int:
     largest buffer one rank holds, as nccl-tests counts it (the array of an all-reduce,
     broadcast, reduce or send; the gathered output of an all-gather; the input of a
     reduce-scatter or an all-to-all)."""
-    op = work._op
+    op = work.op
     spec = OPS.get(op)
     share = spec is not None and spec.share_output
-    outputs = work._outputs
+    outputs = work.outputs
     if outputs and len(outputs) == 1 and hasattr(outputs[0], "nbytes"):  # most ops
         size = outputs[0].nbytes
-        return size * work._group.size if share else size
+        return size * work.group.size if share else size
     size = _nbytes(outputs) if outputs else 0
-    if size == 0 and work._keep is not None:
+    if size == 0 and work.keep is not None:
         # gather on a non-root rank: only the buffer it sends is known
-        size = _nbytes(work._keep) * (work._group.size if op == "gather" else 1)
+        size = _nbytes(work.keep) * (work.group.size if op == "gather" else 1)
     elif share:
-        size *= work._group.size
+        size *= work.group.size
     return size

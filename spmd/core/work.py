@@ -58,21 +58,21 @@ class Work:
     until it completes; results land in the caller's arrays when it completes.
     """
 
-    __slots__ = ("_finish", "_outputs", "_keep", "_done", "_exc", "_future",
-                 "_op", "_group", "_meta", "_fr_entry", "__weakref__")
+    __slots__ = ("_finish", "outputs", "keep", "_done", "error", "_future",
+                 "op", "group", "_meta", "flight_number", "__weakref__")
 
     engine = "?"          # what runs the operation, for diagnoses (each engine's Work says)
-    _device_end: tuple[Any, Any] | None = None  # (engine, end event) of an operation that ends on a GPU stream
+    device_end: tuple[Any, Any] | None = None  # (engine, end event) of an op that ends on a GPU stream
 
     def __init__(self, op: str, group: GroupContext, outputs: list | None = None,
                  *, finish: Callable[[], None] | None = None, keep: Any = None):
-        self._op = op
-        self._group = group
-        self._outputs = outputs
+        self.op = op
+        self.group = group
+        self.outputs = outputs
         self._finish = finish
-        self._keep = keep          # buffers the operation is reading or writing
+        self.keep = keep          # buffers the operation is reading or writing
         self._done = False
-        self._exc: BaseException | None = None
+        self.error: BaseException | None = None
         self._future: Future | None = None
         self._meta = None          # for observers: whatever they attach to this Work
         if observers:
@@ -81,7 +81,7 @@ class Work:
 
     def _test(self) -> bool:
         """Whether the operation has completed; never blocks (each engine's Work says how)."""
-        raise NotImplementedError(f"{type(self).__name__} does not say how to test {self._op}")
+        raise NotImplementedError(f"{type(self).__name__} does not say how to test {self.op}")
 
     def _complete(self) -> None:
         self._done = True
@@ -90,17 +90,17 @@ class Work:
             try:
                 finish()
             except Exception as exc:  # noqa: BLE001 - reported through wait()/exception()
-                self._exc = exc
+                self.error = exc
         self._finish = None
-        self._keep = None
+        self.keep = None
         if observers:
             for obs in observers:
                 obs.completed(self)
         if self._future is not None:
-            if self._exc is None:
-                self._future.set_result(self._outputs)
+            if self.error is None:
+                self._future.set_result(self.outputs)
             else:
-                self._future.set_exception(self._exc)
+                self._future.set_exception(self.error)
 
     def wait(self, timeout: timedelta | float | None = None) -> bool:
         """Block until the operation completes; return True.
@@ -111,21 +111,21 @@ class Work:
         Raises:
             DistTimeoutError: the operation did not complete in time.
         """
-        seconds = None if timeout is None else to_seconds(timeout, f"{self._op}: Work.wait")
+        seconds = None if timeout is None else to_seconds(timeout, f"{self.op}: Work.wait")
         if not self._done:
             if not self._test():
-                self._poll(self._group.timeout if seconds is None else seconds)
+                self._poll(self.group.timeout if seconds is None else seconds)
             if self._finish is None and not observers and self._future is None:
                 self._done = True  # _complete() with nothing to run
-                self._keep = None
+                self.keep = None
             else:
                 self._complete()
-        if self._exc is not None:
-            raise self._exc
+        if self.error is not None:
+            raise self.error
         return True
 
     def _poll(self, seconds: float) -> None:
-        wait_until(self._test, seconds, self._op, self._group, work=self)
+        wait_until(self._test, seconds, self.op, self.group, work=self)
 
     def synchronize(self) -> None:
         """Block the host until the operation completes (same as ``wait`` for host arrays)."""
@@ -139,34 +139,34 @@ class Work:
 
     def is_success(self) -> bool:
         """Return True if the operation completed without error."""
-        return self.is_completed() and self._exc is None
+        return self.is_completed() and self.error is None
 
     def exception(self) -> BaseException | None:
         """Return the error the operation ended with, or None."""
-        return self._exc
+        return self.error
 
     def result(self) -> list:
         """Return the operation's output arrays (waiting for it first)."""
         self.wait()
-        return self._outputs if self._outputs is not None else []
+        return self.outputs if self.outputs is not None else []
 
     def source_rank(self) -> int:
         """For a receive: the global rank of the sender (waits first)."""
-        raise RuntimeError(f"{self._op}: source_rank() is only defined for receives")
+        raise RuntimeError(f"{self.op}: source_rank() is only defined for receives")
 
     def get_future(self) -> Future:
         """Return a Future completed with the output arrays when this Work completes."""
         if self._future is None:
-            self._future = Future._driven_by(self.wait, self.is_completed)
+            self._future = Future.driven_by(self.wait, self.is_completed)
             if self._done:
-                if self._exc is None:
-                    self._future.set_result(self._outputs)
+                if self.error is None:
+                    self._future.set_result(self.outputs)
                 else:
-                    self._future.set_exception(self._exc)
+                    self._future.set_exception(self.error)
         return self._future
 
     def __repr__(self) -> str:
         state = "completed" if self._done else "pending"
-        return f"<Work {self._op} {state} group={self._group.name}>"
+        return f"<Work {self.op} {state} group={self.group.name}>"
 
 

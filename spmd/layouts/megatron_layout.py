@@ -55,7 +55,7 @@ def layout_mesh(order: list[str], sizes: dict[str, int], drop: str, names: dict[
     dims = axes(order, drop)
     full = np.arange(math.prod(sizes[t] for t in dims)).reshape([sizes[t] for t in dims])
     groups = [(given or {}).get(t) for t in dims]
-    return DeviceMesh._with_groups("cpu", full, tuple(names.get(t, t) for t in dims), groups,
+    return DeviceMesh.from_groups("cpu", full, tuple(names.get(t, t) for t in dims), groups,
                                    timeout=timeout)
 
 

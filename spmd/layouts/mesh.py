@@ -16,11 +16,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 from mpi4py import MPI
 from numpy.typing import ArrayLike
 
+from spmd.core.typing import Timeout
 from spmd.layouts import mesh_layout as lay
 from spmd.layouts.mesh_args import (
     check_device_type,
@@ -132,11 +134,11 @@ class DeviceMesh:
         self._rank = rank
         self._flat: dict[str, DeviceMesh] = {}
         self._made: list[ProcessGroup] = []  # groups made by unflattening its meshes
-        self._timeout = None  # of groups split later (flattening); WORLD's if None
+        self._timeout: Timeout | None = None  # of groups split later (flattening); WORLD's if None
 
     @classmethod
-    def _with_groups(cls, device_type: str, full: np.ndarray, names, groups,
-                     timeout=None) -> DeviceMesh:
+    def from_groups(cls, device_type: str, full: np.ndarray, names: tuple[str, ...] | None,
+                    groups: list[Any], timeout: Timeout | None = None) -> DeviceMesh:
         """A root mesh whose dimension groups are given (an entry None: split one here,
         with ``timeout``, as later flattened dimensions will be)."""
         mesh = cls.__new__(cls)
@@ -480,7 +482,7 @@ class DeviceMesh:
                                  f"group's ranks {ranks}")
             full = np.array(ranks, dtype=np.int64)
             names = check_names(mesh_dim_names, 1, op)
-            return DeviceMesh._with_groups(device_type, full, names, [group])
+            return DeviceMesh.from_groups(device_type, full, names, [group])
         groups = list(group) if isinstance(group, (list, tuple)) else None
         if not groups:
             raise ValueError(f"{op}: expected a ProcessGroup or a non-empty list of them, got "
@@ -506,7 +508,7 @@ class DeviceMesh:
                 raise ValueError(f"{op}: group {d} holds ranks {g.ranks}, but along dimension "
                                  f"{d} the mesh gives {line.tolist()} for rank {world.context.rank}")
             checked.append(g)
-        return DeviceMesh._with_groups(device_type, full, names, checked)
+        return DeviceMesh.from_groups(device_type, full, names, checked)
 
     # -- identity ----------------------------------------------------------------
 

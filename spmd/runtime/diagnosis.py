@@ -217,7 +217,7 @@ def diagnose_timeout(op: str, g: GroupContext, seq: int | None, kind: str, waite
     engine = flight_recorder.MPI_ENGINE
     if work is not None:
         engine = work.engine
-        number = getattr(work, "_fr_entry", None)
+        number = getattr(work, "flight_number", None)
         e = None if number is None else flight_recorder.recorder.entry(number)
         if e is not None:
             flight_recorder.recorder.mark_timed_out(e.number)

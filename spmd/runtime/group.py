@@ -96,7 +96,9 @@ class ProcessGroup:
         recorder in place for a block, then the engine back)."""
         self._engines[device] = engine
 
-    def _free(self) -> None:
+    def release(self) -> None:
+        """Free the group's engines and its communicator (what destroy_process_group runs
+        on every member)."""
         for backend in self._engines.values():
             backend.shutdown()
         self._engines.clear()

@@ -219,7 +219,7 @@ def destroy_process_group(group: GroupArg = None) -> None:
                                "initialized; call spmd.init_process_group() first")
         supervision.stop()
         for pg in reversed(world_state.groups):
-            pg._free()
+            pg.release()
         world_state.groups = []
         world_state.world = None
         world_state.store = None
@@ -239,7 +239,7 @@ def destroy_process_group(group: GroupArg = None) -> None:
     if target is world_state.world:
         destroy_process_group(None)
         return
-    target._free()
+    target.release()
     if target in world_state.groups:
         world_state.groups.remove(target)
 

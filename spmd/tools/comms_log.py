@@ -81,7 +81,7 @@ class CommsLogger:
         self._stats: dict[Key, _Latencies] = {}
 
     def started(self, work: Work) -> None:
-        self._inflight[id(work)] = (_clock(), Key(work._op, work_bytes(work), work._group.size))
+        self._inflight[id(work)] = (_clock(), Key(work.op, work_bytes(work), work.group.size))
 
     def completed(self, work: Work) -> None:
         t1 = _clock()

@@ -88,11 +88,11 @@ class Tracer:
         self._clk0 = _clock_ns()
 
     def started(self, work: Work) -> None:
-        kind = 1 if work._op in P2P_OPS else 0
-        number = getattr(work, "_fr_entry", None)
+        kind = 1 if work.op in P2P_OPS else 0
+        number = getattr(work, "flight_number", None)
         seq = None if number is None else recorder.seq_of(number)
         if seq is None:  # recorder off: count here
-            g = work._group
+            g = work.group
             counters = self._seq.get(g)
             if counters is None:
                 counters = self._seq[g] = [0, 0]
@@ -107,7 +107,7 @@ class Tracer:
         if entry is None:
             return
         t1 = _clock_ns()
-        outs = work._outputs
+        outs = work.outputs
         a = outs[0] if outs else None
         if type(a) is not _ndarray:  # lists of arrays, device arrays, nothing
             if isinstance(a, (list, tuple)):
@@ -115,7 +115,7 @@ class Tracer:
             if not hasattr(a, "shape"):
                 a = None
         meta = None if a is None else (a.shape, a.dtype)  # not the array: never keep it alive
-        self._events.append((t1, entry, work._op, work._group, meta, work._exc is not None))
+        self._events.append((t1, entry, work.op, work.group, meta, work.error is not None))
 
     def to_json(self) -> dict:
         """The Chrome-trace document of what was recorded so far."""

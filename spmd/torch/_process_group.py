@@ -380,7 +380,7 @@ class SpmdProcessGroup(dist.ProcessGroup):
         a = host_out(t, "recv", "tensor", self._spmd.context)
         w = spmd.irecv(a, group=self._spmd, tag=tag)
         work = self._work([w], [t], "recv")
-        work._src_work = w
+        work._src_work = w  # the torch Work's spmd receive, for its source rank (_work.py)
         return work
 
     # -- coalescing (C++ callers and torch's _coalescing_manager with a device) --------
@@ -398,7 +398,7 @@ class SpmdProcessGroup(dist.ProcessGroup):
     def end_coalescing(self, device=None):
         """One Work for everything issued since :meth:`start_coalescing`."""
         works, self._coalescing = self._coalescing or [], None
-        return SpmdWork(works, [t for w in works for t in (w._outputs or [])],
+        return SpmdWork(works, [t for w in works for t in (w.outputs or [])],
                         "coalesced", self._spmd)
 
     _start_coalescing = start_coalescing
@@ -434,6 +434,7 @@ class _FutureWork:
         return self._fut.done()
 
     def exception(self):
+        # the spmd Future's error, without polling its producer (done() would)
         return self._fut._exc if self._fut._done else None
 
 

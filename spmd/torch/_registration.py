@@ -82,6 +82,7 @@ def register() -> None:
 
         if not dist.is_available():
             return
+        # torch's registry of backends (no public way to ask whether one is registered)
         if BACKEND.upper() not in dist.Backend._plugins:
             dist.Backend.register_backend(BACKEND, _create, extended_api=True, devices=_DEVICES)
         # spmd records its own ops (spmd.core.flight_recorder).  torch 2.15 attaches its

@@ -139,7 +139,7 @@ def test_other_observers_get_a_work_for_every_op(dist, taken):
 
     class Watcher:
         def started(self, work):
-            seen.append(work._op)
+            seen.append(work.op)
 
         def completed(self, work):
             pass

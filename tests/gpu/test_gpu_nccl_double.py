@@ -238,7 +238,7 @@ def test_finished_works_are_reaped(dist, double, nccl_group):
     backend = g.engine_for("cuda")
     dist.all_reduce(cp.ones(1, cp.float32), group=g)
     assert len(backend.communicator.inflight) <= 1
-    assert all(w._done and w._keep is None for w in kept)
+    assert all(w.is_completed() and w.keep is None for w in kept)
     mine = [e for e in fr.recorder.entries() if e.group is g.context]
     assert all(e.t1 is not None for e in mine[:-1]), mine
 

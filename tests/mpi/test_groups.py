@@ -168,7 +168,7 @@ def test_engines_works_and_recorder_see_the_groups_context(dist):
     work = dist.all_reduce(x, group=pg, async_op=True)
     work.wait()
     np.testing.assert_array_equal(x, np.full(3, n * (n + 1) / 2))
-    assert pg.engine_for("cpu").group is ctx and work._group is ctx
+    assert pg.engine_for("cpu").group is ctx and work.group is ctx
     assert [e.group for e in fr.recorder.entries() if e.op == "all_reduce"][-1] is ctx
     dist.destroy_process_group(pg)
     assert ctx.comm is None

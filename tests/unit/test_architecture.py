@@ -185,3 +185,49 @@ def test_mpi_only_where_mpi_is_the_job():
     expected = MPI_MODULES | set(MPI_NOT_YET_IN_AN_ENGINE)
     assert importing == expected, (f"import mpi4py, not listed: {sorted(importing - expected)}; "
                                    f"listed, no longer import it: {sorted(expected - importing)}")
+
+
+def _foreign_private_reads(path: pathlib.Path) -> list[tuple[int, str]]:
+    """``x._name`` in ``path`` where x is not self/cls and the module defines no
+    ``_name`` of its own (no def, class, slot, assignment): a read of another module's
+    object's private attribute."""
+    tree = ast.parse(path.read_text())
+    own = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            own.add(node.name)
+        elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store) \
+                and isinstance(node.value, ast.Name) and node.value.id in ("self", "cls"):
+            own.add(node.attr)
+        elif isinstance(node, ast.Assign):
+            for target in node.targets:
+                if isinstance(target, ast.Name):
+                    own.add(target.id)
+                    if target.id == "__slots__" and isinstance(node.value, (ast.Tuple, ast.List)):
+                        own.update(e.value for e in node.value.elts if isinstance(e, ast.Constant))
+        elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+            own.add(node.target.id)
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and node.attr.startswith("_") \
+                and not node.attr.startswith("__") and node.attr not in own:
+            # (self/cls: its own; sys._getframe and sys._current_frames: CPython documents them)
+            if isinstance(node.value, ast.Name) and node.value.id in ("self", "cls", "sys"):
+                continue
+            found.append((node.lineno, ast.unparse(node)))
+    return found
+
+
+def test_few_reads_of_other_modules_private_attributes_each_with_its_reason():
+    """Reads of another module's objects' private attributes stay below 30, and each
+    says why on its line or the line above (a comment)."""
+    reads, silent = 0, []
+    for path in sorted(ROOT.rglob("*.py")):
+        lines = path.read_text().splitlines()
+        for lineno, text in _foreign_private_reads(path):
+            reads += 1
+            here, above = lines[lineno - 1], lines[lineno - 2] if lineno > 1 else ""
+            if "#" not in here and not above.strip().startswith("#"):
+                silent.append(f"{path.relative_to(ROOT.parent)}:{lineno}: {text}")
+    assert reads < 30, reads
+    assert not silent, "\n".join(silent)

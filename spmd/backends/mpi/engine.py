@@ -84,7 +84,7 @@ class MPIEngine(Engine):
 
     # -- helpers -----------------------------------------------------------------
 
-    def _plan(self, dtype: np.dtype, op, opname: str) -> ReductionPlan:
+    def reduction_plan(self, dtype: np.dtype, op, opname: str) -> ReductionPlan:
         return checked_plan(PLANS, dtype, op, opname, self.group)
 
     @staticmethod
@@ -131,7 +131,7 @@ class MPIEngine(Engine):
             req = self.comm.Iallreduce(_IN_PLACE, a if plan.view is None else a.view(plan.view),
                                        plan.mpi_op)
             return MPIWork([req], "all_reduce", self.group, [a], keep=a)
-        plan = self._plan(a.dtype, op, "all_reduce")
+        plan = self.reduction_plan(a.dtype, op, "all_reduce")
         buf = self._stage(a, plan, op, True)
         req = self.comm.Iallreduce(_IN_PLACE, mpi_view(buf, plan), plan.mpi_op)
         return self._work([req], "all_reduce", [a], finish=self._finisher(a, buf, plan), keep=buf)
@@ -144,7 +144,7 @@ class MPIEngine(Engine):
             by_dtype = {}
             for t in tensors:
                 by_dtype.setdefault(t.dtype, []).append(t)
-        plans = {dt: self._plan(dt, op, "all_reduce_coalesced") for dt in by_dtype}
+        plans = {dt: self.reduction_plan(dt, op, "all_reduce_coalesced") for dt in by_dtype}
         reqs, packed = [], []
         for dt, arrays in by_dtype.items():
             plan = plans[dt]
@@ -177,7 +177,7 @@ class MPIEngine(Engine):
             else:
                 req = self.comm.Ireduce(m, None, plan.mpi_op, root)
             return MPIWork([req], "reduce", self.group, [a], keep=a)
-        plan = self._plan(a.dtype, op, "reduce")
+        plan = self.reduction_plan(a.dtype, op, "reduce")
         is_root = self.rank == root
         buf = self._stage(a, plan, op, is_root)
         if is_root:
@@ -198,7 +198,7 @@ class MPIEngine(Engine):
                                                   out if view is None else out.view(view),
                                                   plan.mpi_op)
             return MPIWork([req], "reduce_scatter_tensor", self.group, [out], keep=(a, out))
-        plan = self._plan(a.dtype, op, "reduce_scatter_tensor")
+        plan = self.reduction_plan(a.dtype, op, "reduce_scatter_tensor")
         buf = self._stage(a, plan, op, False)
         rbuf = _recv_buffer(out, plan.upcast)
         req = self.comm.Ireduce_scatter_block(mpi_view(buf, plan), mpi_view(rbuf, plan), plan.mpi_op)
@@ -206,7 +206,7 @@ class MPIEngine(Engine):
                           finish=self._finisher(out, rbuf, plan), keep=(buf, rbuf))
 
     def reduce_scatter(self, out, inputs, op):
-        plan = self._plan(out.dtype, op, "reduce_scatter")
+        plan = self.reduction_plan(out.dtype, op, "reduce_scatter")
         buf = _pack(inputs, plan.upcast or out.dtype)
         if plan.premul:
             np.multiply(buf, premul_factor(op), out=buf, casting="unsafe")

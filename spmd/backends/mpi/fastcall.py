@@ -96,15 +96,17 @@ def _addresses() -> dict[str, int]:
 def _handle(obj: Any) -> int:
     """The MPI handle of an mpi4py object as a signed integer of the handle's width
     (mpi4py answers MPICH's negative int handles as unsigned numbers)."""
+    # mpi4py's handle helpers (_sizeof, _handleof, _typedict: its documented low-level
+    # interface for code that hands MPI handles to C)
     bits = 8 * MPI._sizeof(obj)
-    h = MPI._handleof(obj) & ((1 << bits) - 1)
+    h = MPI._handleof(obj) & ((1 << bits) - 1)  # (mpi4py's, as above)
     return h - (1 << bits) if h >> (bits - 1) else h
 
 
 def _type_handle(dtype: np.dtype) -> int:
     """The handle of the MPI datatype mpi4py sends an array of ``dtype`` as (it names
     the datatype by the buffer's format)."""
-    return _handle(MPI._typedict[np.empty(1, dtype).data.format])
+    return _handle(MPI._typedict[np.empty(1, dtype).data.format])  # (mpi4py's, as above)
 
 
 def _moved() -> list[tuple[np.dtype, int]]:
@@ -165,6 +167,7 @@ def bind() -> None:
     if _disabled():
         reason = "turned off (SPMD_FASTCALL=0)"
         return
+    # (mpi4py's handle size, as in _handle)
     sizes = {MPI._sizeof(t) for t in (MPI.Comm, MPI.Datatype, MPI.Op, MPI.Request)}
     if len(sizes) != 1:
         reason = f"MPI handles of unequal sizes {sorted(sizes)}"

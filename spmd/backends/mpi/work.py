@@ -40,11 +40,11 @@ class MPIWork(Work):
     def _poll(self, seconds: float) -> None:
         reqs = self._reqs
         test = reqs[0].Test if len(reqs) == 1 and self._status is None else self._test
-        wait_until(test, seconds, self._op, self._group, work=self)
+        wait_until(test, seconds, self.op, self.group, work=self)
 
     def source_rank(self) -> int:
         """For a receive: the global rank of the sender (waits first)."""
         if self._status is None:
-            raise RuntimeError(f"{self._op}: source_rank() is only defined for receives")
+            raise RuntimeError(f"{self.op}: source_rank() is only defined for receives")
         self.wait()
-        return self._group.global_rank(self._status.Get_source())
+        return self.group.global_rank(self._status.Get_source())

@@ -208,7 +208,7 @@ class Communicator:
                 return True
             spins += 1
             if not spins & 63:
-                self.check(work._op)  # an asynchronous NCCL error ends the wait at once
+                self.check(work.op)  # an asynchronous NCCL error ends the wait at once
             return False
 
         def nap() -> None:
@@ -217,10 +217,10 @@ class Communicator:
             else:
                 os.sched_yield()
 
-        wait_until(done, seconds, work._op, self.group, work=work, nap=nap,
+        wait_until(done, seconds, work.op, self.group, work=work, nap=nap,
                    source="waiting on the host; the NCCL communicator was aborted",
-                   on_timeout=lambda: self.abort(f"{work._op} timed out"))
-        self.check(work._op)
+                   on_timeout=lambda: self.abort(f"{work.op} timed out"))
+        self.check(work.op)
 
     def reap(self) -> None:
         """Complete the operations whose end event has passed and release their arrays;
@@ -230,6 +230,8 @@ class Communicator:
             item = inflight.popleft()
             work = item.work()
             if work is not None:
+                # work._done: whether it completed, without testing it again (its event
+                # has passed: this completes it)
                 if not work._done:
                     work._complete()
             elif item.entry is not None:
@@ -256,7 +258,7 @@ class Communicator:
         several operations, as a batch of sends and receives does)."""
         work = NcclWork(self, launch.end, op or launch.op, outputs, keep, blocking, peer)
         self.inflight.append(InFlight(launch.end, keep, weakref.ref(work),
-                                      getattr(work, "_fr_entry", None)))
+                                      getattr(work, "flight_number", None)))
         return work
 
 
@@ -321,7 +323,7 @@ class Launch:
 class NcclWork(Work):
     """A started NCCL operation: an end event on the communicator's stream."""
 
-    __slots__ = ("_blocking", "_device_end", "_event", "_owner", "_peer")
+    __slots__ = ("_blocking", "device_end", "_event", "_owner", "_peer")
 
     engine = NCCL_ENGINE
 
@@ -332,11 +334,11 @@ class NcclWork(Work):
         self._blocking = blocking  # barrier: waiting blocks the host
         self._peer = peer          # receives: the group rank received from
         # The flight recorder asks the end event itself whether the op has finished.
-        self._device_end = (owner, event)
+        self.device_end = (owner, event)
         super().__init__(op, owner.group, outputs, keep=keep)
 
     def _test(self) -> bool:
-        self._owner.check(self._op)
+        self._owner.check(self.op)
         return bool(self._event.done)
 
     def is_completed(self) -> bool:
@@ -358,17 +360,19 @@ class NcclWork(Work):
             self.synchronize(timeout)
             return True
         if not self._done:
-            self._owner.check(self._op)
+            self._owner.check(self.op)
             self._owner.stream_wait(self._event)
             future = self._future
+            # (future._done: its state without polling, as above)
             if future is not None and not future._done:
-                future.set_result(self._outputs)  # ready for use on the current stream
-        if self._exc is not None:
-            raise self._exc
+                future.set_result(self.outputs)  # ready for use on the current stream
+        if self.error is not None:
+            raise self.error
         return True
 
     def _complete(self) -> None:
         future = self._future
+        # future._done: its state without polling (done() would poll this Work again)
         if future is not None and future._done:  # already set by wait()
             self._future = None
         super()._complete()
@@ -376,17 +380,17 @@ class NcclWork(Work):
 
     def synchronize(self, timeout=None) -> None:
         """Block the host until the operation has completed on the GPU."""
-        seconds = self._group.timeout if timeout is None else to_seconds(timeout, "Work.wait")
+        seconds = self.group.timeout if timeout is None else to_seconds(timeout, "Work.wait")
         if not self._done:
             self._owner.host_wait(self, seconds)
             self._complete()
-        if self._exc is not None:
-            raise self._exc
+        if self.error is not None:
+            raise self.error
 
     def source_rank(self) -> int:
         """The global rank received from, after ``wait()``: the caller's stream is then
         ordered after the receive, as blocking ``recv()`` promises."""
         if self._peer is None:
-            raise RuntimeError(f"{self._op}: source_rank() is only defined for receives")
+            raise RuntimeError(f"{self.op}: source_rank() is only defined for receives")
         self.wait()
-        return self._group.global_rank(self._peer)
+        return self.group.global_rank(self._peer)

@@ -290,21 +290,21 @@ class ShmEngine:
 
     def all_reduce(self, a, op):
         backend = self._backend
-        plan = backend._plan(a.dtype, op, "all_reduce")
+        plan = backend.reduction_plan(a.dtype, op, "all_reduce")
         steps = self._reduce_steps(a, plan.view, self._reduction(plan, op), None)
         return self._start(a.nbytes, steps,
                            lambda: backend.all_reduce(a, op), "all_reduce", [a], a)
 
     def reduce(self, a, root, op):
         backend = self._backend
-        plan = backend._plan(a.dtype, op, "reduce")
+        plan = backend.reduction_plan(a.dtype, op, "reduce")
         steps = self._reduce_steps(a, plan.view, self._reduction(plan, op), root)
         return self._start(a.nbytes, steps,
                            lambda: backend.reduce(a, root, op), "reduce", [a], a)
 
     def reduce_scatter_tensor(self, out, a, op):
         backend = self._backend
-        plan = backend._plan(a.dtype, op, "reduce_scatter_tensor")
+        plan = backend.reduction_plan(a.dtype, op, "reduce_scatter_tensor")
         steps = self._reduce_scatter_steps(out, a, plan.view, self._reduction(plan, op))
         return self._start(a.nbytes, steps,
                            lambda: backend.reduce_scatter_tensor(out, a, op),

@@ -59,7 +59,7 @@ class ShmWork(Work):
 
     def wait(self, timeout=None) -> bool:
         if not self._done and not self._test():
-            self._poll(self._group.timeout if timeout is None else to_seconds(timeout, "Work.wait"))
+            self._poll(self.group.timeout if timeout is None else to_seconds(timeout, "Work.wait"))
         return super().wait(timeout)
 
 

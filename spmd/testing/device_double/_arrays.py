@@ -36,7 +36,7 @@ def _queue(fn) -> None:
         with np.errstate(all="ignore"):
             fn()
         return True
-    get_current_stream()._push(step)
+    get_current_stream()._push(step)  # the double's streams queue its own kernels
 
 
 def _sync() -> None:

@@ -67,7 +67,7 @@ class _NcclModule(types.ModuleType):
             for stream, op in pending:
                 by_stream.setdefault(stream, []).append(op)
             for stream, ops in by_stream.items():
-                stream._push(_Launch(ops))
+                stream._push(_Launch(ops))  # (the double's own stream, as above)
 
 
 _DTYPES: dict[int, np.dtype] = {0: np.dtype(np.int8), 1: np.dtype(np.uint8), 2: np.dtype(np.int32),
@@ -276,7 +276,7 @@ class NcclCommunicator:
         if g.depth:
             g.pending.append((s, op))
         else:
-            s._push(_Launch([op]))
+            s._push(_Launch([op]))  # the double's streams queue its own kernels
 
     def _collective(self, stream: int, send: tuple[int, int], result) -> None:
         self._seq += 1
