@@ -50,7 +50,7 @@ summary=()
 mpi_run() {  # mpi_run NAME N [VAR=VALUE...]: the MPI tests of PATHS at world size N
     local name=$1 n=$2
     shift 2
-    echo "=== MPI tests at world size $n${*:+ ($*)} ==="
+    echo "=== ${MPI_LABEL:-}MPI tests at world size $n${*:+ ($*)} ==="
     env "$@" timeout -k 10 "$LIMIT" "$MPIEXEC" "${MPIFLAGS[@]}" -n "$n" "$PYTHON" \
         tests/mpi_pytest.py "$LOGS/${name//[^A-Za-z0-9=.-]/_}" -q -p no:cacheprovider -m mpi "${PATHS[@]}"
     local rc=$?
@@ -121,6 +121,7 @@ for venv in ${OTHER_MPIS:-}; do
     PYTHON="$venv/bin/python" MPIEXEC="$venv/bin/mpiexec"
     mpi_flags
     library=$("$PYTHON" -c "from mpi4py import MPI; v, n = MPI.get_vendor(); print(v, '.'.join(map(str, n)))")
+    MPI_LABEL="$library: "
     PATHS=(tests/mpi tests/engines)
     for n in ${OTHER_MPI_SIZES:-2 3}; do
         mpi_run "$library: mpi n=$n" "$n"
@@ -129,7 +130,7 @@ for venv in ${OTHER_MPIS:-}; do
     for n in ${OTHER_MPI_SHM_SIZES:-2}; do
         mpi_run "$library: mpi n=$n shm=force" "$n" SPMD_SHM=force
     done
-    PYTHON=${saved[0]} MPIEXEC=${saved[1]}
+    PYTHON=${saved[0]} MPIEXEC=${saved[1]} MPI_LABEL=""
     mpi_flags
 done
 

@@ -239,7 +239,11 @@ class Sequence:
             value = None if w is None else w.wait()
             if norm is not None:
                 value = norm(value)
-            ret = "None" if w is None else f"{type(w).__name__}.wait:{self.desc(value)}"
+            # the handle's API class (an engine's Work subclass is a Work, as torch's is)
+            kind = None if w is None else next(
+                (c.__name__ for c in type(w).__mro__ if c.__name__ in ("Work", "Future")),
+                type(w).__name__)
+            ret = "None" if w is None else f"{kind}.wait:{self.desc(value)}"
         else:
             ret = self.desc(fn(**kw))
         self.rec_s(key + "/ret", ret)
