@@ -27,20 +27,18 @@ write inputs only between a completed start and the next one.
 
 from __future__ import annotations
 
-import os
 import weakref
 from collections.abc import Callable
 from typing import Any
 
 import numpy as np
-from mpi4py import MPI
 
 from spmd.api import collectives as _c
 from spmd.backends import checked as _checked
+from spmd.backends.mpi import persistent as native
 from spmd.backends.mpi.packing import PackPlan
-from spmd.backends.mpi.work import MPIWork
-from spmd.backends.reduction import AVERAGE, PLANS, checked_plan, mpi_view
-from spmd.core.arrays import array_in, array_list, array_out, common_device, movable
+from spmd.backends.reduction import AVERAGE, PLANS, checked_plan
+from spmd.core.arrays import array_in, array_list, array_out, common_device
 from spmd.core.errors import located
 from spmd.core.ops import ReduceOp
 from spmd.core.optable import OPS
@@ -48,118 +46,36 @@ from spmd.core.typing import Array
 from spmd.core.work import Work
 from spmd.runtime.group import GroupArg, ProcessGroup, resolve
 
-__all__ = ["Plan", "available", "native_on", "persistent_collectives_work", "restarts_correctly",
-           "all_reduce",
-           "all_reduce_coalesced", "broadcast", "reduce", "all_gather_into_tensor",
-           "reduce_scatter_tensor", "all_to_all_single", "barrier"]
+__all__ = ["Plan", "available", "native_on", "all_reduce", "all_reduce_coalesced", "broadcast",
+           "reduce", "all_gather_into_tensor", "reduce_scatter_tensor", "all_to_all_single",
+           "barrier"]
 
 _SUM = ReduceOp.SUM
-_IN_PLACE = MPI.IN_PLACE
-_startall = MPI.Prequest.Startall
 _ndarray = np.ndarray
 
 # Plans made per group: a plan's number, the same on every rank that makes the same plans.
 _plans_made: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-# Per group: whether its communicator restarts a persistent collective correctly.
-_restarts: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def available() -> bool:
     """True when this MPI library runs persistent collectives and they are not turned
-    off with ``SPMD_PERSISTENT=0``."""
-    if os.environ.get("SPMD_PERSISTENT", "1").strip().lower() in ("0", "false", "no", "off"):
-        return False
-    global _works
-    if _works is None:
-        _works = persistent_collectives_work(MPI.COMM_SELF)
-    return _works
+    off with ``SPMD_PERSISTENT=0`` (asked of the library by running one)."""
+    return native.available()
 
 
-_works: bool | None = None   # the probe's answer, once asked
-
-
-def restarts_correctly(comm: MPI.Intracomm) -> bool:
-    """Whether a persistent all-gather on ``comm`` gives every rank the right result when
-    started again with new input; collective, the same answer on every rank.
-
-    Intel MPI 2021.18 at 2 and 4 ranks leaves a rank's own block one start behind (the
-    second start returns the first start's input there), so a group whose library does
-    that runs its plans as nonblocking collectives instead."""
-    n, rank = comm.Get_size(), comm.Get_rank()
-    send, recv = np.zeros(2, np.int32), np.zeros(2 * n, np.int32)
-    req = comm.Allgather_init(send, recv)
-    ok = True
-    try:
-        for step in (1, 2):
-            send[:] = 10 * rank + step
-            req.Start()
-            req.Wait()
-            ok = ok and bool((recv == np.repeat(10 * np.arange(n) + step, 2)).all())
-    finally:
-        req.Free()
-    return bool(comm.allreduce(ok, op=MPI.LAND))
-
-
-def persistent_collectives_work(comm: MPI.Intracomm) -> bool:
-    """Whether ``comm``'s library runs a persistent all-reduce: made, started twice and
-    freed, with the right result.  Asked of the library by using it, not of its version
-    number (Open MPI 5 says MPI 3.1 and has them).  A library gives every rank the same
-    answer, so ranks that ask on COMM_SELF agree without a message."""
-    send, recv = np.array([3], np.int32), np.zeros(1, np.int32)
-    try:
-        req = comm.Allreduce_init(send, recv)
-    except (NotImplementedError, AttributeError, MPI.Exception):
-        return False
-    try:
-        for value in (3, 5):
-            send[0] = value
-            req.Start()
-            req.Wait()
-            if recv[0] != value * comm.Get_size():
-                return False
-    except MPI.Exception:
-        return False
-    finally:
-        req.Free()
-    return True
-
-
-class _AllOf:
-    """Several started persistent requests as one, for a Work: complete when all are.
-
-    Not ``Testall``: MPICH 5.0.2's fails with MPI_ERR_IN_STATUS ("pending request") when
-    some persistent collective requests of the list are complete and others are not.
-    """
-
-    __slots__ = ("_reqs",)
-
-    def __init__(self, reqs: list):
-        self._reqs = reqs
-
-    def Test(self, status: Any = None) -> bool:  # noqa: N802 - an MPI request's name
-        for req in self._reqs:   # a completed persistent request tests true again
-            if not req.Test():
-                return False
-        return True
-
-
-def native_on(pg: ProcessGroup) -> bool:
-    """Whether ``pg``'s plans may be the library's persistent collectives: the library
-    has them, and (asked once per group, of every rank) restarts them correctly."""
-    if not available():
-        return False
-    verdict = _restarts.get(pg)
-    if verdict is None:
-        ctx = pg.context
-        verdict = _restarts[pg] = ctx.size == 1 or restarts_correctly(ctx.comm)
-    return verdict
+def native_on(group: GroupArg = None) -> bool:
+    """Whether plans on ``group`` are the library's persistent collectives: it has them
+    and restarts them correctly there (asked once per group, of every rank: every member
+    must call it, or make its first plan, at the same point)."""
+    pg = _group(group, "native_on")
+    return native.native_on(pg.context)
 
 
 class Plan:
     """One prepared collective; ``start()`` runs it and returns its Work."""
 
     def __init__(self, name: str, pg: ProcessGroup, outputs: list[Any],
-                 native_init: Callable[[], MPI.Prequest | list[MPI.Prequest]] | None,
+                 native_init: Callable[[], Any] | None,
                  fallback: Callable[[], Work | None],
                  finish: Callable[[], None] | None = None, keep: object = None,
                  args: tuple = (), prepare: Callable[[], None] | None = None,
@@ -181,12 +97,8 @@ class Plan:
         self._args = args  # the planned collective's engine arguments: its fingerprint
         if _checked.active:
             self._check("make")
-        ok = native_init is not None and native_on(pg)
-        # Both sides of a plan must be the same kind on every rank (an MPI_Start does
-        # not match a nonblocking collective), so the ranks agree before either starts.
-        if pg.context.size > 1:
-            ok = pg.context.comm.allreduce(ok, op=MPI.LAND)
-        if ok:
+        # The ranks agree on the kind before either starts (see native.agree).
+        if native.agree(pg.context, native_init is not None and native.native_on(pg.context)):
             assert native_init is not None  # ok is False on every rank without it
             try:
                 self._req = native_init()
@@ -212,16 +124,11 @@ class Plan:
         if self._req is None:
             work = self._fallback()
             assert work is not None  # the plan's group holds this rank: a Work, not None
-        elif type(self._req) is not list:
-            self._req.Start()
-            work = MPIWork([self._req], self.name, self.group.context, self._outputs, finish=self._finish,
-                        keep=self._keep)
         else:
             if self._prepare is not None:
                 self._prepare()
-            _startall(self._req)
-            work = MPIWork([_AllOf(self._req)], self.name, self.group.context, self._outputs,
-                        finish=self._finish, keep=self._keep)
+            work = native.start(self._req, self.name, self.group.context, self._outputs,
+                                self._finish, self._keep)
         self._work = work
         return work
 
@@ -242,8 +149,7 @@ class Plan:
         if self._work is not None:
             self._work.wait()
         if self._req is not None:
-            for req in self._req if type(self._req) is list else [self._req]:
-                req.Free()
+            native.free(self._req)
             self._req = None
         if self._release is not None:
             self._release()
@@ -290,8 +196,7 @@ def all_reduce(tensor: Array, op: ReduceOp = _SUM, group: GroupArg = None) -> Pl
     pg = _group(group, "all_reduce")
     a = array_out(tensor, "persistent.all_reduce", "tensor", pg.context)
     plan, direct = _reduction(a, op, "persistent.all_reduce", pg)
-    init = (lambda: pg.context.comm.Allreduce_init(_IN_PLACE, mpi_view(a, plan), plan.mpi_op)) \
-        if direct else None
+    init = (lambda: native.all_reduce(pg.context, a, plan)) if direct else None
     return Plan("all_reduce", pg, [a], init,
                 lambda: _c.all_reduce(a, op, pg, async_op=True),
                 _averager(plan, a, pg.context.size), a, (a, op))
@@ -331,12 +236,9 @@ def all_reduce_coalesced(tensors: list[Array], op: ReduceOp = _SUM,
         try:
             for dt, run in by_dtype.items():
                 packs.append((PackPlan(run, dt), plans[dt]))
-                plan = plans[dt]
-                reqs.extend(pg.context.comm.Allreduce_init(_IN_PLACE, mpi_view(buf, plan), plan.mpi_op)
-                            for buf in packs[-1][0].bufs)
+                reqs.extend(native.all_reduce_buffers(pg.context, packs[-1][0].bufs, plans[dt]))
         except BaseException:
-            for req in reqs:
-                req.Free()
+            native.free(reqs)
             release()
             raise
         return reqs
@@ -366,7 +268,7 @@ def broadcast(tensor: Array, src: int | None = None, group: GroupArg = None,
     root = _c.root_rank(pg, "persistent.broadcast", src, group_src, "src")
     a = array_out(tensor, "persistent.broadcast", "tensor", pg.context)
     direct = type(a) is _ndarray and a.flags.c_contiguous
-    init = (lambda: pg.context.comm.Bcast_init(movable(a), root)) if direct else None
+    init = (lambda: native.broadcast(pg.context, a, root)) if direct else None
     return Plan("broadcast", pg, [a], init,
                 lambda: _c.broadcast(a, group=pg, async_op=True, group_src=root), None, a,
                 (a, root))
@@ -380,15 +282,7 @@ def reduce(tensor: Array, dst: int | None = None, op: ReduceOp = _SUM, group: Gr
     is_root = pg.context.rank == root
     a = (array_out if is_root else array_in)(tensor, "persistent.reduce", "tensor", pg.context)
     plan, direct = _reduction(a, op, "persistent.reduce", pg)
-    comm = pg.context.comm
-    if not direct:
-        init = None
-    elif is_root:
-        def init():
-            return comm.Reduce_init(_IN_PLACE, mpi_view(a, plan), plan.mpi_op, root)
-    else:
-        def init():
-            return comm.Reduce_init(mpi_view(a, plan), None, plan.mpi_op, root)
+    init = (lambda: native.reduce(pg.context, a, plan, root)) if direct else None
     return Plan("reduce", pg, [a], init,
                 lambda: _c.reduce(a, op=op, group=pg, async_op=True, group_dst=root),
                 _averager(plan, a, pg.context.size) if is_root else None, a, (a, root, op))
@@ -416,7 +310,7 @@ def all_gather_into_tensor(output_tensor: Array, input_tensor: Array,
     _gather_shapes(out, a, name, pg, True)
     direct = type(a) is _ndarray and type(out) is _ndarray and a.flags.c_contiguous \
         and out.flags.c_contiguous
-    init = (lambda: pg.context.comm.Allgather_init(movable(a), movable(out))) if direct else None
+    init = (lambda: native.all_gather(pg.context, out, a)) if direct else None
     return Plan("all_gather_into_tensor", pg, [out], init,
                 lambda: _c.all_gather_into_tensor(out, a, pg, async_op=True), None, (a, out),
                 (out, a))
@@ -432,8 +326,7 @@ def reduce_scatter_tensor(output: Array, input: Array, op: ReduceOp = _SUM,  # n
     _gather_shapes(out, a, name, pg, False)
     plan, direct = _reduction(a, op, name, pg)
     direct = direct and type(out) is _ndarray and out.flags.c_contiguous
-    init = (lambda: pg.context.comm.Reduce_scatter_block_init(mpi_view(a, plan), mpi_view(out, plan),
-                                                       plan.mpi_op)) if direct else None
+    init = (lambda: native.reduce_scatter(pg.context, out, a, plan)) if direct else None
     return Plan("reduce_scatter_tensor", pg, [out], init,
                 lambda: _c.reduce_scatter_tensor(out, a, op, pg, async_op=True),
                 _averager(plan, out, pg.context.size), (a, out), (out, a, op))
@@ -452,7 +345,7 @@ def all_to_all_single(output: Array, input: Array,  # noqa: A002
                       f"{a.dtype}{list(a.shape)}, output {out.dtype}{list(out.shape)}", pg.context)
     direct = type(a) is _ndarray and type(out) is _ndarray and a.flags.c_contiguous \
         and out.flags.c_contiguous
-    init = (lambda: pg.context.comm.Alltoall_init(movable(a), movable(out))) if direct else None
+    init = (lambda: native.all_to_all(pg.context, out, a)) if direct else None
     return Plan("all_to_all_single", pg, [out], init,
                 lambda: _c.all_to_all_single(out, a, group=pg, async_op=True), None, (a, out),
                 (out, a, None, None))
@@ -461,5 +354,5 @@ def all_to_all_single(output: Array, input: Array,  # noqa: A002
 def barrier(group: GroupArg = None) -> Plan:
     """Plan ``spmd.barrier(group)``."""
     pg = _group(group, "barrier")
-    return Plan("barrier", pg, [], lambda: pg.context.comm.Barrier_init(),
+    return Plan("barrier", pg, [], lambda: native.barrier(pg.context),
                 lambda: _c.barrier(pg, async_op=True))

@@ -1,11 +1,11 @@
 """Persistent collectives are found by using them, not by the MPI version number
-(spmd.api.persistent.persistent_collectives_work)."""
+(spmd.backends.mpi.persistent.persistent_collectives_work)."""
 
 from __future__ import annotations
 
 from mpi4py import MPI
 
-from spmd.api import persistent
+from spmd.backends.mpi import persistent
 
 
 def test_the_probe_runs_a_persistent_all_reduce_on_this_library():
