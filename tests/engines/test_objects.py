@@ -88,7 +88,7 @@ def test_object_bad_input(dist):
 @pytest.fixture
 def tiny_rounds(monkeypatch):
     """Make every object transfer go in many small rounds, as objects past 2 GiB do."""
-    from spmd.api import objects
+    from spmd.backends.mpi import objects
 
     monkeypatch.setattr(objects, "_CHUNK", 5)
     monkeypatch.setattr(objects, "_LIMIT", 23)
