@@ -7,23 +7,14 @@ from typing import Literal, overload
 
 from spmd.api.collectives import array_device, group_rank_of
 from spmd.backends.base import P2PItem
-from spmd.backends.mpi.engine import OBJECT_TAG
+from spmd.backends.mpi.engine import check_tag
 from spmd.core.arrays import array_in, array_out
-from spmd.core.context import GroupContext
 from spmd.core.errors import located
 from spmd.core.typing import Array
 from spmd.core.work import Work
 from spmd.runtime.group import GroupArg, ProcessGroup, resolve
 
 __all__ = ["send", "recv", "isend", "irecv", "P2POp", "batch_isend_irecv"]
-
-def check_tag(tag, op: str, ctx: GroupContext) -> int:
-    if isinstance(tag, bool) or not isinstance(tag, int):
-        raise located(TypeError, op, f"tag must be an int, got {type(tag).__name__}", ctx)
-    if not 0 <= tag < OBJECT_TAG:
-        raise located(ValueError, op, f"tag={tag} is out of range [0, {OBJECT_TAG})", ctx)
-    return tag
-
 
 @overload
 def peer_rank(pg: ProcessGroup, op: str, peer, group_peer, arg: str,

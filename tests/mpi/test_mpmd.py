@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from spmd.backends import gpu_aware_mpi as _aware
+from spmd.backends.mpi import link as link_module
 from spmd.layouts import mpmd
 
 
@@ -244,8 +245,8 @@ def test_link_gpu_arrays_host_side(dist, programs, monkeypatch, aware, nonblocki
     link = dist.new_link("odd" if mine == "even" else "even")
     stager = HostStaging()
     link._staging = stager
-    monkeypatch.setattr(mpmd, "is_device_array", lambda a: True)
-    monkeypatch.setattr(mpmd._aware, "mpi_gpu_support",
+    monkeypatch.setattr(link_module, "is_device_array", lambda a: True)
+    monkeypatch.setattr(link_module._aware, "mpi_gpu_support",
                         lambda: A(aware, "injected", nonblocking))
     r = link.rank()
     staged_p2p = not aware

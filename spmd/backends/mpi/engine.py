@@ -25,9 +25,10 @@ from spmd.backends.reduction import (
 )
 from spmd.core.arrays import MOVE_AS, contiguous, movable
 from spmd.core.context import GroupContext
+from spmd.core.errors import located
 from spmd.core.work import Work
 
-__all__ = ["MPIEngine", "OBJECT_TAG"]
+__all__ = ["MPIEngine", "OBJECT_TAG", "check_tag"]
 
 _IN_PLACE = MPI.IN_PLACE
 _ANY_SOURCE = MPI.ANY_SOURCE
@@ -42,6 +43,16 @@ def _tag_ub() -> int:
 # Tags a user may give are below this one, the largest MPI carries: it is kept for
 # spmd's own object messages (send_object_list).
 OBJECT_TAG = _tag_ub()
+
+
+def check_tag(tag, op: str, ctx: GroupContext) -> int:
+    """``tag`` if it is one a user may give (an int in [0, OBJECT_TAG)), else raise."""
+    if isinstance(tag, bool) or not isinstance(tag, int):
+        raise located(TypeError, op, f"tag must be an int, got {type(tag).__name__}", ctx)
+    if not 0 <= tag < OBJECT_TAG:
+        raise located(ValueError, op, f"tag={tag} is out of range [0, {OBJECT_TAG})", ctx)
+    return tag
+
 _F32 = np.dtype(np.float32)
 _U8 = np.dtype(np.uint8)
 
