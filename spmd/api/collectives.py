@@ -179,7 +179,9 @@ def all_reduce_coalesced(tensors: Sequence[Array], op: ReduceOp = _SUM, group: G
     pg = resolve(group, "all_reduce_coalesced")
     if pg is None:
         return None
-    dev = common_device("all_reduce_coalesced", pg.context, ("tensors", tensors))
+    # (host arrays, the training-loop case: no device to compare)
+    dev = "cpu" if type(tensors) is list and all(type(t) is _ndarray for t in tensors) else \
+        common_device("all_reduce_coalesced", pg.context, ("tensors", tensors))
     arrays = array_list(tensors, "all_reduce_coalesced", "tensors", pg.context, None, out=True)
     if not arrays:
         raise located(ValueError, "all_reduce_coalesced", "tensors is empty", pg.context)
