@@ -10,7 +10,7 @@ Program identity comes from the name the program passes, which works under every
 launcher.  Without a name, ``MPI_APPNUM`` is used where the launcher sets it (Hydra's
 ``mpiexec a : b`` sets 0 and 1); ``srun --multi-prog`` and hetjobs never set it.
 
-A :class:`Link` is the MPI engine's transport (:mod:`spmd.backends.mpi.link`): GPU
+A :class:`~spmd.Link` is the MPI engine's transport (:mod:`spmd.backends.mpi.link`): GPU
 (cupy) arrays travel as the MPI engine moves them, through device memory where MPI is
 GPU-aware, else staged through pinned host memory; NCCL cannot serve a link, since its
 communicators never span two groups.  In debug mode
