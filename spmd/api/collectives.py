@@ -16,6 +16,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from spmd.backends.mpi.fastcall import host_arrays
 from spmd.core.arrays import (
     array_in,
     array_list,
@@ -179,10 +180,12 @@ def all_reduce_coalesced(tensors: Sequence[Array], op: ReduceOp = _SUM, group: G
     pg = resolve(group, "all_reduce_coalesced")
     if pg is None:
         return None
-    # (host arrays, the training-loop case: no device to compare)
-    dev = "cpu" if type(tensors) is list and all(type(t) is _ndarray for t in tensors) else \
-        common_device("all_reduce_coalesced", pg.context, ("tensors", tensors))
-    arrays = array_list(tensors, "all_reduce_coalesced", "tensors", pg.context, None, out=True)
+    if host_arrays(tensors):   # the training-loop case, checked in one C call
+        dev, arrays = "cpu", list(tensors)
+    else:
+        dev = common_device("all_reduce_coalesced", pg.context, ("tensors", tensors))
+        arrays = array_list(tensors, "all_reduce_coalesced", "tensors", pg.context, None,
+                            out=True)
     if not arrays:
         raise located(ValueError, "all_reduce_coalesced", "tensors is empty", pg.context)
     work = pg.engine_for(dev).run("all_reduce_coalesced", async_op, arrays, op)

@@ -347,3 +347,24 @@ def test_all_reduce_coalesced_refuses_a_read_only_array(dist):
     with pytest.raises(ValueError, match=r"tensors\[1\] is read-only"):
         dist.all_reduce_coalesced(arrays)
     np.testing.assert_array_equal(arrays[0], 1.0)
+
+
+@pytest.mark.mpi
+def test_host_arrays_is_array_lists_check_in_one_call(dist):
+    """fastcall.host_arrays accepts exactly the output lists array_list passes as they
+    are (exact, writable numpy arrays of supported dtypes); anything else goes to
+    array_list, which raises its own errors."""
+    good = [np.zeros(3, np.float32), np.zeros((2, 2), np.int64), np.zeros(0, np.bool_)]
+    ro = np.zeros(2)
+    ro.flags.writeable = False
+    cases = {"good": (good, True), "tuple": (tuple(good), True), "empty": ([], True),
+             "read-only": (good + [ro], False), "object dtype": ([np.zeros(2, object)], False),
+             "a list of lists": ([[1.0]], False), "a subclass": ([np.ma.zeros(2)], False),
+             "not a list": (np.zeros(2), False)}
+    for name, (items, want) in cases.items():
+        got = fastcall.host_arrays(items)
+        assert got == (want and fastcall.compiled is not None), name
+    with pytest.raises(ValueError, match="read-only"):
+        dist.all_reduce_coalesced(good + [ro])
+    with pytest.raises(TypeError, match="object"):
+        dist.all_reduce_coalesced([np.zeros(2, object), np.zeros(2, object)])

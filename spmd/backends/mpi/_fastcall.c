@@ -964,7 +964,33 @@ fail:
 }
 
 
+/* host_arrays(items, dtypes): whether every item is an exact, writable numpy array
+ * whose dtype is a key of the dict ``dtypes`` (what spmd.core.arrays.array_list accepts
+ * for an output list, checked without a Python call per array; False: let it check). */
+static PyObject *fc_host_arrays(PyObject *m, PyObject *const *a, Py_ssize_t n) {
+    if (n != 2 || !PyDict_Check(a[1])) {
+        PyErr_SetString(PyExc_TypeError, "host_arrays(items, dtypes): a sequence and a dict");
+        return NULL;
+    }
+    if (!check_bound()) return NULL;
+    PyObject *seq = a[0];
+    if (!PyList_CheckExact(seq) && !PyTuple_CheckExact(seq)) Py_RETURN_FALSE;
+    Py_ssize_t k = PySequence_Fast_GET_SIZE(seq);
+    PyObject **items = PySequence_Fast_ITEMS(seq);
+    for (Py_ssize_t i = 0; i < k; i++) {
+        NumpyArray *x = (NumpyArray *)items[i];
+        if (Py_TYPE(x) != ndarray_type || !(x->flags & NUMPY_WRITEABLE)) Py_RETURN_FALSE;
+        int known = PyDict_Contains(a[1], x->descr);
+        if (known < 0) return NULL;
+        if (!known) Py_RETURN_FALSE;
+    }
+    Py_RETURN_TRUE;
+}
+
 static PyMethodDef methods[] = {
+    {"host_arrays", (PyCFunction)(void (*)(void))fc_host_arrays, METH_FASTCALL,
+     "host_arrays(items, dtypes) -> bool: every item an exact, writable numpy array of a "
+     "dtype in dtypes."},
     {"bind", (PyCFunction)fc_bind, METH_VARARGS, "Bind the MPI library and spmd's objects."},
     {"set_ring", (PyCFunction)fc_set_ring, METH_O,
      "set_ring(storage): the flight recorder's ring (Ring.storage())."},

@@ -32,13 +32,13 @@ from spmd.backends.mpi import packing
 from spmd.backends.reduction import MPI_OPS, PLANS, simple_plan
 from spmd.core import wait as _wait
 from spmd.core.context import GroupContext
-from spmd.core.dtypes import MOVE_AS
+from spmd.core.dtypes import FAMILY, MOVE_AS
 from spmd.core.flight_recorder import Ring, recorder
 from spmd.core.launch import loaded_libmpi
 from spmd.core.ops import ReduceOp
 from spmd.core.work import observers
 
-__all__ = ["COMPILED_OPS", "compiled", "reason", "bind", "comm_of"]
+__all__ = ["COMPILED_OPS", "compiled", "reason", "bind", "comm_of", "host_arrays"]
 
 # The ops a FastComm runs (its methods of the same names and arguments as the engine's).
 COMPILED_OPS = ("all_reduce", "all_reduce_coalesced", "reduce", "broadcast",
@@ -194,6 +194,13 @@ def bind() -> None:
 
 def _hand_ring(ring: Ring) -> None:
     compiled.set_ring(ring.storage())
+
+
+def host_arrays(items: Any) -> bool:
+    """Whether ``items`` (a list or tuple) holds only exact, writable numpy arrays of
+    dtypes spmd supports: the output lists array_list accepts as they are, checked in C
+    (False where the extension is off: array_list then checks each array itself)."""
+    return compiled is not None and compiled.host_arrays(items, FAMILY)
 
 
 def comm_of(context: GroupContext, comm: MPI.Intracomm, shm: Any) -> Any:
