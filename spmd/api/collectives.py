@@ -158,7 +158,8 @@ def broadcast(tensor: Array, src: int | None = None, group: GroupArg = None,
         return None
     root = root_rank(pg, "broadcast", src, group_src, "src")
     a = array_out(tensor, "broadcast", "tensor", pg.context)
-    return pg.engine_for("cpu" if type(a) is _ndarray else array_device(a)).run("broadcast", async_op, a, root)
+    engine = pg.engine_for("cpu" if type(a) is _ndarray else array_device(a))
+    return engine.run("broadcast", async_op, a, root)
 
 
 def all_reduce(tensor: Array, op: ReduceOp = _SUM, group: GroupArg = None,
@@ -168,7 +169,8 @@ def all_reduce(tensor: Array, op: ReduceOp = _SUM, group: GroupArg = None,
     if pg is None:
         return None
     a = array_out(tensor, "all_reduce", "tensor", pg.context)
-    return pg.engine_for("cpu" if type(a) is _ndarray else array_device(a)).run("all_reduce", async_op, a, op)
+    engine = pg.engine_for("cpu" if type(a) is _ndarray else array_device(a))
+    return engine.run("all_reduce", async_op, a, op)
 
 
 def all_reduce_coalesced(tensors: Sequence[Array], op: ReduceOp = _SUM, group: GroupArg = None,
@@ -201,7 +203,8 @@ def reduce(tensor: Array, dst: int | None = None, op: ReduceOp = _SUM, group: Gr
         return None
     root = root_rank(pg, "reduce", dst, group_dst, "dst")
     a = (array_out if pg.context.rank == root else array_in)(tensor, "reduce", "tensor", pg.context)
-    return pg.engine_for("cpu" if type(a) is _ndarray else array_device(a)).run("reduce", async_op, a, root, op)
+    engine = pg.engine_for("cpu" if type(a) is _ndarray else array_device(a))
+    return engine.run("reduce", async_op, a, root, op)
 
 
 def all_gather(tensor_list: Sequence[Array], tensor: Array, group: GroupArg = None,
