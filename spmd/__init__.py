@@ -67,6 +67,7 @@ if TYPE_CHECKING:
         DistStoreError,
         DistTimeoutError,
         GroupBrokenError,
+        ProcessFailedError,
     )
     from spmd.core.flight_recorder import dump_flight_recorder
     from spmd.core.futures import Future
@@ -95,6 +96,13 @@ if TYPE_CHECKING:
         new_subgroups,
         new_subgroups_by_enumeration,
         split_group,
+    )
+    from spmd.runtime.shrink import (
+        SHRINK_ABORT,
+        SHRINK_DEFAULT,
+        fault_tolerant,
+        get_failed_ranks,
+        shrink_group,
     )
     from spmd.runtime.world import (
         Backend,
@@ -210,6 +218,9 @@ __all__ = [
     "Future",
     "GroupBrokenError",
     "GroupMember",
+    "ProcessFailedError",
+    "SHRINK_ABORT",
+    "SHRINK_DEFAULT",
     "HashStore",
     "LaunchInfo",
     "Link",
@@ -253,6 +264,9 @@ __all__ = [
     "get_process_group_ranks",
     "get_programs",
     "get_rank",
+    "get_failed_ranks",
+    "fault_tolerant",
+    "shrink_group",
     "get_world_size",
     "init_device_mesh",
     "init_process_group",

@@ -17,7 +17,8 @@
 #   OTHER_MPIS="VENV..." tests/run.sh
 #                              the MPI part again on other MPI libraries, each from a
 #                              virtual environment with spmd and that MPI's wheel in it
-#                              (OTHER_MPI_SIZES, OTHER_MPI_SHM_SIZES: where it runs)
+#                              (OTHER_MPI_SIZES, OTHER_MPI_SHM_SIZES: where it runs); on
+#                              Open MPI also the jobs that lose a rank (ULFM)
 #
 # Uses python and mpiexec from PATH (or $PYTHON / $SPMD_MPIEXEC).
 set -uo pipefail
@@ -130,6 +131,16 @@ for venv in ${OTHER_MPIS:-}; do
     for n in ${OTHER_MPI_SHM_SIZES:-2}; do
         mpi_run "$library: mpi n=$n shm=force" "$n" SPMD_SHM=force
     done
+    # A dead rank the job survives: Open MPI's ULFM (mpiexec --with-ft ulfm), ranks killed
+    # at each point at 3 and 4 ranks, and the fault-tolerant training example.
+    if [ "${#MPIFLAGS[@]}" -gt 0 ]; then   # Open MPI's launcher
+        echo "=== ${MPI_LABEL}jobs that lose a rank (ULFM) ==="
+        PATH="$venv/bin:$PATH" timeout -k 10 "$LIMIT" "$PYTHON" -m pytest -q -p no:cacheprovider \
+            -rs tests/jobs/test_ulfm_jobs.py
+        rc=$?
+        [ $rc -ne 0 ] && failed+=("$library: ULFM jobs (exit $rc)")
+        summary+=("$library: ULFM jobs: exit $rc")
+    fi
     PYTHON=${saved[0]} MPIEXEC=${saved[1]} MPI_LABEL=""
     mpi_flags
 done

@@ -57,14 +57,29 @@ class Engine:
         public ops.  Returns the Work with ``async_op``, else None once the op has
         completed.  An engine with a faster way to run a blocking call (the host
         engine's compiled path) overrides it."""
-        work = getattr(self, op)(*args)
-        if async_op:
-            return work
-        work.wait()
-        return None
+        try:
+            work = getattr(self, op)(*args)
+            if async_op:
+                return work
+            work.wait()
+            return None
+        except Exception as exc:
+            err = self.failure(exc, op)
+            if err is exc:
+                raise
+            raise err from None
+
+    def failure(self, exc: Exception, op: str) -> BaseException:
+        """The error to raise for ``exc`` from ``op``: an engine on MPI turns MPI's report
+        of a dead rank into the group's ProcessFailedError (``backends.mpi.faults``)."""
+        return exc
 
     def shutdown(self) -> None:
         """Release what the engine holds; the group's communicator is freed by the group."""
+
+    def abort(self) -> None:
+        """Drop what the engine holds without waiting for any other rank (a member died,
+        or shrink_group replaces the group): nothing collective, nothing that blocks."""
 
     def on_split(self, child: GroupContext | None, color: int, key: int) -> None:
         """Called on every member after ``Comm.Split`` of the group (``child`` is this

@@ -30,6 +30,7 @@ import numpy as np
 from mpi4py import MPI
 
 from spmd.backends.base import Engine, install_op_methods
+from spmd.backends.mpi.faults import failure
 from spmd.core.context import GroupContext
 from spmd.core.errors import CollectiveMismatchError
 from spmd.core.flight_recorder import next_seq, ranks_text
@@ -181,6 +182,13 @@ def check_op(ctx: GroupContext, op: str, *args) -> None:
     check_call(ctx, op, fields, pairs)
 
 
+def check_comms(ctx: GroupContext) -> tuple:
+    """The communicators debug mode compares calls of ``ctx`` on (revoked with the group
+    when a member dies)."""
+    comm = _check_comms.get(ctx)
+    return comm if isinstance(comm, tuple) else (() if comm is None else (comm,))
+
+
 def free_check_comm(ctx: GroupContext) -> None:
     """Release the comparing communicator(s) of ``ctx`` (when the group is destroyed)."""
     comm = _check_comms.pop(ctx, None)
@@ -271,9 +279,16 @@ class CheckedEngine(Engine):
         self.inner = inner
         self.name = inner.name
 
+    def failure(self, exc: Exception, op: str) -> BaseException:
+        return failure(exc, op, self.group)
+
     def shutdown(self) -> None:
         free_check_comm(self.group)
         self.inner.shutdown()
+
+    def abort(self) -> None:
+        _check_comms.pop(self.group, None)   # not freed: a member may be dead
+        self.inner.abort()
 
     def on_split(self, child: GroupContext | None, color: int, key: int) -> None:
         self.inner.on_split(child, color, key)

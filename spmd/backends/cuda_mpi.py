@@ -28,6 +28,7 @@ from mpi4py import MPI
 from spmd.backends import gpu_aware_mpi as _aware
 from spmd.backends.base import Engine
 from spmd.backends.host import HostEngine
+from spmd.backends.mpi.faults import failure
 from spmd.backends.mpi.work import MPIWork
 from spmd.backends.reduction import PLANS, counts_displs
 from spmd.backends.registry import Backend
@@ -79,9 +80,16 @@ class CudaMPIEngine(Engine):
         self.direct_collectives = support.aware and support.nonblocking_collectives
         self.direct_reductions = support.aware and support.nonblocking_reductions
 
+    def failure(self, exc: Exception, op: str) -> BaseException:
+        return failure(exc, op, self.group)
+
     def shutdown(self) -> None:
         if self._own_host:
             self.host.shutdown()
+
+    def abort(self) -> None:
+        if self._own_host:
+            self.host.abort()
 
     @staticmethod
     def _cpu_is_mpi(group: GroupContext) -> bool:

@@ -13,6 +13,7 @@ from typing import Any
 from spmd.backends.base import Engine
 from spmd.backends.mpi.engine import MPIEngine
 from spmd.backends.mpi.fastcall import COMPILED_OPS, comm_of
+from spmd.backends.mpi.faults import failure
 from spmd.backends.mpi.packing import get_bucket_bytes, pack_buckets
 from spmd.backends.reduction import simple_plan
 from spmd.backends.shm.engine import engine_for
@@ -65,21 +66,32 @@ class HostEngine(Engine):
         """A blocking call the compiled path takes runs there (it declines, having done
         nothing, any other: a view, a dtype or reduce op MPI cannot apply itself, a size
         the shared-memory engine takes, an observer that needs a Work); every other call
-        goes to this engine's method and its Work."""
-        if not async_op:
-            compiled = self.compiled.get(op)
-            if compiled is not None and compiled(*args):
-                return None
-        work = getattr(self, op)(*args)
-        if async_op:
-            return work
-        work.wait()
-        return None
+        goes to this engine's method and its Work.  MPI's report of a dead rank (ULFM)
+        becomes the group's ProcessFailedError (``failure``)."""
+        try:
+            if not async_op:
+                compiled = self.compiled.get(op)
+                if compiled is not None and compiled(*args):
+                    return None
+            work = getattr(self, op)(*args)
+            if async_op:
+                return work
+            work.wait()
+            return None
+        except Exception as exc:
+            err = failure(exc, op, self.group)
+            if err is exc:
+                raise
+            raise err from None
 
     def shutdown(self) -> None:
         if self.shm is not None:
             self.shm.shutdown()
         self.mpi.shutdown()
+
+    def abort(self) -> None:
+        if self.shm is not None:
+            self.shm.abandon()
 
     def all_reduce(self, a, op):
         if a.nbytes >= self.shm.all_reduce_from:

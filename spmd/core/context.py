@@ -12,7 +12,7 @@ from array import array
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
-from spmd.core.errors import GroupBrokenError
+from spmd.core.errors import GroupBrokenError, ProcessFailedError
 
 if TYPE_CHECKING:
     from mpi4py import MPI
@@ -25,7 +25,8 @@ class GroupContext:
 
     Read-only to its readers; each field is set once by the group layer except these:
     ``comm`` becomes None when the group is destroyed (:meth:`mark_destroyed`), ``error``
-    is set once when a timeout breaks the group (:meth:`mark_broken`), and three fields
+    is set once when a timeout breaks the group (:meth:`mark_broken`) or a member dies
+    (:meth:`mark_failed`, which also sets ``failed``), and three fields
     hold the state of one lower module each (``op_counters``: the flight recorder;
     ``inherited``: the NCCL engine's split; ``bootstrap_seq``/``bootstrap_count``: the
     start-up exchange).
@@ -41,7 +42,9 @@ class GroupContext:
         timeout: seconds a blocking operation may take.
         backend_name: the backend string (``"mpi"``, ``"cpu:mpi,cuda:nccl"``...).
         store: the key-value store given to init_process_group, or None.
-        error: why the group is broken (a timeout), or None.
+        error: why the group is broken (a timeout, a dead member), or None.
+        failed: the global ranks of the members that died, as the survivors agreed on
+            them (:meth:`mark_failed`), or None.
         op_counters: the flight recorder's sequence counters of this group: collectives
             and point-to-point operations started (an int64 array the compiled call path
             writes too).
@@ -58,7 +61,7 @@ class GroupContext:
     """
 
     __slots__ = ("comm", "rank", "size", "ranks", "index", "name", "desc", "timeout",
-                 "backend_name", "store", "error", "op_counters", "inherited",
+                 "backend_name", "store", "error", "failed", "op_counters", "inherited",
                  "bootstrap_seq", "bootstrap_count", "engine_for", "on_end",
                  "__weakref__")  # debug mode keeps per-group state in weak dicts
 
@@ -77,6 +80,7 @@ class GroupContext:
         self.backend_name = backend
         self.store = store
         self.error: str | None = None
+        self.failed: tuple[int, ...] | None = None
         self.op_counters = array("q", [0, 0])
         self.inherited: dict[str, Any] = {}
         self.bootstrap_seq: int | None = None
@@ -89,6 +93,24 @@ class GroupContext:
         if self.error is None:
             self.error = reason
             self._ended()
+
+    def mark_failed(self, failed: tuple[int, ...]) -> None:
+        """Members died (``failed``: their global ranks, agreed by the survivors): every
+        later op on the group raises ProcessFailedError."""
+        if self.failed is None:
+            self.failed = tuple(sorted(failed))
+            self.error = f"ranks {list(self.failed)} failed"
+            self._ended()
+
+    def failure_error(self, op: str) -> ProcessFailedError:
+        """The ProcessFailedError of ``op`` on this failed group."""
+        failed = self.failed or ()
+        in_group = tuple(self.index[g] for g in failed if g in self.index)
+        return ProcessFailedError(
+            f"{op}: rank(s) {list(failed)} of group {self.name} failed (process died); the "
+            f"survivors agreed on it. spmd.shrink_group({list(in_group)}, group) on every "
+            f"survivor makes the group without them [rank {self.rank}, group {self.name}]",
+            failed, in_group, op, self.name, self.rank)
 
     def mark_destroyed(self) -> None:
         """The group's communicator was freed: every later op on it raises."""
@@ -105,6 +127,8 @@ class GroupContext:
         if self.comm is None:
             raise RuntimeError(f"{op}: group {self.name} was destroyed by destroy_process_group()")
         if self.error is not None:
+            if self.failed is not None:
+                raise self.failure_error(op)
             raise GroupBrokenError(f"{op}: group {self.name} is broken since {self.error}; "
                                    "its ranks are out of step, so make a new group or restart "
                                    f"the job [rank {self.rank}, group {self.name}]")

@@ -17,6 +17,7 @@ __all__ = [
     "DistTimeoutError",
     "CollectiveMismatchError",
     "GroupBrokenError",
+    "ProcessFailedError",
 ]
 
 
@@ -46,6 +47,37 @@ class CollectiveMismatchError(DistError):
 
 class GroupBrokenError(DistError):
     """A group is unusable after an earlier timeout or error on it."""
+
+
+class ProcessFailedError(DistBackendError):
+    """A rank of the group died (found by an MPI with ULFM fault tolerance).
+
+    Every survivor of the group gets this error, naming the same dead ranks (they agree
+    on them), from the op it was in or its next op on the group; the group is then
+    unusable and :func:`spmd.shrink_group` builds the survivors' group.  A subclass of
+    :class:`DistBackendError`, which torch raises for a communicator that failed.
+
+    Attributes:
+        failed_ranks: the dead ranks' global ranks, sorted.
+        group_ranks: the same ranks as ranks of the group (what ``shrink_group`` takes).
+        op: the op that found the failure.
+        group: the group's name.
+        rank: this process's rank in the group.
+    """
+
+    def __init__(self, message: str, failed_ranks: tuple[int, ...] = (),
+                 group_ranks: tuple[int, ...] = (), op: str = "", group: str = "",
+                 rank: int = -1):
+        super().__init__(message)
+        self.failed_ranks = list(failed_ranks)
+        self.group_ranks = list(group_ranks)
+        self.op = op
+        self.group = group
+        self.rank = rank
+
+    def __reduce__(self):  # pickles with its fields (spawn, object collectives)
+        return (type(self), (str(self), tuple(self.failed_ranks), tuple(self.group_ranks),
+                             self.op, self.group, self.rank))
 
 
 _E = TypeVar("_E", bound=Exception)

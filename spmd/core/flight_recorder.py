@@ -46,7 +46,8 @@ DEFAULT_SIZE = 2048
 
 IN_FLIGHT = -1.0                  # a slot's end time while its op runs
 WRITING = -2.0                    # ... while begin() fills it (readers skip it)
-FAILED, TIMED_OUT, P2P = 1, 2, 4  # bits of a slot's flags
+FAILED, TIMED_OUT, P2P, RANK_DIED = 1, 2, 4, 8  # bits of a slot's flags
+RANK_DIED_STATE = "failed: a rank died"
 
 
 class Entry:
@@ -67,6 +68,7 @@ class Entry:
         t0: start, ``time.monotonic()``.
         t1: end; None while in flight.
         failed: whether it ended with an error.
+        rank_died: whether that error was a member's death (ULFM), not a timeout.
         timed_out: whether a timeout was reported for it (once is enough).
         engine: what runs it ("MPI", "shared memory", "NCCL").
         device: for an operation that ends on a GPU stream, (communicator, end event):
@@ -75,7 +77,7 @@ class Entry:
     """
 
     __slots__ = ("number", "op", "group", "seq", "kind", "size", "dtype", "t0", "t1",
-                 "failed", "timed_out", "engine", "device")
+                 "failed", "rank_died", "timed_out", "engine", "device")
 
     def __init__(self, ring: Ring, i: int):
         self.number: int = ring.numbers[i]
@@ -90,12 +92,15 @@ class Entry:
         self.t1 = None if t1 == IN_FLIGHT else t1
         self.kind = KINDS[1] if flags & P2P else KINDS[0]
         self.failed, self.timed_out = bool(flags & FAILED), bool(flags & TIMED_OUT)
+        self.rank_died = bool(flags & RANK_DIED)
         self.device = ring.devices[i]
 
     def state(self) -> str:
-        """started, completed or failed."""
+        """started, completed, failed, or failed because a rank died."""
         if self.t1 is None:
             return STARTED
+        if self.rank_died:
+            return RANK_DIED_STATE
         return "failed" if self.failed else COMPLETED
 
     def __repr__(self) -> str:
@@ -270,6 +275,21 @@ class FlightRecorder:
             self.ring.flags[i] |= TIMED_OUT
         elif number in self.stale:
             self.stale[number].timed_out = True
+
+    def mark_rank_died(self, group: GroupContext) -> None:
+        """Members of ``group`` died: its operations in flight end here, failed because
+        of that (the watchdog reports no timeout for them)."""
+        r = self.ring
+        for e in self.in_flight():
+            if e.group is group:
+                i = r.slot(e.number)
+                if i >= 0:
+                    r.flags[i] |= FAILED | RANK_DIED
+                    r.t1[i] = _monotonic()
+                else:
+                    stale = self.stale.pop(e.number, None)
+                    if stale is not None:
+                        stale.failed = stale.rank_died = True
 
     def entry(self, number: int) -> Entry | None:
         """Operation ``number`` as an Entry; None once it left the recorder."""

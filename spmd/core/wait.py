@@ -17,7 +17,8 @@ from typing import Any
 from spmd.core.context import GroupContext
 from spmd.core.errors import DistTimeoutError
 
-__all__ = ["wait_until", "timeout_error", "set_oversubscribed", "set_diagnosis"]
+__all__ = ["wait_until", "timeout_error", "set_oversubscribed", "set_diagnosis",
+           "set_failure_check"]
 
 _monotonic = time.monotonic
 _yield = os.sched_yield
@@ -28,6 +29,16 @@ oversubscribed = False
 
 # diagnose(op, group, seq, kind, waited, source, work) -> message; set at init.
 _diagnose: Callable[..., str] | None = None
+
+
+# failure_check(op, group) -> the error of a dead member of group, or None; set by the
+# runtime once a rank is known dead (ULFM), None before: a wait checks it with its clock.
+_failure_check: Callable[[str, GroupContext], BaseException | None] | None = None
+
+
+def set_failure_check(fn: Callable[[str, GroupContext], BaseException | None] | None) -> None:
+    global _failure_check
+    _failure_check = fn
 
 
 def set_oversubscribed(flag: bool) -> None:
@@ -79,7 +90,13 @@ def wait_until(test: Callable[[], Any], seconds: float, op: str, group: GroupCon
             nap()
         elif oversubscribed:
             _yield()
-        if not spins & 255 and _monotonic() > deadline:
+        if spins & 255:
+            continue
+        if _failure_check is not None:
+            failed = _failure_check(op, group)
+            if failed is not None:
+                raise failed
+        if _monotonic() > deadline:
             if on_timeout is not None:
                 on_timeout()
             raise timeout_error(op, group, _monotonic() - start, seq=seq, kind=kind,

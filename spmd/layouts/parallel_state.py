@@ -30,6 +30,7 @@ from spmd.runtime.group import world_state as _world_state
 RanksFn = Callable[[list[int]], list[int]]  # pipeline ranks -> embedding ranks
 
 __all__ = [
+    "rebuild_model_parallel",
     "destroy_model_parallel",
     "get_context_parallel_global_ranks",
     "get_context_parallel_group",
@@ -100,6 +101,7 @@ class _Layout:
 
 
 _layout: _Layout | None = None
+_last_call: dict | None = None   # initialize_model_parallel's arguments, for a rebuild
 # Megatron keeps these as plain globals that its setters may change at any time.
 _vp_world_size: int | None = None
 _vp_rank: int | None = None
@@ -143,7 +145,7 @@ def initialize_model_parallel(tensor_model_parallel_size: int = 1,
         ValueError: a size does not divide the world size, a bad ``order``, or embedding
             ranks outside the world or in two groups.
     """
-    global _layout, _vp_world_size, _vp_rank
+    global _layout, _vp_world_size, _vp_rank, _last_call
     op = "initialize_model_parallel"
     world = _world_state.world
     if world is None:
@@ -222,8 +224,34 @@ def initialize_model_parallel(tensor_model_parallel_size: int = 1,
         groups[token], _ = new_subgroups_by_enumeration(lists, timeout=timeout, group_desc=desc)
         mine[token] = next((r for r in lists if world.context.rank in r), None)
     _layout = _Layout(world, decoder, expert, groups, mine)
+    _last_call = dict(
+        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+        context_parallel_size=cp, expert_model_parallel_size=ep, order=order,
+        expert_tensor_parallel_size=expert_tensor_parallel_size,
+        virtual_pipeline_model_parallel_size=vp, get_embedding_ranks=get_embedding_ranks,
+        get_position_embedding_ranks=get_position_embedding_ranks,
+        distributed_timeout_minutes=distributed_timeout_minutes)
     if vp is not None:  # as Megatron: without it, the globals are left as they are
         _vp_world_size, _vp_rank = vp, 0
+
+
+def rebuild_model_parallel() -> None:
+    """Build the groups again, with the arguments of the last
+    :func:`initialize_model_parallel`, on the world as it is now: after
+    ``spmd.shrink_group()`` of the default group (ranks died), the survivors call this and
+    get the same tensor, pipeline, context and expert sizes with a smaller data-parallel
+    size.  The old groups end first (the shrink ended them already).
+
+    Raises:
+        RuntimeError: initialize_model_parallel was never called.
+        ValueError: the new world size is not divisible by tp x pp x cp (the message of
+            initialize_model_parallel): fewer survivors than a model replica needs.
+    """
+    if _last_call is None:
+        raise RuntimeError("rebuild_model_parallel: initialize_model_parallel() was never "
+                           "called, so there is nothing to rebuild")
+    destroy_model_parallel()
+    initialize_model_parallel(**_last_call)
 
 
 def model_parallel_is_initialized() -> bool:

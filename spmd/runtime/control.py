@@ -12,6 +12,7 @@ The same thread is the watchdog's heartbeat monitor: it calls ``on_tick`` on eve
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import threading
@@ -19,6 +20,7 @@ import time
 
 from mpi4py import MPI
 
+from spmd.backends.mpi import faults
 from spmd.core.lines import write_lines
 
 __all__ = ["TAG_BARRIER", "TAG_QUERY", "Channel"]
@@ -68,6 +70,12 @@ class Channel:
                 if self._on_tick is not None:
                     self._on_tick()
             except Exception as exc:  # noqa: BLE001 - the thread must outlive a bad message
+                if faults.is_failure(exc):
+                    # A rank died (ULFM): acknowledged, its death no longer fails
+                    # ANY_SOURCE probes; the survivors go on answering each other.
+                    with contextlib.suppress(MPI.Exception):
+                        self.comm.Ack_failed()
+                    continue
                 failures += 1
                 if failures <= 3:
                     import sys

@@ -98,7 +98,10 @@ class ProcessGroup:
 
     def release(self) -> None:
         """Free the group's engines and its communicator (what destroy_process_group runs
-        on every member)."""
+        on every member).  A group a member of died is aborted instead."""
+        if self.context.failed is not None:
+            self.abort()
+            return
         for backend in self._engines.values():
             backend.shutdown()
         self._engines.clear()
@@ -106,6 +109,18 @@ class ProcessGroup:
         ctx = self.context
         if ctx.comm is not None:
             ctx.comm.Free()
+            ctx.mark_destroyed()
+
+    def abort(self) -> None:
+        """End the group on this rank alone, waiting for no other (a member died, or
+        shrink_group replaced it): engines dropped, communicators left unfreed (freeing
+        one may wait for the dead), every later use raises."""
+        for engine in self._engines.values():
+            engine.abort()
+        self._engines.clear()
+        ctx = self.context
+        if ctx.comm is not None:
+            aborted.append(ctx.comm)
             ctx.mark_destroyed()
 
     def __repr__(self) -> str:
@@ -149,6 +164,8 @@ class WorldState:
 
 
 world_state = WorldState()
+# Communicators of aborted groups: never freed, kept referenced so nothing frees them.
+aborted: list = []
 NON_GROUP_MEMBER = GroupMember.NON_GROUP_MEMBER
 
 # The compiled call path: bound once; each group's host engine makes its FastComm.

@@ -32,7 +32,7 @@ from spmd.core import flight_recorder
 from spmd.core import wait as _wait
 from spmd.core import work as _work
 from spmd.core.lines import write_lines
-from spmd.runtime import debug
+from spmd.runtime import debug, failures
 from spmd.runtime.abort import excepthook
 from spmd.runtime.control import Channel
 from spmd.runtime.diagnosis import answer, diagnose_timeout
@@ -57,6 +57,7 @@ def start(world: ProcessGroup, cfg: Config) -> None:
     else:  # off: no per-call cost, and no sequence numbers in diagnoses
         _work.remove_observer(flight_recorder.recorder)
     _wait.set_diagnosis(diagnose_timeout)
+    failures.install()
     flight_recorder.recorder.groups_source = lambda: (
         world_state.world.context if world_state.world is not None else None,
         [pg.context for pg in list(world_state.groups)])

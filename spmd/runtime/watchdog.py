@@ -1,6 +1,7 @@
 """The watchdog thread: it checks in-flight operations against their group's timeout
 even when nobody waits on them, and reports them as a waiting rank would (aborting a
-GPU communicator, so kernels end); it beats a heartbeat that the control thread watches
+GPU communicator, so kernels end); on an MPI with ULFM it asks which ranks died
+(``failures.watch``); it beats a heartbeat that the control thread watches
 (``heartbeat_check``), which reports a watchdog that is itself stuck."""
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import time
 import traceback
 
 from spmd.core import flight_recorder
+from spmd.runtime import failures
 from spmd.runtime.abort import after_device_timeout
 from spmd.runtime.diagnosis import handle_timeout
 from spmd.runtime.locations import frame_of
@@ -34,15 +36,16 @@ class Watchdog:
         self.thread.start()
 
     def _run(self) -> None:
-        failures = 0
+        errors = 0
         while not self._stop.wait(self.interval):
             self.heartbeat += 1
             self.beat_at = _monotonic()
             try:
+                failures.watch()
                 self.check()
             except Exception as exc:  # noqa: BLE001 - keep watching
-                failures += 1
-                if failures <= 3:
+                errors += 1
+                if errors <= 3:
                     report(f"spmd watchdog: check failed: {type(exc).__name__}: {exc}")
 
     def check(self) -> None:
@@ -52,7 +55,7 @@ class Watchdog:
         now = _monotonic()
         for e in flight_recorder.recorder.in_flight():
             g = e.group
-            if e.timed_out or g.comm is None:
+            if e.timed_out or g.comm is None or g.failed is not None:
                 continue
             limit = g.timeout
             age = now - e.t0

@@ -419,6 +419,23 @@ class SpmdProcessGroup(dist.ProcessGroup):
     def abort(self) -> None:
         self.shutdown()
 
+    # -- shrinking (torch's dist.shrink_group) ----------------------------------------
+
+    @property
+    def supports_shrinking(self) -> bool:
+        """torch's ``dist.shrink_group`` asks this: spmd shrinks on any MPI (a planned
+        removal) and, on an MPI with ULFM, after ranks died."""
+        return True
+
+    def shrink(self, ranks_to_exclude, shrink_flags: int = 0, opts_override=None):
+        """The group without ``ranks_to_exclude`` (group ranks): ``spmd.shrink_group`` of
+        the spmd group underneath, as a new SpmdProcessGroup that takes over what this
+        one owned (torch destroys this one next)."""
+        new = spmd.shrink_group(list(ranks_to_exclude), self._spmd, shrink_flags)
+        owns, self._owns = self._owns, ""
+        _adopt_shrunk_groups()
+        return SpmdProcessGroup(new, new.rank(), new.size(), self._timeout, owns)
+
 
 class _FutureWork:
     """An spmd Future (what spmd's coalesced all-gather returns) seen as a Work."""
@@ -452,6 +469,33 @@ def _keep_excepthook_output() -> None:
             sys.stderr = saved
 
     sys.excepthook = hook
+
+
+_torch_make_shrunk = None   # torch's _create_shrunk_process_group, once replaced
+
+
+def _adopt_shrunk_groups() -> None:
+    """torch's ``shrink_group`` registers the backend's new group in a fresh C++
+    ProcessGroup (``_register_backend``), which takes a C++ ``Backend`` only; an
+    SpmdProcessGroup is a whole ProcessGroup already, so it is used as it is.  Put in
+    place at the first shrink of an spmd group; every other backend's shrink goes to
+    torch's own function unchanged."""
+    global _torch_make_shrunk
+    c10d = dist.distributed_c10d
+    if _torch_make_shrunk is not None:
+        return
+    _torch_make_shrunk = c10d._create_shrunk_process_group
+
+    def make_shrunk(new_backend, remaining_ranks, metadata, is_default_group):
+        if not isinstance(new_backend, SpmdProcessGroup):
+            return _torch_make_shrunk(new_backend, remaining_ranks, metadata,
+                                      is_default_group)
+        new_backend.setGroupName(metadata["new_group_name"])
+        new_backend.setGroupDesc("default:shrunken" if is_default_group
+                                 else f"{metadata['original_group_name']}:shrunk")
+        return new_backend
+
+    c10d._create_shrunk_process_group = make_shrunk
 
 
 def _cpu_only(pg) -> bool:

@@ -284,3 +284,32 @@ def test_blocking_recv_orders_the_stream(dist, double, nccl_group):
         assert dist.recv(buf, src=0, group=g) == 0
         np.testing.assert_array_equal(buf.get(), np.arange(6) + 100)
     dd.runtime.deviceSynchronize()
+
+
+def test_shrinking_aborts_the_old_nccl_communicator_and_bootstraps_a_new_one(dist, double):
+    """shrink_group ends the old group on this rank alone (its NCCL communicator aborted,
+    never destroyed collectively) and the new group's first GPU op bootstraps NCCL over
+    the survivors' MPI communicator."""
+    n, me = dist.get_world_size(), dist.get_rank()
+    if n == 1:
+        pytest.skip("needs a rank to exclude")
+    g = dist.new_group(list(range(n)), backend=SPEC)
+    x = double.full(4, me + 1.0, double.float32)
+    dist.all_reduce(x, group=g)                  # connects g's NCCL communicator
+    np.testing.assert_array_equal(double.asnumpy(x), np.full(4, n * (n + 1) / 2))
+    old = g.engine_for("cuda").communicator
+    if me == n - 1:                               # the excluded rank does not call it
+        dist.barrier()
+        dist.destroy_process_group(g)
+        return
+    new = dist.shrink_group([n - 1], g)
+    assert old.broken is not None and old.nccl_comm is None   # aborted, then dropped
+    y = double.full(3, me + 1.0, double.float32)
+    dist.all_reduce(y, group=new)
+    np.testing.assert_array_equal(double.asnumpy(y), np.full(3, (n - 1) * n / 2))
+    fresh = new.engine_for("cuda").communicator
+    assert fresh is not old and fresh.broken is None and fresh.nccl_comm is not None
+    with pytest.raises(RuntimeError, match="destroyed"):
+        dist.all_reduce(x, group=g)
+    dist.destroy_process_group(new)
+    dist.barrier()

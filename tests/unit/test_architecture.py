@@ -146,11 +146,13 @@ MPI_MODULES = {
     "spmd.backends.mpi.engine", "spmd.backends.mpi.fastcall", "spmd.backends.mpi.packing",
     "spmd.backends.mpi.work", "spmd.backends.mpi.persistent", "spmd.backends.mpi.objects",
     "spmd.backends.mpi.link",                           # MPMD links: intercommunicators
+    "spmd.backends.mpi.faults",                         # ULFM: revoke, shrink, failed ranks
     "spmd.backends.reduction",                          # the MPI ops of each reduction
     "spmd.backends.shm.engine", "spmd.backends.shm.reduce", "spmd.backends.shm.window",
     "spmd.backends.cuda_mpi", "spmd.backends.gpu_aware_mpi",
     "spmd.backends.checked",                            # debug mode's own communicator
     "spmd.runtime.world", "spmd.runtime.group", "spmd.layouts.mesh",   # Split, Create_group
+    "spmd.runtime.shrink",                              # the survivors' communicator
     "spmd.layouts.mpmd",                                # programs: APPNUM, Create_intercomm
     "spmd.core.nodes", "spmd.core.bootstrap", "spmd.core.launch",
     "spmd.runtime.abort", "spmd.runtime.control", "spmd.runtime.reliability",

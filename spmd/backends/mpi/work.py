@@ -7,6 +7,7 @@ from typing import Any
 
 from mpi4py import MPI
 
+from spmd.backends.mpi.faults import failure
 from spmd.core.context import GroupContext
 from spmd.core.flight_recorder import MPI_ENGINE
 from spmd.core.wait import wait_until
@@ -33,14 +34,20 @@ class MPIWork(Work):
 
     def _test(self) -> bool:
         reqs = self._reqs
-        if len(reqs) == 1:  # most ops: Test skips Testall's list conversion
-            return reqs[0].Test(self._status)
-        return _testall(reqs)
+        try:
+            if len(reqs) == 1:  # most ops: Test skips Testall's list conversion
+                return reqs[0].Test(self._status)
+            return _testall(reqs)
+        except MPI.Exception as exc:   # a dead rank (ULFM) becomes the group's failure
+            raise failure(exc, self.op, self.group) from None
 
     def _poll(self, seconds: float) -> None:
         reqs = self._reqs
         test = reqs[0].Test if len(reqs) == 1 and self._status is None else self._test
-        wait_until(test, seconds, self.op, self.group, work=self)
+        try:
+            wait_until(test, seconds, self.op, self.group, work=self)
+        except MPI.Exception as exc:
+            raise failure(exc, self.op, self.group) from None
 
     def source_rank(self) -> int:
         """For a receive: the global rank of the sender (waits first)."""

@@ -92,6 +92,14 @@ class NCCLEngine(Engine):
         return self.communicator.can_split()
 
     def shutdown(self) -> None:
+        if self.group.failed is not None:   # a member died: its kernels would never end
+            self.abort()
+        self.communicator.shutdown()
+
+    def abort(self) -> None:
+        why = "a member died" if self.group.failed is None else \
+            f"ranks {list(self.group.failed)} died"
+        self.communicator.abort(f"the group was aborted ({why} or it was shrunk)")
         self.communicator.shutdown()
 
     def _plan(self, dtype, op, opname: str):

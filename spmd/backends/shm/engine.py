@@ -70,6 +70,10 @@ from spmd.core.work import Work
 
 __all__ = ["SHM_ENV", "ShmEngine", "engine_for", "shm_mode", "status"]
 
+# Windows of groups a member of died: never freed (MPI_Win_free would wait for the dead
+# member), kept referenced so nothing frees them behind MPI's back.
+abandoned_windows: list = []
+
 _U8 = np.dtype(np.uint8)
 
 
@@ -220,6 +224,14 @@ class ShmEngine:
         elif win.num_nodes > 1:
             self._take(ACROSS_NODES_FORCED if self.mode == "force" else ACROSS_NODES)
 
+    def abandon(self) -> None:
+        """Drop the window without freeing it (MPI_Win_free waits for every rank of the
+        node, and one may be dead): its memory goes with the process."""
+        win, self._win = self._win, None
+        self._scheduler.clear()
+        if win is not None:
+            abandoned_windows.append(win)
+
     def shutdown(self) -> None:
         """Free the window (every rank of the group calls it, when the group is destroyed).
 
@@ -230,6 +242,11 @@ class ShmEngine:
         win, self._win = self._win, None
         self._scheduler.clear()
         if win is None:
+            return
+        if self._group.failed is not None:
+            # A member died: MPI windows are not fault tolerant, and MPI_Win_free would
+            # wait for it forever.
+            abandoned_windows.append(win)
             return
         wait = self._group.timeout
         if self._group.error is not None:  # peers may be gone

@@ -1,0 +1,87 @@
+"""A rank dies and the job goes on: Open MPI with ULFM (``mpiexec --with-ft ulfm``).
+
+Each test starts ``tests/programs/ulfm_kill.py`` at 3 and 4 ranks with the last rank
+SIGKILLed at one point (inside a collective, between ops, while nobody waits, while the
+others wait on a Work, inside a receive from it, an object collective, a barrier, a
+large all_reduce on the shared-memory engine, a subgroup's op).  Every survivor must get
+ProcessFailedError naming that rank, then the same error at its next op, then shrink the
+default group and get numpy's answer from an all_reduce of the new world.
+
+These tests are Open MPI's: the suite's own MPI may be another (tests/run.sh runs this
+file again with each Open MPI of OTHER_MPIS).  On other MPIs the module is skipped with
+the reason; what a dead rank does there is tested in test_reliability_jobs.py.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+from _launch import mpiexec_prefix, run
+
+PROGRAM = "tests/programs/ulfm_kill.py"
+POINTS = ["collective", "between", "idle", "work", "p2p", "object", "barrier", "shm",
+          "subgroup"]
+# MPI's detection (Open MPI: the runtime sees the process end and tells the others) is
+# milliseconds; the victim sleeps 0.2 s inside its op first, and the watchdog ticks once
+# a second.  The bound leaves room for an oversubscribed, loaded machine.
+DETECT_S = {"between": 3.0}   # the survivors sleep 1 s before their next op
+DETECT_DEFAULT = 2.0
+
+if not any("--oversubscribe" in a for a in mpiexec_prefix()):   # Open MPI's launcher
+    pytest.skip(f"ULFM jobs need Open MPI's mpiexec (--with-ft ulfm); this suite's is "
+                f"{mpiexec_prefix()[0]} (tests/run.sh runs them with OTHER_MPIS' Open MPI)",
+                allow_module_level=True)
+
+
+def ulfm_job(n: int, point: str) -> tuple[str, list[dict]]:
+    exe, *flags = mpiexec_prefix()
+    cmd = [exe, "--with-ft", "ulfm", *flags, "-n", str(n), sys.executable, PROGRAM, point]
+    proc = run(cmd, timeout=90)
+    out = proc.stdout
+    results = [json.loads(line.split("RESULT ", 1)[1]) for line in out.splitlines()
+               if line.startswith("RESULT ")]
+    return out, sorted(results, key=lambda r: r["rank"])
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("n", [3, 4])
+@pytest.mark.parametrize("point", POINTS)
+def test_survivors_get_the_failure_shrink_and_go_on(point, n):
+    out, results = ulfm_job(n, point)
+    victim = n - 1
+    assert [r["rank"] for r in results] == list(range(n - 1)), out
+    for r in results:
+        assert r["error"] == "ProcessFailedError", out
+        assert r["failed"] == [victim], out
+        assert r["then"] == [victim], out      # the group stays failed, the same set
+        assert r["detect_s"] < DETECT_S.get(point, DETECT_DEFAULT), out
+        assert r["new_size"] == n - 1, out
+        assert r["sum_ok"] is True, out         # numpy's answer on the shrunk world
+        assert r["gathered"] == list(range(n - 1)), out
+    assert sorted(r["new_rank"] for r in results) == list(range(n - 1)), out
+    if point == "subgroup":
+        for r in results:
+            if r["rank"] < n - 2:               # the subgroup without the victim
+                assert r["subgroup_sum_ok"] is True, out
+                assert r["group"] == "WORLD", out
+            else:                               # the victim's neighbour
+                assert r["group"] != "WORLD", out
+    if point == "idle":                         # the watchdog found it before any op
+        assert all(r["known_before_any_op"] == [victim] for r in results), out
+    assert "failed: a rank died" in out or "died; the survivors agreed" in out, out
+    assert "DistTimeoutError" not in out and "MPI_ABORT" not in out, out
+
+
+@pytest.mark.timeout(120)
+def test_the_example_trains_on_after_a_rank_dies():
+    exe, *flags = mpiexec_prefix()
+    proc = run([exe, "--with-ft", "ulfm", *flags, "-n", "4", sys.executable,
+                "examples/fault_tolerant_training.py"], timeout=90)
+    out = proc.stdout
+    assert proc.returncode == 0, out
+    for r in range(3):
+        assert f"[rank {r}/3] step 7: rank(s) [3] died; shrank the world to 3 ranks" in out, out
+    assert "[rank 0/3] trained 20 steps on 3 ranks; final parameters equal the one-process " \
+           "reference" in out, out
