@@ -13,7 +13,7 @@ Choices, and why:
 
 - **No MPI in the caller.**  Spawning from the caller as an MPI singleton
   (``MPI_Comm_spawn``) fails in the MPI libraries themselves: Open MPI 5's singleton spawn
-  is broken upstream (open-mpi/ompi#12349), Intel MPI's crashes, and MPICH runs its
+  is broken upstream (open-mpi/ompi#12349), Intel MPI's segfaults, and MPICH runs its
   process manager inside the caller, so one killed rank ended spawning for the life of
   the interpreter (a notebook kernel).  Starting the launcher is what every MPI program
   does, and whatever happens to the job, the caller is untouched and the next spawn
