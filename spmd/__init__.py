@@ -200,7 +200,7 @@ sys.meta_path.append(_ShortNames())
 # spmd.spawn is the function (torch's spawn); the subpackage of the same name is reached
 # by its import path (from spmd.spawn import ProcessRaisedException).  Bound now, as the
 # import system sets a subpackage on its parent when it is first imported: the function
-# must come after it.  (spmd.spawn imports no MPI: spawning starts it.)
+# must come after it.  (spmd.spawn imports no MPI: only the ranks it starts do.)
 from spmd.spawn import spawn as spawn  # noqa: E402
 
 __all__ = [

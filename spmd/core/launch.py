@@ -4,22 +4,18 @@ Recognised: ``mpiexec``/``mpirun`` of MPICH (Hydra) and Open MPI, ``srun`` (SLUR
 plain ``python`` (a singleton: a world of one).  :func:`check_world_size` warns when
 MPI made a singleton where the launcher started several processes, the usual sign of
 an mpi4py built against another MPI than the launcher's, or of ``srun`` without the
-PMI plugin the MPI library speaks.  :func:`find_hydra` finds the MPI library's own
-``mpiexec``, which :func:`spmd.spawn` needs to start processes from a singleton.
+PMI plugin the MPI library speaks.
 """
 
 from __future__ import annotations
 
 import os
-import shutil
 import socket
-import subprocess
-import sys
 import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-__all__ = ["LOCAL_RANK_VARS", "LaunchInfo", "check_world_size", "find_hydra", "launch_info",
+__all__ = ["LOCAL_RANK_VARS", "LaunchInfo", "check_world_size", "launch_info",
            "local_rank_from_env"]
 
 # Launcher names in LaunchInfo.launcher
@@ -163,43 +159,6 @@ def check_world_size(world_size: int, environ=None) -> None:
     problem = singleton_problem(world_size, environ)
     if problem:
         warnings.warn(f"spmd: {problem}", RuntimeWarning, stacklevel=3)
-
-
-def find_hydra() -> str:
-    """The path of the MPI library's ``mpiexec`` (Hydra), for singleton spawns.
-
-    Raises:
-        RuntimeError: none found; says what to install or set.
-    """
-    candidates = []
-    if os.environ.get("SPMD_MPIEXEC"):
-        candidates.append(os.environ["SPMD_MPIEXEC"])
-    candidates.append(os.path.join(os.path.dirname(sys.executable), "mpiexec"))
-    candidates.append(os.path.join(sys.prefix, "bin", "mpiexec"))
-    lib = loaded_libmpi()
-    if lib:
-        candidates.append(os.path.join(os.path.dirname(os.path.dirname(lib)), "bin", "mpiexec"))
-    on_path = shutil.which("mpiexec")
-    if on_path:
-        candidates.append(on_path)
-    tried = []
-    for path in dict.fromkeys(candidates):
-        if not (os.path.isfile(path) and os.access(path, os.X_OK)):
-            continue
-        try:
-            out = subprocess.run([path, "--version"], check=False, capture_output=True, text=True,
-                                 timeout=20).stdout
-        except (OSError, subprocess.SubprocessError):
-            out = ""
-        if "HYDRA" in out.upper():
-            return os.path.realpath(path)
-        tried.append(path)
-    raise RuntimeError(
-        "spawn: MPICH starts spawned processes through its mpiexec (Hydra), and none was "
-        f"found (looked next to {sys.executable}, in {sys.prefix}/bin, next to libmpi and "
-        f"on PATH{'; not Hydra: ' + ', '.join(tried) if tried else ''}); install the MPICH "
-        "wheel into this environment (pip install 'spmd[mpich]') or set SPMD_MPIEXEC to "
-        "the mpiexec of the MPI library mpi4py uses")
 
 
 def loaded_libmpi() -> str | None:

@@ -1,7 +1,8 @@
 """Start an SPMD job from plain Python or a notebook: ``spmd.spawn(fn, args, nprocs)``.
 
-The calling process: :mod:`spmd.spawn.parent`; what each started rank runs:
-:mod:`spmd.spawn.child`.
+The calling process: :mod:`spmd.spawn.parent` (no MPI in it); the MPI library's launcher
+it starts: :mod:`spmd.spawn.launcher`; what each rank runs: :mod:`spmd.spawn.child`; what
+they say to each other: :mod:`spmd.spawn.protocol`.
 """
 
 from spmd.spawn.parent import (

@@ -1,32 +1,33 @@
-"""What a process started by :func:`spmd.spawn` runs: report in, run ``fn``, report back.
+"""What each rank of :func:`spmd.spawn` runs: ``python -m spmd.spawn.child``.
 
-The interpreter runs ``spmd.spawn.BOOT`` (written to a file): it reads the job file the
-parent wrote (environment, ``sys.path``, working directory), applies it *before* MPI is
-initialised, imports mpi4py (MPI_Init, which completes the parent's ``MPI_Comm_spawn``),
-sends HELLO, imports this module and calls :func:`main`.
+The MPI library's launcher starts it (``mpiexec -n N python -m spmd.spawn.child``) in
+the environment the caller chose: the caller's, its ``env=`` and the address and token
+of the caller's socket (:mod:`spmd.spawn.protocol`).  Importing this module initialises
+MPI (the ranks' ``MPI.COMM_WORLD`` is the spawned job); :func:`main` then connects to
+the caller, reports the rank and its pid (HELLO), receives the job (the caller's
+``sys.path``, its main script, the pickled ``fn`` and ``args``), runs ``fn(rank,
+*args)`` with spmd initialised, and reports the return value or the exception with its
+traceback text (RESULT).
 
-Messages on the intercommunicator to the parent (``MPI.Comm.Get_parent()``), all small
-pickles except the payload and the result, which are the user's objects:
-
-- child -> parent ``HELLO``: ``(rank, pid, hostname)``, right after MPI_Init (BOOT).
-- parent -> child ``PAYLOAD``: the pickled ``(fn, args)``.
-- child -> parent ``RESULT``: ``("ok", pickled value)`` or ``("error", type name,
-  message, traceback text)``.
-- parent -> child ``STOP``: another rank failed or the job timed out; a listener thread
-  sends SIGINT to the main thread: a KeyboardInterrupt that spmd's waits (Python polling
-  loops) and ``time.sleep`` see within milliseconds, so the rank leaves a collective its
-  peers will never finish.  (Code that blocks in C without checking signals does not
-  see it; the parent kills such a rank after a grace period.)
+A listener thread reads the connection while ``fn`` runs.  STOP (another rank failed,
+the job timed out) becomes a SIGINT to the main thread: a KeyboardInterrupt that spmd's
+waits (Python polling loops) and ``time.sleep`` see within milliseconds, so the rank
+leaves a collective its peers will never finish.  (Code that blocks in C without
+checking signals does not see it; the caller kills such a rank after a grace period.)
+The connection ending means the caller is gone: the rank exits at once rather than
+linger with nobody to report to.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import pickle
+import runpy
 import signal
+import socket
 import sys
 import threading
-import time
 import traceback
 import types
 from typing import Any
@@ -34,63 +35,67 @@ from typing import Any
 from mpi4py import MPI
 
 from spmd.runtime.world import destroy_process_group, init_process_group
-from spmd.spawn.protocol import PAYLOAD, RESULT, STOP
+from spmd.spawn.protocol import (
+    ADDRESS_VAR,
+    HELLO,
+    JOB,
+    RESULT,
+    STOP,
+    TOKEN_VAR,
+    frame,
+    recv_frame,
+)
 
 __all__ = ["main"]
+
+# Exit statuses: started by hand rather than by spawn; the caller went away.
+_NOT_SPAWNED, _CALLER_GONE = 2, 3
 
 
 def _dumps(obj) -> bytes:
     try:
-        import cloudpickle
+        import cloudpickle  # optional: closures and lambdas among return values too
     except ImportError:
         return pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
     return cloudpickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
 
 
-def _parent_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # pragma: no cover - exists, owned by someone else
-        return True
-    return True
-
-
 class _Listener(threading.Thread):
-    """Waits for STOP from the parent, or for the parent to vanish, and then interrupts."""
+    """Reads the caller's connection while ``fn`` runs: STOP interrupts the main thread,
+    the connection's end ends the process."""
 
-    def __init__(self, parent: MPI.Intercomm, parent_pid: int):
+    def __init__(self, conn: socket.socket):
         super().__init__(name="spmd-spawn-listener", daemon=True)
-        self.parent, self.parent_pid = parent, parent_pid
+        self.conn = conn
         main_ident = threading.main_thread().ident
         assert main_ident is not None  # the main thread is running
         self.main_ident = main_ident
         self.stopped = threading.Event()
-        self.done = threading.Event()
+        self.done = threading.Event()   # fn has returned or raised: nothing to interrupt
 
     def run(self) -> None:
-        while not self.done.is_set():
-            if self.parent.Iprobe(source=0, tag=STOP):
-                self.parent.recv(source=0, tag=STOP)
+        while True:
+            try:
+                message = recv_frame(self.conn)
+            except OSError:
+                message = None
+            if message is None:
+                if not self.done.is_set():
+                    # The caller is gone: end now, skipping exit handlers (MPI_Finalize)
+                    # that would wait for peers stuck in fn.
+                    os._exit(_CALLER_GONE)
+                return
+            if message[0] == STOP and not self.done.is_set():
                 self.stopped.set()
                 # A real signal to the main thread also wakes it from sleep() and other
-                # blocking system calls, which interrupt_main() would not.
+                # blocking system calls, which _thread.interrupt_main() would not.
                 signal.pthread_kill(self.main_ident, signal.SIGINT)
-                return
-            if not _parent_alive(self.parent_pid):
-                # Nobody is left to collect a result: do not linger as an orphan.
-                os._exit(3)
-            time.sleep(0.02)
 
 
 def _load_main(path: str) -> None:
-    """Import the parent's main script as ``__mp_main__`` (as multiprocessing's spawn does)
+    """Import the caller's main script as ``__mp_main__`` (as multiprocessing's spawn does)
     so plain pickles that name ``__main__.fn`` resolve; the script's
     ``if __name__ == "__main__":`` block does not run."""
-    import runpy
-    import types
-
     module = types.ModuleType("__mp_main__")
     sys.modules["__mp_main__"] = module
     module.__dict__.update(runpy.run_path(path, run_name="__mp_main__"))
@@ -113,9 +118,9 @@ def _with_filename(code: types.CodeType, path: str) -> types.CodeType:
 
 
 def _name_main_code(roots: list, path: str) -> None:
-    """Give the functions of the parent's main script ``path`` that came by value (fn,
+    """Give the functions of the caller's main script ``path`` that came by value (fn,
     what it calls, the methods of its classes, callables among the args) their file
-    back, so that tracebacks name the script's file and lines as in the parent."""
+    back, so that tracebacks name the script's file and lines as in the caller."""
     seen: set[int] = set()
     todo: list[Any] = list(roots)
     while todo:
@@ -133,14 +138,13 @@ def _name_main_code(roots: list, path: str) -> None:
                 todo.append(v.__func__ if isinstance(v, (classmethod, staticmethod)) else v)
 
 
-def _run(parent: MPI.Intercomm, job: dict, listener: _Listener):
-    """Receive fn and args, run ``fn(rank, *args)`` with spmd initialised; the reply."""
-    rank = MPI.COMM_WORLD.Get_rank()
-    payload = parent.recv(source=0, tag=PAYLOAD)
-    if job.get("main"):
+def _run(rank: int, job: dict, listener: _Listener) -> tuple:
+    """Load what ``fn`` needs, run ``fn(rank, *args)`` with spmd initialised; the reply."""
+    sys.path[:0] = job["path"]
+    if job["main"]:
         _load_main(job["main"])
-    fn, args = pickle.loads(payload)
-    if job.get("main_file"):
+    fn, args = pickle.loads(job["payload"])
+    if job["main_file"]:
         _name_main_code([fn, *args], job["main_file"])
     init_process_group()
     try:
@@ -151,22 +155,52 @@ def _run(parent: MPI.Intercomm, job: dict, listener: _Listener):
     return ("ok", _dumps(value))
 
 
-def main(job: dict, parent: MPI.Intercomm) -> None:
-    """Run one spawned rank (HELLO already sent); every failure goes to the parent as text."""
-    parent.Set_errhandler(MPI.ERRORS_RETURN)
+def _connect() -> socket.socket:
+    """The connection to the caller, from the address and token in the environment (taken
+    out of it: fn and what it starts are no part of this job's plumbing)."""
+    address, token = os.environ.pop(ADDRESS_VAR, None), os.environ.pop(TOKEN_VAR, None)
+    if not address or not token:
+        sys.stderr.write(f"spmd.spawn.child: {ADDRESS_VAR} and {TOKEN_VAR} are not set; this "
+                         "module is what spmd.spawn's ranks run, not a program of its own\n")
+        raise SystemExit(_NOT_SPAWNED)
+    host, _, port = address.rpartition(":")
+    conn = socket.create_connection((host, int(port)), timeout=60)
+    conn.settimeout(None)
+    conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    world = MPI.COMM_WORLD
+    hello = {"token": token, "rank": world.Get_rank(), "size": world.Get_size(),
+             "pid": os.getpid(), "host": socket.gethostname()}
+    conn.sendall(frame(HELLO, json.dumps(hello).encode()))
+    return conn
+
+
+def main() -> None:
+    """Run one spawned rank; every outcome goes back to the caller."""
     signal.signal(signal.SIGINT, signal.default_int_handler)  # STOP arrives as SIGINT
-    listener = _Listener(parent, int(job["parent_pid"]))
+    conn = _connect()
+    message = recv_frame(conn)
+    if message is None or message[0] != JOB:
+        os._exit(_CALLER_GONE)  # the caller ended the job before it began
+    listener = _Listener(conn)
     listener.start()
     try:
-        reply = _run(parent, job, listener)
-    except BaseException as exc:  # noqa: BLE001 - everything goes back to the parent
+        reply = _run(MPI.COMM_WORLD.Get_rank(), pickle.loads(message[1]), listener)
+    except BaseException as exc:  # noqa: BLE001 - everything goes back to the caller
         if listener.stopped.is_set() and isinstance(exc, KeyboardInterrupt):
-            reply = ("stopped", "KeyboardInterrupt", "stopped by the parent", "")
+            reply = ("stopped", "KeyboardInterrupt", "stopped by the caller", "")
         else:
             reply = ("error", type(exc).__qualname__, str(exc), traceback.format_exc())
+    listener.done.set()
+    conn.sendall(frame(RESULT, pickle.dumps(reply, protocol=pickle.HIGHEST_PROTOCOL)))
+    # Tells the caller nothing more comes, and ends the listener's read.
+    conn.shutdown(socket.SHUT_RDWR)
+    conn.close()
+
+
+if __name__ == "__main__":
     try:
-        listener.done.set()
-        parent.send(reply, dest=0, tag=RESULT)
-        parent.Disconnect()
-    except KeyboardInterrupt:  # a STOP that raced with the reply: the parent has it all
-        pass
+        main()
+    except (KeyboardInterrupt, OSError):
+        # A STOP that came as fn ended, or a caller gone mid-reply: the caller has
+        # ended the job and wants nothing more from this rank.
+        os._exit(_CALLER_GONE)

@@ -1,73 +1,95 @@
 """Start an SPMD job from plain Python or a notebook: ``spmd.spawn(fn, args, nprocs)``.
 
-torch.multiprocessing.spawn's interface on MPI's dynamic processes.  The calling
-process (a singleton: ``python``, ``ipython``, Jupyter) starts ``nprocs`` interpreters
-with ``MPI.COMM_SELF.Spawn``; they share their own ``MPI.COMM_WORLD``, so in each of
-them ``spmd.init_process_group()`` makes the children alone WORLD (ranks ``0..nprocs-1``)
-and every spmd API works inside ``fn``.  The parent is not a member: it sends the
-pickled ``(fn, args)`` over the intercommunicator, then collects each rank's return
-value (or its exception's traceback text) and returns the values in rank order.
+torch.multiprocessing.spawn's interface, on the MPI library's own launcher.  The calling
+process (``python``, ``ipython``, Jupyter) does not initialise MPI: it runs ``mpiexec -n
+nprocs python -m spmd.spawn.child`` as a child process.  Those ranks share their own
+``MPI.COMM_WORLD``; in each, spmd is initialised (WORLD is the spawned ranks alone, ranks
+``0..nprocs-1``) and ``fn(rank, *args)`` runs (:mod:`spmd.spawn.child`).  The caller is
+not a rank: it sends each rank the pickled ``(fn, args)`` over a connection of its own,
+collects each rank's return value (or its exception's traceback text), and returns the
+values in rank order.
 
 Choices, and why:
 
-- **Pickling**: cloudpickle when it is installed (lambdas, closures, functions defined
-  in a notebook or in ``__main__`` travel by value); plain pickle otherwise, where a
+- **No MPI in the caller.**  Spawning from the caller as an MPI singleton
+  (``MPI_Comm_spawn``) fails in the MPI libraries themselves: Open MPI 5's singleton spawn
+  is broken upstream (open-mpi/ompi#12349), Intel MPI's segfaults, and MPICH runs its
+  process manager inside the caller, so one killed rank ended spawning for the life of
+  the interpreter (a notebook kernel).  Starting the launcher is what every MPI program
+  does, and whatever happens to the job, the caller is untouched and the next spawn
+  starts afresh.  The caller never imports ``mpi4py.MPI``.
+- **Launcher**: the mpiexec of the MPI library the ranks load, with the flags it needs
+  (:mod:`spmd.spawn.launcher`); none found is a RuntimeError saying what to install or
+  set.  It runs in a session of its own: a Ctrl-C at the caller's terminal does not reach
+  it (the caller stops the ranks itself), and ending it cannot signal the caller.  Ranks
+  run on this host; inside a SLURM allocation too, as the launcher does not see it
+  (starting them with ``srun`` across the allocation is not supported yet).
+- **Channel**: a TCP socket the caller listens on at 127.0.0.1 (an ephemeral port), its
+  address and a random token in the ranks' environment (:mod:`spmd.spawn.protocol`).
+  A rank shows the token before the caller reads anything else from its connection, so
+  nothing another local user sends is unpickled.  Not MPI (the caller has none) and not
+  a TCPStore (a store answers requests; it cannot tell the caller a rank is gone): a
+  rank's connection ends the moment its process does, which is how the caller learns of
+  a killed rank at once, on any host, without polling process ids.
+- **Pickling**: cloudpickle when it is installed (lambdas, closures, functions defined in
+  a notebook or in ``__main__`` travel by value); plain pickle otherwise, where a
   function defined in the ``__main__`` of a script is found by running that script in
-  each child as ``__mp_main__`` (as multiprocessing's spawn start method does, so the
+  each rank as ``__mp_main__`` (as multiprocessing's spawn start method does, so the
   script needs its ``if __name__ == "__main__":`` guard).  A function defined in an
   interactive session without cloudpickle is refused before anything starts.
-- **Launcher**: MPICH's singleton ``MPI_Comm_spawn`` runs ``mpiexec`` (Hydra) from
-  ``PATH`` the first time a process spawns.  spmd finds the Hydra of the MPI library in
-  use (``$SPMD_MPIEXEC``, next to ``sys.executable``, ``sys.prefix/bin``, next to the
-  loaded ``libmpi``, then ``PATH``) and hands MPICH a private ``mpiexec`` that starts it
-  in its own process group: Hydra ends a job whose process died of a signal by
-  signalling the process group of every process it knows, the singleton included, and
-  the parent (your notebook kernel) must survive that.  No Hydra found: RuntimeError
-  saying what to install or set.  PATH is read at the first spawn, not at MPI_Init.
-- **Environment**: ``env`` is applied in each child before MPI is initialised there,
-  through a job file the parent writes into a private (0700) directory; the children
-  also get the parent's ``sys.path`` and working directory.
-- **Faults**: the parent never blocks in MPI while children run: it polls with
-  ``Improbe`` and checks every 0.1 s that each child's process (pid reported at start)
-  and the process manager are alive.  An exception in a child comes back as
-  :class:`ProcessRaisedException` naming the rank, with the child's traceback text;
-  the other ranks are sent STOP (a KeyboardInterrupt inside spmd's polling waits), and
-  any still running after a grace period are killed.  A child that dies (SIGKILL, the
-  OOM killer) is reported as :class:`ProcessExitedException` within a fraction of a
-  second.  ``timeout`` bounds the whole job (:class:`spmd.DistTimeoutError`).
-- **After a killed child** Hydra has ended the process manager of the parent, and MPI
-  cannot start one again in this process: later spawns raise RuntimeError asking to
-  restart the interpreter (kernel).  Exceptions and timeouts whose ranks stop when
-  asked do not cost that.
+- **Environment**: the ranks start with the caller's environment (less the variables of
+  an MPI job or SLURM allocation the caller is in: the ranks are a job of their own),
+  ``env`` on top, so it is in place before MPI initialises there; the caller's working
+  directory; with the job, the caller's ``sys.path``.
+- **Faults**: the caller never blocks while the job runs: it waits on the connections
+  and looks at the launcher every 50 ms.  An exception in a rank comes back as
+  :class:`ProcessRaisedException` naming the rank, with its traceback text, and the
+  other ranks are sent STOP (a KeyboardInterrupt inside spmd's polling waits).  A rank
+  that dies (SIGKILL, the OOM killer) is :class:`ProcessExitedException` within
+  milliseconds; so is the launcher ending before every rank reported.  ``timeout``
+  bounds the whole job (:class:`spmd.DistTimeoutError`); a KeyboardInterrupt in the
+  caller ends the job too.  However it ended, the launcher gets a grace period to
+  finish, then it and every process below it are killed; ``join`` returns or raises only
+  once they are gone, and nothing of the job (process, socket, port) outlives it.
 - **Inside an mpiexec/srun job** of more than one rank, spawn refuses (RuntimeError):
-  the ranks already are the SPMD job, call ``fn`` directly.  A job of one rank spawns
-  through its launcher's process manager.
+  the ranks already are the SPMD job, call ``fn`` directly.  A job of one rank spawns as
+  a plain ``python`` does.
 """
 
 from __future__ import annotations
 
 import atexit
+import hmac
 import json
 import os
 import pickle
-import shlex
-import shutil
+import secrets
+import selectors
 import signal
 import socket
+import subprocess
 import sys
-import tempfile
-import threading
 import time
+import weakref
+from collections import deque
 from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from spmd.core.errors import DistError, DistTimeoutError
-from spmd.core.launch import SINGLETON, find_hydra, launch_info
+from spmd.core.launch import launch_info
 from spmd.core.timeouts import to_seconds
-from spmd.spawn.protocol import BOOT, HELLO, PAYLOAD, RESULT, STOP
-
-if TYPE_CHECKING:
-    from mpi4py import MPI
+from spmd.spawn.launcher import find_launcher, launcher_environment
+from spmd.spawn.protocol import (
+    ADDRESS_VAR,
+    HELLO,
+    JOB,
+    MAX_HELLO,
+    RESULT,
+    STOP,
+    TOKEN_VAR,
+    FrameReader,
+    frame,
+)
 
 __all__ = [
     "ProcessContext",
@@ -77,17 +99,15 @@ __all__ = [
     "spawn",
 ]
 
-# Each child runs ``python BOOTFILE JOBFILE`` (BOOTFILE holds this text, in the private
-# directory; Hydra's spawn command cannot carry newlines): the job's environment and
-# sys.path are in place before mpi4py initialises MPI (which completes the parent's
-# spawn), and the rank reports its pid before the slower import of spmd, so the parent
-# can watch it from the start.
-_GRACE = 3.0      # seconds STOPped ranks get to leave before they are killed
-_CHECK = 0.1      # seconds between liveness checks
-# A rank sends its result and exits at once: MPI completes a small send before it is
-# delivered, so the result can still be on its way when the process is gone.  A rank
-# found dead without a result gets this long for it to arrive before it counts as dead.
-_LATE_RESULT = 1.0
+_STOP_GRACE = 3.0    # seconds STOPped ranks get to leave before everything is killed
+_EXIT_GRACE = 10.0   # seconds finished ranks get to finalise MPI and exit
+_CHECK = 0.05        # seconds between looks at the launcher and the deadline
+# The launcher ends every rank within milliseconds of one dying, and a dying process
+# closes its files one by one, so its victims' connections can end before its own (7 ms
+# before, seen with Intel MPI): after a rank's connection ends, the caller waits for the
+# launcher to exit, or this long, before it says which ranks died.
+_SETTLE = 0.5
+_CHILD = [sys.executable, "-m", "spmd.spawn.child"]
 
 
 class ProcessException(DistError):
@@ -102,7 +122,7 @@ class ProcessException(DistError):
 
 
 class ProcessRaisedException(ProcessException):
-    """``fn`` raised in a spawned rank; the message carries the child's traceback."""
+    """``fn`` raised in a spawned rank; the message carries the rank's traceback."""
 
     def __init__(self, msg: str, error_index: int, pid: int | None, error_type: str = ""):
         super().__init__(msg, error_index, pid)
@@ -116,136 +136,93 @@ class ProcessExitedException(ProcessException):
     """A spawned rank's process ended without reporting (killed, crashed, exited)."""
 
 
-class _Launcher:
-    """The process manager that serves this process's spawns (one per process)."""
-
-    def __init__(self):
-        self.lock = threading.Lock()
-        self.dir: str | None = None        # private directory: wrapper, pid file, job files
-        self.prepared = False
-        self.pm_pid: int | None = None     # Hydra's pid once it runs
-        self.dead: str | None = None       # why no further spawn can work
-        self.jobs = 0
-
-    def private_dir(self) -> str:
-        if self.dir is None:
-            self.dir = tempfile.mkdtemp(prefix="spmd-spawn-")  # 0700
-            atexit.register(shutil.rmtree, self.dir, True)
-        return self.dir
-
-    def boot_file(self) -> str:
-        path = os.path.join(self.private_dir(), "spmd_spawn_boot.py")
-        if not os.path.exists(path):
-            with open(path, "w") as f:
-                f.write(BOOT)
-        return path
-
-    def prepare(self) -> None:
-        """Make sure MPICH's singleton init finds a Hydra that runs in its own group."""
-        if self.prepared:
-            return
-        from mpi4py import MPI  # (called by spawn, which started MPI)
-
-        if launch_info().launcher == SINGLETON and "MPICH" in MPI.Get_library_version():
-            real = find_hydra()
-            d = self.private_dir()
-            wrapper = os.path.join(d, "mpiexec")
-            code = ("import os, sys; os.setpgid(0, 0); "
-                    "open(sys.argv[1], 'w').write(str(os.getpid())); "
-                    "os.execv(sys.argv[2], sys.argv[2:])")
-            with open(wrapper, "w") as f:
-                f.write("#!/bin/sh\n# Hydra for spmd.spawn, in its own process group\n"
-                        f"exec {shlex.quote(sys.executable)} -S -c {shlex.quote(code)} "
-                        f"{shlex.quote(os.path.join(d, 'hydra.pid'))} {shlex.quote(real)} "
-                        '"$@"\n')
-            os.chmod(wrapper, 0o700)
-            os.environ["PATH"] = d + os.pathsep + os.environ.get("PATH", "")
-        self.prepared = True
-
-    def after_spawn(self) -> None:
-        if self.pm_pid is None and self.dir is not None:
-            try:
-                with open(os.path.join(self.dir, "hydra.pid")) as f:
-                    self.pm_pid = int(f.read().strip() or 0) or None
-            except (OSError, ValueError):
-                return
-            # MPICH reads PATH once, at the first spawn; give the user theirs back.
-            parts = os.environ.get("PATH", "").split(os.pathsep)
-            if parts and parts[0] == self.dir:
-                os.environ["PATH"] = os.pathsep.join(parts[1:])
-
-    def pm_alive(self) -> bool:
-        """False once Hydra has exited (it is this process's child: reap it)."""
-        if self.pm_pid is None:
-            return True
-        try:
-            pid, _ = os.waitpid(self.pm_pid, os.WNOHANG)
-        except ChildProcessError:
-            return _alive(self.pm_pid)
-        return pid == 0
-
-
-_launcher = _Launcher()
-
-
-def _alive(pid: int) -> bool:
-    """The process exists and is not a zombie (Linux /proc; kill(0) elsewhere)."""
+def _process_start(pid: int) -> int | None:
+    """When process ``pid`` started (clock ticks after boot), or None if it is gone or a
+    zombie; with the pid, it names one process even after the pid is reused."""
     try:
         with open(f"/proc/{pid}/stat") as f:
-            return f.read().rpartition(")")[2].split()[0] not in ("Z", "X")
-    except FileNotFoundError:
-        return False
-    except OSError:  # pragma: no cover - no /proc
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return False
-        except PermissionError:
-            return True
-        return True
+            fields = f.read().rpartition(")")[2].split()
+    except OSError:
+        return None
+    return None if fields[0] in ("Z", "X") else int(fields[19])
 
 
-def _serialize(fn: Callable, args: tuple) -> tuple[bytes, str | None]:
-    """Pickle ``(fn, args)``; the path of the main script children must load, if any."""
-    main = sys.modules.get("__main__")
-    main_file = getattr(main, "__file__", None)
+def _descendants(pid: int) -> list[int]:
+    """Every live process below ``pid``, from /proc (none where there is no /proc).
+
+    Hydra puts each of its processes in a session of its own, so the launcher's process
+    group does not hold its ranks: the process tree does."""
+    parents: dict[int, int] = {}
     try:
-        import cloudpickle
-    except ImportError:
-        cloudpickle = None
-    if cloudpickle is not None:
-        try:
-            return cloudpickle.dumps((fn, args), protocol=pickle.HIGHEST_PROTOCOL), None
-        except Exception as exc:
-            raise TypeError(f"spawn: cannot pickle fn={fn!r} and its args with cloudpickle: "
-                            f"{type(exc).__name__}: {exc}") from exc
-    if getattr(fn, "__module__", None) == "__main__" and not main_file:
-        raise TypeError(f"spawn: fn={getattr(fn, '__qualname__', fn)!r} is defined in an "
-                        "interactive session, which plain pickle cannot send to other "
-                        "processes; pip install cloudpickle (spmd uses it when installed), "
-                        "or define fn in a module")
+        names = os.listdir("/proc")
+    except OSError:
+        return []
+    for name in names:
+        if name.isdigit():
+            try:
+                with open(f"/proc/{name}/stat") as f:
+                    fields = f.read().rpartition(")")[2].split()
+            except OSError:
+                continue
+            parents[int(name)] = int(fields[1])
+    found: list[int] = []
+    frontier = {pid}
+    while frontier:
+        frontier = {p for p, parent in parents.items() if parent in frontier}
+        found += frontier
+    return found
+
+
+def _kill(pid: int) -> None:
     try:
-        payload = pickle.dumps((fn, args), protocol=pickle.HIGHEST_PROTOCOL)
-    except Exception as exc:
-        raise TypeError(f"spawn: cannot pickle fn={fn!r} and its args: {type(exc).__name__}: "
-                        f"{exc} (lambdas and local functions need cloudpickle: pip install "
-                        "cloudpickle)") from exc
-    return payload, os.path.abspath(main_file) if main_file and b"__main__" in payload else None
+        os.kill(pid, signal.SIGKILL)
+    except OSError:
+        pass
 
 
-def singleton_spawn_problem(launcher: str, vendor: tuple[str, tuple[int, ...]]) -> str | None:
-    """Why this MPI cannot spawn from a process no launcher started, or None.
+class _Connection:
+    """A rank's connection, nonblocking: frames in, bytes queued out.  ``rank`` is None
+    until the HELLO with the token has come."""
 
-    Open MPI 5's MPI_Comm_spawn from a singleton fails inside the library ("OPAL ERROR:
-    Error in file ompi/dpm/dpm.c", open-mpi/ompi#12349 and #12916; mpi4py's own tests skip
-    it); under ``mpiexec -n 1`` it works."""
-    name, version = vendor
-    if launcher == SINGLETON and name == "Open MPI" and version[:1] >= (5,):
-        return (f"Open MPI {'.'.join(map(str, version))} cannot spawn from a process that "
-                "mpiexec did not start (its singleton MPI_Comm_spawn fails upstream, "
-                "open-mpi/ompi#12349); start this interpreter with `mpiexec -n 1 python ...`, "
-                "or use MPICH (pip install 'spmd[mpich]')")
-    return None
+    def __init__(self, sock: socket.socket):
+        self.sock = sock
+        self.reader = FrameReader()
+        self.outbox: deque[memoryview] = deque()
+        self.rank: int | None = None
+
+    def receive(self) -> list[tuple[int, bytes]] | None:
+        """The frames that arrived; None once the rank's end is closed."""
+        try:
+            data = self.sock.recv(1 << 20)
+        except (BlockingIOError, InterruptedError):
+            return []
+        except OSError:
+            return None
+        return self.reader.feed(data) if data else None
+
+    def flush(self) -> None:
+        """Send what the socket takes now; a rank gone drops the rest (its end says so)."""
+        try:
+            while self.outbox:
+                sent = self.sock.send(self.outbox[0])
+                if sent < len(self.outbox[0]):
+                    self.outbox[0] = self.outbox[0][sent:]
+                    return
+                self.outbox.popleft()
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            self.outbox.clear()
+
+
+# Jobs not joined when the interpreter exits are ended then, not left running.
+_running: weakref.WeakSet[ProcessContext] = weakref.WeakSet()
+
+
+@atexit.register
+def _end_running_jobs() -> None:
+    for ctx in list(_running):
+        ctx._end(RuntimeError("spawn: the interpreter exited before the job was joined"))
 
 
 class ProcessContext:
@@ -254,20 +231,27 @@ class ProcessContext:
     Returned by ``spawn(..., join=False)``; ``spawn(..., join=True)`` joins it for you.
     """
 
-    def __init__(self, comm: Any, nprocs: int, deadline: float | None,
-                 job_file: str | None):
-        self._comm: MPI.Intercomm | None = comm  # None once the job has ended
-        self.nprocs, self._deadline = nprocs, deadline
-        self._job_file = job_file
+    def __init__(self, launcher: subprocess.Popen, launcher_path: str,
+                 listener: socket.socket, token: str, job: bytes, nprocs: int,
+                 deadline: float | None):
+        self.nprocs = nprocs
+        self._launcher, self._launcher_path = launcher, launcher_path
+        self._listener, self._token, self._job = listener, token, job
+        self._deadline = deadline
+        self._selector = selectors.DefaultSelector()
+        self._selector.register(listener, selectors.EVENT_READ)
+        self._connections: set[_Connection] = set()
+        self._ranks: dict[int, _Connection] = {}
         self._pids: dict[int, int] = {}
-        self._hosts: dict[int, str] = {}
+        self._starts: dict[int, int] = {}   # local ranks' process start times
         self._values: dict[int, Any] = {}
         self._replied: set[int] = set()
+        self._dead: list[int] = []          # ranks whose connection ended without a
+        self._dead_since = 0.0              # result, in that order; when the first did
         self._failure: BaseException | None = None
         self._finished = False
-        self._next_check = 0.0
         self._host = socket.gethostname()
-        self._sends: list[MPI.Request] = []  # keep the payload buffers alive until sent
+        _running.add(self)
 
     # -- public ------------------------------------------------------------------
     @property
@@ -294,10 +278,13 @@ class ProcessContext:
             ``timeout`` passed first (call again to keep waiting).
 
         Raises:
-            ProcessRaisedException: ``fn`` raised on a rank (the lowest failing rank is
+            ProcessRaisedException: ``fn`` raised on a rank (the first failing rank is
                 named, with its traceback); every rank has been ended.
-            ProcessExitedException: a rank's process died.
+            ProcessExitedException: a rank's process died, or the launcher ended first.
             spmd.DistTimeoutError: the job's ``timeout`` (given to spawn) passed.
+            RuntimeError: the launcher's processes are not one MPI job (it is not the
+                launcher of the MPI library mpi4py uses).
+            KeyboardInterrupt: it came while waiting; the job has been ended.
         """
         if self._finished:
             if self._failure is not None:
@@ -308,7 +295,8 @@ class ProcessContext:
         try:
             done = self._poll(until)
         except KeyboardInterrupt:
-            self._end(None)
+            self._end(RuntimeError("spawn: the job was ended by a KeyboardInterrupt in the "
+                                   "caller"))
             raise
         if not done:
             return False
@@ -318,179 +306,260 @@ class ProcessContext:
 
     # -- the engine ----------------------------------------------------------------
     def _poll(self, until: float | None) -> bool:
-        delay = 0.0005
+        """Serve the connections until the job is over (True) or ``until`` passes."""
         while True:
-            if self._drain():
-                delay = 0.0005
-            if self._failure is None and len(self._replied) == self.nprocs:
+            if self._failure is not None or len(self._replied) == self.nprocs:
                 self._end(None)
                 return True
             now = time.monotonic()
-            if now >= self._next_check:
-                self._next_check = now + _CHECK
-                problem = self._check(now)
-                if problem is not None:
-                    self._end(problem)
-                    return True
-            if self._failure is not None:
-                self._end(self._failure)
+            if self._deadline is not None and now >= self._deadline:
+                missing = [r for r in range(self.nprocs) if r not in self._replied]
+                self._end(DistTimeoutError(
+                    f"spawn: the job did not finish within its timeout; ranks {missing} were "
+                    "still running and were ended"))
                 return True
+            if self._launcher.poll() is not None:
+                # Whatever the ranks sent before they ended has arrived: read it first.
+                while self._serve(0):
+                    pass
+                if self._failure is None and len(self._replied) < self.nprocs:
+                    self._fail(self._died() if self._dead else self._launcher_ended())
+                continue
+            if self._dead and now >= self._dead_since + _SETTLE:
+                self._fail(self._died())
+                continue
             if until is not None and now >= until:
                 return False
-            time.sleep(delay)
-            delay = min(delay * 2, 0.02)
+            wait = _CHECK
+            for limit in (until, self._deadline):
+                if limit is not None:
+                    wait = min(wait, max(limit - now, 0.0))
+            self._serve(wait)
 
-    def _drain(self) -> bool:
-        """Handle every message that has arrived; True if there was one."""
-        from mpi4py import MPI  # (the job runs: MPI started when it was spawned)
+    def _serve(self, wait: float) -> int:
+        """Accept, read and write what is ready within ``wait`` seconds; the events."""
+        events = self._selector.select(wait)
+        for key, mask in events:
+            if key.fileobj is self._listener:
+                self._accept()
+                continue
+            conn: _Connection = key.data
+            if mask & selectors.EVENT_WRITE:
+                conn.flush()
+                if not conn.outbox:
+                    self._selector.modify(conn.sock, selectors.EVENT_READ, conn)
+            if mask & selectors.EVENT_READ:
+                frames = conn.receive()
+                if frames is None:
+                    self._lost(conn)
+                    continue
+                for kind, body in frames:
+                    self._handle(conn, kind, body)
+                if conn.rank is None and conn.reader.pending() > MAX_HELLO:
+                    self._close(conn)   # not a rank of this job
+        return len(events)
 
-        comm = self._comm
-        assert comm is not None  # messages are drained only until the job ends
-        got = False
+    def _accept(self) -> None:
         while True:
-            msg = comm.improbe(source=MPI.ANY_SOURCE, tag=MPI.ANY_TAG,
-                               status=(status := MPI.Status()))
-            if msg is None:
-                return got
-            got = True
-            rank, tag = status.Get_source(), status.Get_tag()
-            data = msg.recv()
-            if tag == HELLO:
-                _, pid, host = data
-                self._pids[rank], self._hosts[rank] = pid, host
-            elif tag == RESULT:
-                self._replied.add(rank)
-                self._reply(rank, data)
-
-    def _reply(self, rank: int, data: tuple) -> None:
-        kind = data[0]
-        if kind == "ok":
             try:
-                self._values[rank] = pickle.loads(data[1])
-            except Exception as exc:  # noqa: BLE001 - whatever unpickling raises is reported
-                self._fail(ProcessRaisedException(
-                    f"spawn: the value returned by rank {rank} cannot be unpickled here: "
-                    f"{type(exc).__name__}: {exc}", rank, self._pids.get(rank)))
-        elif kind == "error":
+                sock, _ = self._listener.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            sock.setblocking(False)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            conn = _Connection(sock)
+            self._connections.add(conn)
+            self._selector.register(sock, selectors.EVENT_READ, conn)
+
+    def _send(self, conn: _Connection, data: bytes) -> None:
+        conn.outbox.append(memoryview(data))
+        conn.flush()
+        if conn.outbox:
+            self._selector.modify(conn.sock, selectors.EVENT_READ | selectors.EVENT_WRITE, conn)
+
+    def _handle(self, conn: _Connection, kind: int, body: bytes) -> None:
+        if conn.rank is None:
+            self._hello(conn, kind, body)
+        elif kind == RESULT and conn.rank not in self._replied:
+            self._replied.add(conn.rank)
+            self._reply(conn.rank, body)
+
+    def _hello(self, conn: _Connection, kind: int, body: bytes) -> None:
+        """A new connection's first frame: a rank of this job, or a stranger to drop."""
+        if self._failure is not None:
+            self._close(conn)   # the job is ending: a rank that comes late gets no job
+            return
+        try:
+            hello = json.loads(body) if kind == HELLO else {}
+            token_ok = hmac.compare_digest(str(hello.get("token", "")), self._token)
+        except (ValueError, TypeError, AttributeError):
+            token_ok = False
+        if not token_ok:
+            self._close(conn)
+            return
+        if hello.get("size") != self.nprocs:
+            # Each process initialised an MPI of its own (a world of 1): the launcher
+            # speaks another process-management protocol than mpi4py's MPI library.
+            self._fail(RuntimeError(
+                f"spawn: {self._launcher_path} started processes that MPI made ranks of a "
+                f"world of {hello.get('size')}, not {self.nprocs}: it is not the launcher of "
+                "the MPI library mpi4py uses; set SPMD_MPIEXEC to that library's mpiexec"))
+            self._close(conn)
+            return
+        rank = hello.get("rank")
+        if not isinstance(rank, int) or not 0 <= rank < self.nprocs or rank in self._ranks:
+            self._close(conn)
+            return
+        conn.rank = rank
+        self._ranks[rank] = conn
+        pid, host = int(hello["pid"]), hello.get("host")
+        self._pids[rank] = pid
+        if host == self._host:
+            start = _process_start(pid)
+            if start is not None:
+                self._starts[rank] = start
+        self._send(conn, self._job)
+
+    def _reply(self, rank: int, body: bytes) -> None:
+        try:
+            data = pickle.loads(body)
+            value = pickle.loads(data[1]) if data[0] == "ok" else None
+        except Exception as exc:  # noqa: BLE001 - whatever unpickling raises is reported
+            self._fail(ProcessRaisedException(
+                f"spawn: the value returned by rank {rank} cannot be unpickled here: "
+                f"{type(exc).__name__}: {exc}", rank, self._pids.get(rank)))
+            return
+        if data[0] == "ok":
+            self._values[rank] = value
+        elif data[0] == "error":
             _, type_name, message, text = data
             self._fail(ProcessRaisedException(
                 f"spawn: rank {rank} of {self.nprocs} (pid {self._pids.get(rank)}) raised "
                 f"{type_name}: {message}\n\n-- traceback of rank {rank} --\n{text}",
                 rank, self._pids.get(rank), type_name))
 
+    def _lost(self, conn: _Connection) -> None:
+        """A connection ended: a rank without a result died."""
+        self._close(conn)
+        if conn.rank is not None and conn.rank not in self._replied:
+            if not self._dead:
+                self._dead_since = time.monotonic()
+            self._dead.append(conn.rank)
+
+    def _close(self, conn: _Connection) -> None:
+        if conn in self._connections:
+            self._connections.discard(conn)
+            self._selector.unregister(conn.sock)
+            conn.sock.close()
+
     def _fail(self, exc: BaseException) -> None:
         # The first failure is the cause; ranks that fail after it were usually its victims.
         if self._failure is None:
             self._failure = exc
 
-    def _dead_silent(self) -> list[int]:
-        """Ranks on this host whose process is gone and whose result has not arrived."""
-        return [r for r, pid in sorted(self._pids.items()) if r not in self._replied
-                and self._hosts.get(r) == self._host and not _alive(pid)]
-
-    def _check(self, now: float) -> BaseException | None:
-        dead = self._dead_silent()
-        limit = now + _LATE_RESULT
-        while dead and time.monotonic() < limit:
-            if not self._drain():
-                time.sleep(0.01)
-            dead = [r for r in dead if r not in self._replied]
+    def _died(self) -> ProcessExitedException:
+        dead, first = sorted(self._dead), self._dead[0]
+        pid = self._pids.get(first)
         if len(dead) == 1:
-            rank, pid = dead[0], self._pids[dead[0]]
             return ProcessExitedException(
-                f"spawn: rank {rank} of {self.nprocs} (pid {pid}) died without reporting "
-                "(killed by a signal or crashed); the other ranks were ended", rank, pid)
-        if dead:
-            # Hydra kills every rank within milliseconds of one dying of a signal, so
-            # which one went first cannot be told from here.
-            return ProcessExitedException(
-                f"spawn: ranks {dead} of {self.nprocs} (pids {[self._pids[r] for r in dead]}) "
-                "died without reporting: one was killed by a signal or crashed, and MPI's "
-                "process manager then ended the others", dead[0], self._pids[dead[0]])
-        if not _launcher.pm_alive():
-            missing = [r for r in range(self.nprocs) if r not in self._replied]
-            rank = missing[0] if missing else 0
-            return ProcessExitedException(
-                f"spawn: the MPI process manager ended while ranks {missing} were running "
-                "(a spawned process died of a signal); the other ranks were ended",
-                rank, self._pids.get(rank))
-        if self._deadline is not None and now >= self._deadline:
-            missing = [r for r in range(self.nprocs) if r not in self._replied]
-            return DistTimeoutError(
-                f"spawn: the job did not finish within its timeout; ranks {missing} were still "
-                "running and were ended")
-        return None
+                f"spawn: rank {first} of {self.nprocs} (pid {pid}) died without reporting "
+                "(killed by a signal or crashed); the other ranks were ended", first, pid)
+        return ProcessExitedException(
+            f"spawn: ranks {dead} of {self.nprocs} (pids {[self._pids.get(r) for r in dead]}) "
+            "died without reporting: one was killed by a signal or crashed, and the launcher "
+            f"then ended the others (rank {first}'s connection ended first)", first, pid)
+
+    def _launcher_ended(self) -> ProcessExitedException:
+        code = self._launcher.returncode
+        how = f"was killed by signal {-code}" if code < 0 else f"exited with status {code}"
+        missing = [r for r in range(self.nprocs) if r not in self._replied]
+        return ProcessExitedException(
+            f"spawn: the launcher ({self._launcher_path}) {how} before ranks {missing} of "
+            f"{self.nprocs} reported (its messages, if any, are on this process's stderr)",
+            missing[0], self._pids.get(missing[0]))
 
     def _end(self, failure: BaseException | None) -> None:
-        """Finish: STOP the ranks still running, disconnect, make sure none is left."""
+        """Finish: STOP the ranks still running, give the launcher its grace, then make
+        sure no process of the job is left, whatever interrupts this."""
+        if self._finished:
+            return
         if failure is not None:
             self._fail(failure)
-        comm = self._comm
-        assert comm is not None  # the job ends once
-        live = [r for r in range(self.nprocs) if r not in self._replied]
-        requests = [comm.isend(None, dest=r, tag=STOP) for r in live]
-        # STOPped ranks reply "stopped" and disconnect, as finished ranks do.
-        limit = time.monotonic() + _GRACE
-        while len(self._replied) < self.nprocs and time.monotonic() < limit \
-                and _launcher.pm_alive() and all(
-                    _alive(self._pids[r]) for r in live
-                    if r in self._pids and r not in self._replied):
-            if not self._drain():
-                time.sleep(0.005)
-        clean = len(self._replied) == self.nprocs and _launcher.pm_alive()
-        if clean:
-            clean = _disconnect(comm, _GRACE)
-        if not clean:
-            for req in requests + self._sends:
-                if not req.Test():
-                    req.Cancel()
-            comm.Free()  # local; Disconnect would wait for ranks that are gone
-        self._comm, self._sends = None, []
-        self._reap(_GRACE if clean else 0.0)
-        if self._job_file:
-            try:
-                os.unlink(self._job_file)
-            except OSError:
-                pass
-        if not _launcher.pm_alive() and _launcher.dead is None:
-            _launcher.dead = ("the MPI process manager of this process ended when a spawned "
-                              "process died of a signal, and MPI cannot start a new one in "
-                              "this process: restart the interpreter (in Jupyter: restart the "
-                              "kernel)")
-        self._finished = True
+        try:
+            grace = _EXIT_GRACE
+            if self._failure is not None:
+                grace = _STOP_GRACE
+                self._stop_ranks()
+            limit = time.monotonic() + grace
+            while self._launcher.poll() is None and time.monotonic() < limit:
+                self._serve(0.02)   # keeps reading, so no rank blocks on a full socket
+        finally:
+            self._kill_leftovers()
+            for conn in list(self._connections):
+                self._close(conn)
+            self._selector.close()
+            self._listener.close()
+            self._finished = True
+            _running.discard(self)
 
-    def _reap(self, grace: float) -> None:
-        """Wait ``grace`` seconds for the ranks' processes to exit, then kill what is left."""
-        limit = time.monotonic() + grace
-        local = [p for r, p in self._pids.items() if self._hosts.get(r) == self._host]
-        while any(_alive(p) for p in local) and time.monotonic() < limit:
-            time.sleep(0.005)
-        for pid in local:
-            if _alive(pid):
+    def _stop_ranks(self) -> None:
+        """STOP every rank that has its job and no result; a rank still receiving its job
+        is cut off instead (it exits when its connection ends)."""
+        stop = frame(STOP)
+        for rank, conn in self._ranks.items():
+            if rank in self._replied or conn not in self._connections:
+                continue
+            if not conn.outbox:
                 try:
-                    os.kill(pid, signal.SIGKILL)
+                    if conn.sock.send(stop) == len(stop):
+                        continue
                 except OSError:
                     pass
+            self._close(conn)
+
+    def _kill_leftovers(self) -> None:
+        """Kill the launcher and every process below it, and any rank of this host that
+        outlived them; reap the launcher."""
+        if self._launcher.poll() is None:
+            for pid in [self._launcher.pid, *_descendants(self._launcher.pid)]:
+                _kill(pid)
+        ranks = [(pid, self._starts[r]) for r, pid in self._pids.items() if r in self._starts]
+        for pid, start in ranks:
+            if _process_start(pid) == start:
+                _kill(pid)
+        self._launcher.wait()
         limit = time.monotonic() + 5.0
-        while any(_alive(p) for p in local) and time.monotonic() < limit:
+        while any(_process_start(pid) == start for pid, start in ranks) \
+                and time.monotonic() < limit:
             time.sleep(0.01)
 
 
-def _disconnect(comm: MPI.Intercomm, seconds: float) -> bool:
-    """``comm.Disconnect()`` (collective with the children) unless it takes too long."""
-    box: list[BaseException | None] = []
-
-    def run():
+def _serialize(fn: Callable, args: tuple) -> tuple[bytes, str | None]:
+    """Pickle ``(fn, args)``; the path of the main script ranks must load, if any."""
+    main = sys.modules.get("__main__")
+    main_file = getattr(main, "__file__", None)
+    try:
+        import cloudpickle  # optional; looked up at each spawn, as it may come later
+    except ImportError:
+        cloudpickle = None
+    if cloudpickle is not None:
         try:
-            comm.Disconnect()
-            box.append(None)
-        except BaseException as exc:  # noqa: BLE001 - reported by the caller
-            box.append(exc)
-
-    thread = threading.Thread(target=run, name="spmd-spawn-disconnect", daemon=True)
-    thread.start()
-    thread.join(seconds)
-    return bool(box) and box[0] is None
+            return cloudpickle.dumps((fn, args), protocol=pickle.HIGHEST_PROTOCOL), None
+        except Exception as exc:
+            raise TypeError(f"spawn: cannot pickle fn={fn!r} and its args with cloudpickle: "
+                            f"{type(exc).__name__}: {exc}") from exc
+    if getattr(fn, "__module__", None) == "__main__" and not main_file:
+        raise TypeError(f"spawn: fn={getattr(fn, '__qualname__', fn)!r} is defined in an "
+                        "interactive session, which plain pickle cannot send to other "
+                        "processes; pip install cloudpickle (spmd uses it when installed), "
+                        "or define fn in a module")
+    try:
+        payload = pickle.dumps((fn, args), protocol=pickle.HIGHEST_PROTOCOL)
+    except Exception as exc:
+        raise TypeError(f"spawn: cannot pickle fn={fn!r} and its args: {type(exc).__name__}: "
+                        f"{exc} (lambdas and local functions need cloudpickle: pip install "
+                        "cloudpickle)") from exc
+    return payload, os.path.abspath(main_file) if main_file and b"__main__" in payload else None
 
 
 def spawn(fn: Callable[..., Any], args: Sequence = (), nprocs: int = 1, join: bool = True,
@@ -498,8 +567,9 @@ def spawn(fn: Callable[..., Any], args: Sequence = (), nprocs: int = 1, join: bo
           env: Mapping[str, str] | None = None) -> list | ProcessContext:
     """Run ``fn(rank, *args)`` on ``nprocs`` new MPI processes that form spmd's WORLD.
 
-    Call it from a single process (``python``, ``ipython``, Jupyter): no launcher needed.
-    In each child spmd is initialised before ``fn`` runs and destroyed after.
+    Call it from a single process (``python``, ``ipython``, Jupyter): it starts the MPI
+    library's launcher itself.  In each rank spmd is initialised before ``fn`` runs and
+    destroyed after.  The caller does not initialise MPI.
 
     Args:
         fn: the function; it gets the rank (0..nprocs-1) and ``*args``.  Must be
@@ -510,9 +580,8 @@ def spawn(fn: Callable[..., Any], args: Sequence = (), nprocs: int = 1, join: bo
         nprocs: number of ranks.
         join: wait for the job and return the results (True) or return a
             :class:`ProcessContext` at once (False).
-        timeout: seconds (or a timedelta) the whole job may take, spawning included.
-        env: extra environment variables for the children, applied before MPI starts
-            in them.
+        timeout: seconds (or a timedelta) the whole job may take, start-up included.
+        env: extra environment variables for the ranks, set before MPI starts in them.
 
     Returns:
         Each rank's return value in rank order, or the ProcessContext with ``join=False``.
@@ -520,8 +589,7 @@ def spawn(fn: Callable[..., Any], args: Sequence = (), nprocs: int = 1, join: bo
     Raises:
         TypeError, ValueError: bad arguments, or ``fn`` cannot be pickled (before any
             process starts).
-        RuntimeError: called inside a multi-rank MPI job, no Hydra for MPICH's singleton
-            spawn, or the process manager of this process is gone after a killed child.
+        RuntimeError: called inside a multi-rank MPI job, or no MPI launcher found.
         ProcessRaisedException, ProcessExitedException, spmd.DistTimeoutError: see
             :meth:`ProcessContext.join`.
     """
@@ -532,50 +600,41 @@ def spawn(fn: Callable[..., Any], args: Sequence = (), nprocs: int = 1, join: bo
     if isinstance(nprocs, bool) or not isinstance(nprocs, int) or nprocs < 1:
         raise ValueError(f"spawn: nprocs must be a positive int, got {nprocs!r}")
     seconds = None if timeout is None else to_seconds(timeout, "spawn", positive=True)
-    child_env = {"SPMD_ABORT_ON_EXCEPTION": "0"}  # failures go back to the parent instead
+    rank_env = {"SPMD_ABORT_ON_EXCEPTION": "0"}  # failures go back to the caller instead
     if env is not None:
         if not isinstance(env, Mapping) or not all(
                 isinstance(k, str) and isinstance(v, str) for k, v in env.items()):
             raise TypeError(f"spawn: env must map str to str, got {env!r}")
-        child_env.update(env)
-    from mpi4py import MPI  # spawning starts MPI in this process; importing spmd does not
-
-    size = MPI.COMM_WORLD.Get_size()
-    if size > 1:
+        rank_env.update(env)
+    info = launch_info()
+    if (info.ntasks or 1) > 1:
         raise RuntimeError(
-            f"spawn: this process is rank {MPI.COMM_WORLD.Get_rank()} of an MPI job of {size} "
-            "ranks (started by mpiexec/srun), which already is an SPMD job: call fn on every "
-            "rank instead; spawn starts a job from a single process (python, ipython, Jupyter)")
-    if _launcher.dead is not None:
-        raise RuntimeError(f"spawn: {_launcher.dead}")
-    problem = singleton_spawn_problem(launch_info().launcher, MPI.get_vendor())
-    if problem is not None:
-        raise RuntimeError(f"spawn: {problem}")
+            f"spawn: this process is rank {info.rank} of an MPI job of {info.ntasks} ranks "
+            "(started by mpiexec/srun), which already is an SPMD job: call fn on every rank "
+            "instead; spawn starts a job from a single process (python, ipython, Jupyter)")
     payload, main_file = _serialize(fn, tuple(args))
+    launcher = find_launcher()
     start = time.monotonic()
-    with _launcher.lock:
-        _launcher.prepare()
-        _launcher.jobs += 1
-        job_file = os.path.join(_launcher.private_dir(), f"job-{_launcher.jobs}.json")
-        boot_file = _launcher.boot_file()
-        script = getattr(sys.modules.get("__main__"), "__file__", None)
-        job = {"env": child_env, "path": [p for p in sys.path], "cwd": os.getcwd(),
-               "main": main_file, "main_file": script and os.path.abspath(script),
-               "parent_pid": os.getpid()}
-        fd = os.open(job_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        with os.fdopen(fd, "w") as f:
-            json.dump(job, f)
-        errcodes: list[int] = []
-        comm = MPI.COMM_SELF.Spawn(sys.executable, [boot_file, job_file], maxprocs=nprocs,
-                                   errcodes=errcodes)
-        _launcher.after_spawn()
-    comm.Set_errhandler(MPI.ERRORS_RETURN)
-    ctx = ProcessContext(comm, nprocs, None if seconds is None else start + seconds, job_file)
-    bad = [r for r, code in enumerate(errcodes) if code != MPI.SUCCESS]
-    if bad:
-        ctx._end(ProcessExitedException(f"spawn: MPI could not start ranks {bad}", bad[0], None))
-        ctx.join()
-    ctx._sends = [comm.isend(payload, dest=r, tag=PAYLOAD) for r in range(nprocs)]
+    script = getattr(sys.modules.get("__main__"), "__file__", None)
+    job = frame(JOB, pickle.dumps({"path": list(sys.path), "main": main_file,
+                                   "main_file": script and os.path.abspath(script),
+                                   "payload": payload}, protocol=pickle.HIGHEST_PROTOCOL))
+    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(nprocs)
+        listener.setblocking(False)
+        host, port = listener.getsockname()
+        token = secrets.token_hex(16)
+        rank_env.update({ADDRESS_VAR: f"{host}:{port}", TOKEN_VAR: token})
+        process = subprocess.Popen(launcher.command(nprocs, _CHILD),
+                                   env=launcher_environment(rank_env), cwd=os.getcwd(),
+                                   stdin=subprocess.DEVNULL, start_new_session=True)
+    except OSError as exc:
+        listener.close()
+        raise RuntimeError(f"spawn: cannot start {launcher.path}: {exc}") from exc
+    ctx = ProcessContext(process, launcher.path, listener, token, job, nprocs,
+                         None if seconds is None else start + seconds)
     if not join:
         return ctx
     ctx.join()

@@ -5,7 +5,10 @@ per check (``{"check": ..., ...}``) for tests/jobs/test_spawn.py to assert on.""
 import json
 import os
 import signal
+import socket
+import struct
 import sys
+import threading
 import time
 
 import numpy as np
@@ -41,8 +44,21 @@ def descendants() -> list[tuple[int, str]]:
 
 
 def workers() -> list[int]:
-    """Spawned ranks still running (their command line names the boot file)."""
-    return [p for p, cmd in descendants() if "spmd_spawn_boot" in cmd]
+    """Spawned ranks still running (their command line names spmd.spawn.child)."""
+    return [p for p, cmd in descendants() if "spmd.spawn.child" in cmd]
+
+
+def running(pid: int) -> bool:
+    """Process ``pid`` exists and is not a zombie."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rpartition(")")[2].split()[0] not in ("Z", "X")
+    except OSError:
+        return False
+
+
+def open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
 
 
 def collectives(rank, seed):
@@ -89,19 +105,25 @@ def slow_square(rank, delay):
     return int(x[0])
 
 
+def collectives_match_numpy(n: int, seed: int) -> bool:
+    """Spawn ``collectives`` on n ranks; every rank's results equal numpy's."""
+    out = spmd.spawn(collectives, args=(seed,), nprocs=n)
+    xs = [np.random.default_rng(seed + r).standard_normal(5) for r in range(n)]
+    return bool(len(out) == n
+                and all(o["rank"] == r and o["size"] == n for r, o in enumerate(out))
+                and all(np.array_equal(o["x"], xs[r]) for r, o in enumerate(out))
+                and all(np.allclose(o["sum"], np.sum(xs, axis=0), rtol=0, atol=1e-12)
+                        for o in out)
+                and all(np.array_equal(o["gathered"], np.concatenate(xs)) for o in out)
+                and all(np.array_equal(o["bcast"], xs[n - 1]) for o in out))
+
+
 def mode_sizes():
     for n in (1, 2, 3, 4):
-        out = spmd.spawn(collectives, args=(100 * n,), nprocs=n)
-        xs = [np.random.default_rng(100 * n + r).standard_normal(5) for r in range(n)]
-        ok = (len(out) == n
-              and all(o["rank"] == r and o["size"] == n for r, o in enumerate(out))
-              and all(np.array_equal(o["x"], xs[r]) for r, o in enumerate(out))
-              and all(np.allclose(o["sum"], np.sum(xs, axis=0), rtol=0, atol=1e-12)
-                      for o in out)
-              and all(np.array_equal(o["gathered"], np.concatenate(xs)) for o in out)
-              and all(np.array_equal(o["bcast"], xs[n - 1]) for o in out))
-        emit(check="sizes", n=n, ok=bool(ok))
-    emit(check="left", workers=workers())
+        emit(check="sizes", n=n, ok=collectives_match_numpy(n, 100 * n))
+    # The caller never started MPI: it only ran the MPI library's launcher.
+    emit(check="left", workers=workers(), descendants=[c for _, c in descendants()],
+         mpi_in_caller="mpi4py.MPI" in sys.modules)
 
 
 def mode_readme():
@@ -140,17 +162,67 @@ def mode_raise():
 
 
 def mode_kill():
+    fds0 = open_fds()
     t0 = time.monotonic()
     try:
         spmd.spawn(kill_one, nprocs=3)
     except ProcessExitedException as exc:
         emit(check="kill", rank=exc.error_index, message=str(exc),
              seconds=time.monotonic() - t0, workers=workers(),
-             descendants=[c for _, c in descendants()])
+             descendants=[c for _, c in descendants()], fds_before=fds0, fds_after=open_fds())
+    # The same interpreter spawns again, and the collectives are right.
+    emit(check="again", ok=collectives_match_numpy(3, 7), workers=workers())
+
+
+def mode_interrupt():
+    """Ctrl-C in the caller while it waits for ranks stuck in a collective and a sleep."""
+    fds0 = open_fds()
+    ctx = spmd.spawn(stuck, nprocs=3, join=False)
+    while None in ctx.pids():
+        ctx.join(timeout=0.05)
+    pids = ctx.pids()
+    threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGINT)).start()
+    t0 = time.monotonic()
     try:
-        spmd.spawn(train_global, args=(1.0,), nprocs=2)
+        ctx.join()
+    except KeyboardInterrupt:
+        alive = [p for p in pids if running(p)]
+        emit(check="interrupt", seconds=time.monotonic() - t0, alive=alive, workers=workers(),
+             descendants=[c for _, c in descendants()], fds_before=fds0, fds_after=open_fds())
+    try:
+        ctx.join()
     except RuntimeError as exc:
-        emit(check="again", message=str(exc))
+        emit(check="rejoin", message=str(exc))
+    emit(check="again", ok=collectives_match_numpy(2, 11))
+
+
+def stuck(rank):
+    if rank == 0:
+        time.sleep(600)
+    x = np.ones(3)
+    spmd.all_reduce(x)  # ranks 1 and 2 wait here for rank 0
+
+
+def intrude(rank):
+    """Rank 0 connects to the caller's socket like a rank of the job would, without the
+    token, and claims rank 1 with a result; the job must not take it."""
+    if rank == 0:
+        env = dict(line.split("=", 1) for line in
+                   open("/proc/self/environ").read().split("\0") if "=" in line)
+        host, _, port = env["SPMD_SPAWN_ADDRESS"].rpartition(":")
+        hello = json.dumps({"token": "0" * 32, "rank": 1, "size": 2, "pid": 1,
+                            "host": "x"}).encode()
+        with socket.create_connection((host, int(port))) as s:
+            s.sendall(struct.pack("!BQ", 1, len(hello)) + hello)
+            s.sendall(struct.pack("!BQ", 3, 10) + b"not pickle")
+            time.sleep(0.3)
+    x = np.array([rank + 1.0])
+    spmd.all_reduce(x)
+    return float(x[0])
+
+
+def mode_intruder():
+    emit(check="intruder", results=spmd.spawn(intrude, nprocs=2), workers=workers())
 
 
 def mode_timeout():
@@ -191,13 +263,27 @@ def mode_badinput():
                  lambda: spmd.spawn(train_global, args=5),
                  lambda: spmd.spawn(train_global, timeout=-1),
                  lambda: spmd.spawn(train_global, env={"A": 1}),
-                 lambda: spmd.spawn(lambda rank: rank)):
+                 lambda: spmd.spawn(lambda rank: rank),
+                 no_launcher):
         try:
             call()
             msgs.append(None)
-        except (TypeError, ValueError) as exc:
+        except (TypeError, ValueError, RuntimeError) as exc:
             msgs.append(f"{type(exc).__name__}: {exc}")
     emit(check="badinput", messages=msgs, workers=workers())
+
+
+def no_launcher():
+    os.environ["SPMD_MPIEXEC"] = "/nonexistent/mpiexec"
+    try:
+        spmd.spawn(train_global, args=(1.0,), nprocs=2)
+    finally:
+        del os.environ["SPMD_MPIEXEC"]
+
+
+def mode_nested():
+    """Under ``mpiexec -n 1``: the spawned job is a job of its own, beside the caller's."""
+    emit(check="nested", ok=collectives_match_numpy(2, 5), workers=workers())
 
 
 def mode_env():

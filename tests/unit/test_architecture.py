@@ -157,7 +157,7 @@ MPI_MODULES = {
     "spmd.core.nodes", "spmd.core.bootstrap", "spmd.core.launch",
     "spmd.runtime.abort", "spmd.runtime.control", "spmd.runtime.reliability",
     "spmd.checkpoint.mpiio", "spmd.checkpoint.save_load",
-    "spmd.spawn.parent", "spmd.spawn.child",
+    "spmd.spawn.child",                                 # the ranks; the caller has no MPI
     "spmd.tools.bench", "spmd.tools.bench_gpu", "spmd.tools.cli", "spmd.tools.trace",
 }
 def test_mpi_only_where_mpi_is_the_job():

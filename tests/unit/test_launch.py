@@ -124,15 +124,3 @@ def test_other_pmi_launchers():
 ])
 def test_local_rank_from_the_launchers_variables(env, expected):
     assert launch.local_rank_from_env(env) == expected
-
-
-def test_open_mpi_5_singleton_spawn_is_refused_with_a_way_out():
-    from spmd.spawn.parent import singleton_spawn_problem
-
-    problem = singleton_spawn_problem("singleton", ("Open MPI", (5, 0, 11)))
-    assert problem is not None and "Open MPI 5.0.11 cannot spawn" in problem
-    assert "mpiexec -n 1 python" in problem and "ompi#12349" in problem
-    # under a launcher, on MPICH, or Open MPI 4: no objection
-    assert singleton_spawn_problem("openmpi", ("Open MPI", (5, 0, 11))) is None
-    assert singleton_spawn_problem("singleton", ("MPICH", (5, 0, 2))) is None
-    assert singleton_spawn_problem("singleton", ("Open MPI", (4, 1, 6))) is None
