@@ -484,7 +484,7 @@ def _adopt_shrunk_groups() -> None:
     c10d = dist.distributed_c10d
     if _torch_make_shrunk is not None:
         return
-    _torch_make_shrunk = c10d._create_shrunk_process_group
+    _torch_make_shrunk = c10d._create_shrunk_process_group  # torch's step to wrap (above)
 
     def make_shrunk(new_backend, remaining_ranks, metadata, is_default_group):
         if not isinstance(new_backend, SpmdProcessGroup):
@@ -495,7 +495,7 @@ def _adopt_shrunk_groups() -> None:
                                  else f"{metadata['original_group_name']}:shrunk")
         return new_backend
 
-    c10d._create_shrunk_process_group = make_shrunk
+    c10d._create_shrunk_process_group = make_shrunk  # the one place torch makes that group
 
 
 def _cpu_only(pg) -> bool:

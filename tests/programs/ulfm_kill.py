@@ -35,7 +35,9 @@ import numpy as np
 import spmd as dist
 
 POINT = sys.argv[1]
-faulthandler.register(signal.SIGUSR1, all_threads=True)   # where a stuck rank is
+# A rank still here after 60 s is stuck: print every thread's stack and end it (the
+# test's own limit is 90 s), so a hang shows where it is.
+faulthandler.dump_traceback_later(60, exit=True)
 dist.init_process_group()
 rank, size = dist.get_rank(), dist.get_world_size()
 victim = size - 1
