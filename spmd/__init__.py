@@ -76,7 +76,7 @@ if TYPE_CHECKING:
     from spmd.core.work import Work
     from spmd.layouts import mesh as mesh
     from spmd.layouts import mpmd, parallel_state, topology
-    from spmd.layouts.mesh import DeviceMesh, init_device_mesh
+    from spmd.layouts.mesh import DeviceMesh, init_device_mesh, rebuild_device_mesh
     from spmd.layouts.mpmd import Link, Program, get_programs, init_program, new_link
     from spmd.layouts.topology import NodeTopology, bind_device, node_topology
     from spmd.runtime import group as group
@@ -267,6 +267,7 @@ __all__ = [
     "get_failed_ranks",
     "fault_tolerant",
     "shrink_group",
+    "rebuild_device_mesh",
     "get_world_size",
     "init_device_mesh",
     "init_process_group",

@@ -24,7 +24,7 @@ if TYPE_CHECKING:
     from spmd.core.ops import ReduceOp
     from spmd.core.work import Work
 
-__all__ = ["DeviceArray", "Engine", "P2PItem", "install_op_methods"]
+__all__ = ["DeviceArray", "Engine", "P2PItem", "install_op_methods", "reraise"]
 
 # An array as engines get it: a numpy array on host engines, a cupy array on GPU ones
 # (CuPy ships no type information, so the two cannot be named together).
@@ -38,6 +38,15 @@ class P2PItem(NamedTuple):
     tensor: DeviceArray
     peer: int | None      # the group rank of the other side (None: any source)
     tag: int
+
+
+def reraise(engine: Engine, exc: Exception, op: str) -> NoReturn:
+    """Raise what ``engine`` makes of ``exc``, raised by ``op``: the same error, or the
+    group's failure for MPI's report of a dead rank (``Engine.failure``)."""
+    err = engine.failure(exc, op)
+    if err is exc:
+        raise exc
+    raise err from None
 
 
 class Engine:
@@ -64,10 +73,7 @@ class Engine:
             work.wait()
             return None
         except Exception as exc:
-            err = self.failure(exc, op)
-            if err is exc:
-                raise
-            raise err from None
+            reraise(self, exc, op)
 
     def failure(self, exc: Exception, op: str) -> BaseException:
         """The error to raise for ``exc`` from ``op``: an engine on MPI turns MPI's report

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from spmd.backends.base import Engine
+from spmd.backends.base import Engine, reraise
 from spmd.backends.mpi.engine import MPIEngine
 from spmd.backends.mpi.fastcall import COMPILED_OPS, comm_of
 from spmd.backends.mpi.faults import failure
@@ -79,10 +79,10 @@ class HostEngine(Engine):
             work.wait()
             return None
         except Exception as exc:
-            err = failure(exc, op, self.group)
-            if err is exc:
-                raise
-            raise err from None
+            reraise(self, exc, op)
+
+    def failure(self, exc: Exception, op: str) -> BaseException:
+        return failure(exc, op, self.group)
 
     def shutdown(self) -> None:
         if self.shm is not None:

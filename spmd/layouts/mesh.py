@@ -42,7 +42,7 @@ from spmd.runtime.group import (
     timeout_seconds,
 )
 
-__all__ = ["DeviceMesh", "MeshDimError", "init_device_mesh"]
+__all__ = ["DeviceMesh", "MeshDimError", "init_device_mesh", "rebuild_device_mesh"]
 
 
 class MeshDimError(KeyError, ValueError):
@@ -580,3 +580,38 @@ def init_device_mesh(device_type: str, mesh_shape: int | Sequence[int], *,
                          f"the world size ({world.context.size})")
     return DeviceMesh(device_type, np.arange(world.context.size).reshape(shape), mesh_dim_names=names,
                       backend_override=backend_override)
+
+
+def rebuild_device_mesh(mesh: DeviceMesh, dim: int | str = 0) -> DeviceMesh:
+    """``mesh`` laid out again on the world as it is now, after ``spmd.shrink_group()`` of
+    the default group: every dimension keeps its size and name except ``dim`` (the
+    data-parallel one; the first by default), which takes what is left: the world size
+    divided by the other dimensions' sizes.  Every rank of the new world calls it.
+
+    Args:
+        mesh: the mesh to rebuild (its groups ended with the old world).
+        dim: the dimension that shrinks, by index or name.
+
+    Raises:
+        ValueError: the other dimensions do not divide the new world size (fewer
+            survivors than one slice of the mesh needs), or ``dim`` is unknown.
+    """
+    op = "rebuild_device_mesh"
+    names = mesh.mesh_dim_names
+    shape = list(mesh.shape)
+    if isinstance(dim, str):
+        if names is None or dim not in names:
+            raise ValueError(f"{op}: no mesh dimension named {dim!r} (names: {names})")
+        index = names.index(dim)
+    elif isinstance(dim, int) and not isinstance(dim, bool) and -len(shape) <= dim < len(shape):
+        index = dim % len(shape)
+    else:
+        raise ValueError(f"{op}: dim must name or index one of {len(shape)} dimensions, got "
+                         f"{dim!r}")
+    world = _default_or_init()
+    others = math.prod(shape) // shape[index]
+    if world.context.size % others:
+        raise ValueError(f"{op}: the other dimensions hold {others} ranks, which does not "
+                         f"divide the world size ({world.context.size})")
+    shape[index] = world.context.size // others
+    return init_device_mesh(mesh.device_type, tuple(shape), mesh_dim_names=names)

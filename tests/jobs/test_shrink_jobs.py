@@ -25,7 +25,7 @@ def test_shrinking_world_rebuilds_what_hangs_off_it(tmp_path):
         assert r == {"rank": r["rank"], "new_rank": r["rank"], "new_size": 2,
                      "is_default": True, "layout_dropped": True, "old_tp": "RuntimeError",
                      "tp": 2, "dp": 1, "tp_sum_ok": True, "reducer_ok": True,
-                     "ckpt_ok": True}, out
+                     "mesh": [[1, 2], True], "ckpt_ok": True}, out
 
 
 TORCH_SHRINK = r"""

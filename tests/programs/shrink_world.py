@@ -3,13 +3,14 @@
     mpiexec -n 4 python tests/programs/shrink_world.py CKPT_DIR
 
 Ranks 2 and 3 (the second tensor-parallel replica) leave; ranks 0 and 1 shrink WORLD,
-rebuild parallel_state (tp 2, dp 2 -> 1), reduce with a BucketReducer and load a
-checkpoint saved by the 4-rank world; each prints ``RESULT {json}``.
+rebuild parallel_state (tp 2, dp 2 -> 1) and a (dp, tp) DeviceMesh (2x2 -> 1x2), reduce
+with a BucketReducer and load a checkpoint saved by the 4-rank world; each prints ``RESULT {json}``.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import sys
 
 import numpy as np
@@ -25,6 +26,7 @@ def planned(ckpt: str) -> None:
     ps.initialize_model_parallel(tensor_model_parallel_size=2)
     assert ps.get_data_parallel_world_size() == size // 2
     old_tp = ps.get_tensor_model_parallel_group()
+    mesh = dist.init_device_mesh("cpu", (size // 2, 2), mesh_dim_names=("dp", "tp"))
     save({"w": np.arange(6.0), "step": 3}, ckpt)
     if rank >= 2:
         return           # leaves: excluded ranks do not call shrink_group
@@ -51,8 +53,13 @@ def planned(ckpt: str) -> None:
     reducer.wait()
     result["reducer_ok"] = bool(np.all(grads[0] == 1.5) and np.all(grads[1] == 15.0))
     got = load({"w": np.zeros(6), "step": 0}, ckpt)
+    mesh = dist.rebuild_device_mesh(mesh, "dp")
+    z = np.full(2, dist.get_rank() + 1.0)
+    dist.all_reduce(z, group=mesh.get_group("tp"))
+    result["mesh"] = [list(mesh.shape), bool(np.all(z == 3.0))]
     result["ckpt_ok"] = bool(np.array_equal(got["w"], np.arange(6.0)) and got["step"] == 3)
-    print("RESULT " + json.dumps(result), flush=True)
+    # One write() per line: lines of ranks that print together never interleave.
+    os.write(1, ("RESULT " + json.dumps(result) + "\n").encode())
     dist.destroy_process_group()
 
 

@@ -130,5 +130,6 @@ else:
     dist.all_gather_object(out, new_rank)
     result.update(new_rank=new_rank, new_size=new_size,
                   sum_ok=bool(np.array_equal(x, expected)), gathered=out)
-print("RESULT " + json.dumps(result), flush=True)
+# One write() per line: lines of ranks that print together never interleave.
+os.write(1, ("RESULT " + json.dumps(result) + "\n").encode())
 dist.destroy_process_group()
