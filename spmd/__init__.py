@@ -201,7 +201,13 @@ sys.meta_path.append(_ShortNames())
 # by its import path (from spmd.spawn import ProcessRaisedException).  Bound now, as the
 # import system sets a subpackage on its parent when it is first imported: the function
 # must come after it.  (spmd.spawn imports no MPI: only the ranks it starts do.)
-from spmd.spawn import spawn as spawn  # noqa: E402
+from spmd.spawn import spawn as spawn  # noqa: E402, I001 - after the finder (above)
+
+# In a job started with ULFM fault tolerance, spmd finalizes MPI itself (before MPI starts,
+# so at import): spmd.core.mpi_exit says why.  Elsewhere it does nothing.
+from spmd.core.mpi_exit import prepare as _prepare_mpi_exit  # noqa: E402, I001
+
+_prepare_mpi_exit()
 
 __all__ = [
     "Backend",

@@ -18,6 +18,7 @@ from __future__ import annotations
 import os
 import pathlib
 import sys
+import time
 from datetime import timedelta
 
 import numpy as np
@@ -56,8 +57,9 @@ if os.environ.get("SPMD_TEST_DEVICE") == "double":
     device_double.install()
 
 # Per-test deadline for blocking ops: a rank whose peer failed an assertion raises
-# DistTimeoutError here instead of waiting for the group's 30-minute default.
-TEST_TIMEOUT = timedelta(seconds=60)
+# DistTimeoutError here instead of waiting for the group's 30-minute default
+# (SPMD_TEST_TIMEOUT: seconds, for the job that checks stall isolation).
+TEST_TIMEOUT = timedelta(seconds=float(os.environ.get("SPMD_TEST_TIMEOUT", "60")))
 
 
 def _initialised():
@@ -83,8 +85,38 @@ def _lockstep(request):
         return
     import spmd
 
-    if spmd.is_initialized():
-        spmd.barrier()
+    if not spmd.is_initialized():
+        return
+    world = spmd.GroupMember.WORLD
+    if _any_rank(world.context.error is not None):
+        # A stall (a rank that never came, an MPI that never completed an op) broke
+        # WORLD on some rank once its wait timed out.  A fresh WORLD on every rank keeps
+        # the stall in this one test instead of failing every later one on the broken
+        # group (or matching its pending collective with the next test's).
+        spmd.destroy_process_group()
+        spmd.init_process_group(timeout=TEST_TIMEOUT)
+
+
+_lockstep_comm = None   # the tests' own duplicate of COMM_WORLD: nothing of a test on it
+
+
+def _any_rank(flag: bool) -> bool:
+    """``flag`` OR-ed over the ranks, once every rank has finished its test: on a
+    communicator of the tests' own, so a collective a stalled test left pending on WORLD
+    is never matched with it; under a deadline, so the suite never hangs here."""
+    global _lockstep_comm
+    from mpi4py import MPI
+
+    if _lockstep_comm is None:
+        _lockstep_comm = MPI.COMM_WORLD.Dup()
+    mine, anyone = np.array([int(flag)], np.int64), np.zeros(1, np.int64)
+    req = _lockstep_comm.Iallreduce(mine, anyone, op=MPI.MAX)
+    deadline = time.monotonic() + 3 * TEST_TIMEOUT.total_seconds()
+    while not req.Test():
+        if time.monotonic() > deadline:
+            raise RuntimeError("the ranks did not all finish this test within 3 test timeouts")
+        os.sched_yield()
+    return bool(anyone[0])
 
 
 @pytest.fixture

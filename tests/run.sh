@@ -18,7 +18,7 @@
 #                              the MPI part again on other MPI libraries, each from a
 #                              virtual environment with spmd and that MPI's wheel in it
 #                              (OTHER_MPI_SIZES, OTHER_MPI_SHM_SIZES: where it runs); on
-#                              Open MPI with ULFM_JOBS=1 also the jobs that lose a rank
+#                              Open MPI also the jobs that lose a rank (ULFM)
 #
 # Uses python and mpiexec from PATH (or $PYTHON / $SPMD_MPIEXEC).
 set -uo pipefail
@@ -132,10 +132,8 @@ for venv in ${OTHER_MPIS:-}; do
         mpi_run "$library: mpi n=$n shm=force" "$n" SPMD_SHM=force
     done
     # A dead rank the job survives: Open MPI's ULFM (mpiexec --with-ft ulfm), ranks killed
-    # at each point at 3 and 4 ranks, and the fault-tolerant training example.  Asked for
-    # with ULFM_JOBS=1: on a loaded 2-core machine about one job in 25 still stalls after
-    # its survivors printed their results (under investigation), so CI does not run it yet.
-    if [ "${#MPIFLAGS[@]}" -gt 0 ] && [ "${ULFM_JOBS:-0}" = 1 ]; then   # Open MPI's launcher
+    # at each point at 3 and 4 ranks, and the fault-tolerant training example.
+    if [ "${#MPIFLAGS[@]}" -gt 0 ]; then   # Open MPI's launcher
         echo "=== ${MPI_LABEL}jobs that lose a rank (ULFM) ==="
         PATH="$venv/bin:$PATH" timeout -k 10 "$LIMIT" "$PYTHON" -m pytest -q -p no:cacheprovider \
             -rs tests/jobs/test_ulfm_jobs.py

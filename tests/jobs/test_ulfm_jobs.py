@@ -40,6 +40,7 @@ def ulfm_job(n: int, point: str) -> tuple[str, list[dict]]:
     cmd = [exe, "--with-ft", "ulfm", *flags, "-n", str(n), sys.executable, PROGRAM, point]
     proc = run(cmd, timeout=90)
     out = proc.stdout
+    assert proc.returncode == 0, out   # the survivors finish; the job ends cleanly
     results = [json.loads(line.split("RESULT ", 1)[1]) for line in out.splitlines()
                if line.startswith("RESULT ")]
     return out, sorted(results, key=lambda r: r["rank"])

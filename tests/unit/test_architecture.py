@@ -155,6 +155,7 @@ MPI_MODULES = {
     "spmd.runtime.shrink",                              # the survivors' communicator
     "spmd.layouts.mpmd",                                # programs: APPNUM, Create_intercomm
     "spmd.core.nodes", "spmd.core.bootstrap", "spmd.core.launch",
+    "spmd.core.mpi_exit",                               # mpi4py.rc.finalize, before MPI starts
     "spmd.runtime.abort", "spmd.runtime.control", "spmd.runtime.reliability",
     "spmd.checkpoint.mpiio", "spmd.checkpoint.save_load",
     "spmd.spawn.child",                                 # the ranks; the caller has no MPI

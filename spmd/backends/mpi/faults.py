@@ -33,6 +33,7 @@ from collections.abc import Callable, Iterable
 
 from mpi4py import MPI
 
+from spmd.core import mpi_exit
 from spmd.core.context import GroupContext
 from spmd.core.errors import GroupBrokenError
 
@@ -124,6 +125,8 @@ def known_failed(ctx: GroupContext) -> tuple[int, ...]:
         mine = MPI.Group.Translate_ranks(dead, list(range(n)), comm.Get_group())
     finally:
         dead.Free()
+    if mine:
+        mpi_exit.note_failure()
     return tuple(sorted(ctx.ranks[r] for r in mine if r >= 0))
 
 
@@ -158,6 +161,7 @@ def agree(ctx: GroupContext) -> tuple[int, ...]:
         failed = tuple(ctx.ranks[r] for r in range(ctx.size) if r not in alive)
         _survivors[ctx] = shrunk
         if failed:
+            mpi_exit.note_failure()
             ctx.mark_failed(failed)
             if on_failure is not None:
                 on_failure(ctx, failed)
