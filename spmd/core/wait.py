@@ -99,5 +99,7 @@ def wait_until(test: Callable[[], Any], seconds: float, op: str, group: GroupCon
         if _monotonic() > deadline:
             if on_timeout is not None:
                 on_timeout()
-            raise timeout_error(op, group, _monotonic() - start, seq=seq, kind=kind,
-                                source=source, work=work)
+            # "did not complete within" the limit: the limit, not the time measured past
+            # it (which on a loaded machine runs over by a poll interval or more).
+            raise timeout_error(op, group, seconds, seq=seq, kind=kind, source=source,
+                                work=work)

@@ -139,11 +139,12 @@ def _reduced() -> list[tuple[ReduceOp, list[tuple[np.dtype, int, int]]]]:
 def _expired(op: str, group: GroupContext, number: int, waited: float) -> None:
     """A compiled wait passed the group's timeout: the Python path's error (``number``:
     the op's in the flight recorder, -1 when it is off)."""
+    limit = min(waited, group.timeout)   # as the Python path's wait says it
     entry = recorder.entry(number) if number >= 0 else None
     if entry is None:
-        raise _wait.timeout_error(op, group, waited)
+        raise _wait.timeout_error(op, group, limit)
     recorder.mark_timed_out(number)
-    raise _wait.timeout_error(op, group, waited, seq=entry.seq, kind=entry.kind)
+    raise _wait.timeout_error(op, group, limit, seq=entry.seq, kind=entry.kind)
 
 
 def _mpi_error(code: int) -> None:
