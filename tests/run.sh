@@ -131,6 +131,16 @@ for venv in ${OTHER_MPIS:-}; do
     for n in ${OTHER_MPI_SHM_SIZES:-2}; do
         mpi_run "$library: mpi n=$n shm=force" "$n" SPMD_SHM=force
     done
+    # The jobs whose outcome depends on the MPI: spawn (its launcher), the launch variables,
+    # a rank that raises, is killed or never comes (error classes, how the launcher ends
+    # the job), a stalled test kept to itself.
+    echo "=== ${MPI_LABEL}jobs ==="
+    PATH="$venv/bin:$PATH" timeout -k 10 "$LIMIT" "$PYTHON" -m pytest -q -p no:cacheprovider \
+        -rs tests/unit/test_launch.py tests/jobs/test_spawn.py tests/jobs/test_reliability_jobs.py \
+        tests/jobs/test_stall_isolation.py
+    rc=$?
+    [ $rc -ne 0 ] && failed+=("$library: jobs (exit $rc)")
+    summary+=("$library: jobs: exit $rc")
     # A dead rank the job survives: Open MPI's ULFM (mpiexec --with-ft ulfm), ranks killed
     # at each point at 3 and 4 ranks, and the fault-tolerant training example.
     if [ "${#MPIFLAGS[@]}" -gt 0 ]; then   # Open MPI's launcher
