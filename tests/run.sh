@@ -124,11 +124,11 @@ for venv in ${OTHER_MPIS:-}; do
     library=$("$PYTHON" -c "from mpi4py import MPI; v, n = MPI.get_vendor(); print(v, '.'.join(map(str, n)))")
     MPI_LABEL="$library: "
     PATHS=(tests/mpi tests/engines)
-    for n in ${OTHER_MPI_SIZES:-2 3}; do
+    for n in ${OTHER_MPI_SIZES:-2}; do   # an even size: where Intel MPI's persistent plans stalled
         mpi_run "$library: mpi n=$n" "$n"
     done
     PATHS=(tests/engines)
-    for n in ${OTHER_MPI_SHM_SIZES:-2}; do
+    for n in ${OTHER_MPI_SHM_SIZES:-3}; do   # the data path at an odd size, windows forced
         mpi_run "$library: mpi n=$n shm=force" "$n" SPMD_SHM=force
     done
     # The jobs whose outcome depends on the MPI: spawn (its launcher), the launch variables,
