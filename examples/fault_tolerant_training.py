@@ -7,9 +7,10 @@ A linear model is fitted by gradient descent on a fixed dataset; each step's glo
 batch is split across the ranks, each rank sums its part's gradient, and an all_reduce
 adds them.  At step ``--kill-step`` rank ``--kill-rank`` SIGKILLs itself inside that
 all_reduce.  The survivors get ``spmd.ProcessFailedError`` naming it, shrink the world
-with ``spmd.shrink_group``, split the same global batch over the ranks left and redo
-the step; the parameters are each survivor's own copy (data parallelism keeps them
-identical everywhere), so nothing is lost.  At the end rank 0 compares the parameters
+with ``spmd.shrink_group``, agree on the last step all of them finished (a survivor
+whose all_reduce had completed takes that step back), split the same global batch over
+the ranks left and redo the step; the parameters are each survivor's own copy (data
+parallelism keeps them identical everywhere), so nothing is lost.  At the end rank 0 compares the parameters
 with a one-process reference run of the same schedule.
 
 On an MPI without ULFM (MPICH, Intel MPI; or Open MPI without ``--with-ft ulfm``) no rank
@@ -78,6 +79,7 @@ def main() -> None:
         kill_step = -1
     x, y = data()
     w = np.zeros(FEATURES)
+    w_before = w.copy()   # the parameters before the last step (to take it back)
     step = 0
     while step < args.steps:
         rank, size = dist.get_rank(), dist.get_world_size()
@@ -92,11 +94,18 @@ def main() -> None:
         except dist.ProcessFailedError as failure:
             t0 = time.monotonic()
             dist.shrink_group(failure.group_ranks)
+            # The step every survivor finished: one whose all_reduce completed here but
+            # not on another survivor is taken back (w from before it).
+            done = np.array([step], np.int64)
+            dist.all_reduce(done, op=dist.ReduceOp.MIN)
+            if done[0] < step:
+                w, step = w_before, int(done[0])
             log(f"step {step}: rank(s) {failure.failed_ranks} died; shrank the world to "
                 f"{dist.get_world_size()} ranks in {1e3 * (time.monotonic() - t0):.1f} ms; "
                 f"redoing step {step} (was rank {rank} of {size})")
             kill_step = -1
-            continue          # the same step on the survivors: w is unchanged
+            continue          # the same step on the survivors
+        w_before = w.copy()
         w -= LR * g / BATCH
         step += 1
     ref = reference(args.steps)

@@ -125,7 +125,8 @@ class GroupContext:
     def check_alive(self, op: str) -> None:
         """Raise if the group was destroyed or a timeout broke it."""
         if self.comm is None:
-            raise RuntimeError(f"{op}: group {self.name} was destroyed by destroy_process_group()")
+            raise RuntimeError(f"{op}: group {self.name} was destroyed (destroy_process_group, "
+                               "or shrink_group replaced it)")
         if self.error is not None:
             if self.failed is not None:
                 raise self.failure_error(op)

@@ -286,10 +286,10 @@ class FlightRecorder:
                 if i >= 0:
                     r.flags[i] |= FAILED | RANK_DIED
                     r.t1[i] = _monotonic()
-                else:
+                else:   # pushed out of the ring while in flight: it ends here
                     stale = self.stale.pop(e.number, None)
                     if stale is not None:
-                        stale.failed = stale.rank_died = True
+                        stale.t1 = _monotonic()
 
     def entry(self, number: int) -> Entry | None:
         """Operation ``number`` as an Entry; None once it left the recorder."""

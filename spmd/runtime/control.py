@@ -151,7 +151,8 @@ class Channel:
         self._stop.set()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout=5)
-        self._reap()
+        with contextlib.suppress(MPI.Exception):   # a reply to a rank that died
+            self._reap()
         with self._lock:
             for req, _ in self._sends:
                 try:

@@ -10,7 +10,7 @@ from typing import Any, TypeAlias
 from mpi4py import MPI
 
 from spmd.backends.checked import free_check_comm
-from spmd.backends.mpi import fastcall
+from spmd.backends.mpi import fastcall, faults
 from spmd.backends.registry import Backend, make_engine
 from spmd.core.context import GroupContext
 from spmd.core.timeouts import to_seconds
@@ -98,15 +98,17 @@ class ProcessGroup:
 
     def release(self) -> None:
         """Free the group's engines and its communicator (what destroy_process_group runs
-        on every member).  A group a member of died is aborted instead."""
-        if self.context.failed is not None:
+        on every member).  A group a member of died, or one revoked because a rank died
+        (ULFM), is aborted instead: freeing would wait for the dead."""
+        ctx = self.context
+        if ctx.failed is not None or (ctx.comm is not None and faults.ulfm()
+                                      and ctx.comm.Is_revoked()):
             self.abort()
             return
         for backend in self._engines.values():
             backend.shutdown()
         self._engines.clear()
-        free_check_comm(self.context)  # debug mode's, also where no engine was made (objects)
-        ctx = self.context
+        free_check_comm(ctx)  # debug mode's, also where no engine was made (objects)
         if ctx.comm is not None:
             ctx.comm.Free()
             ctx.mark_destroyed()
@@ -285,6 +287,7 @@ def new_group(ranks: Sequence[int] | None = None, timeout: Timeout | None = None
         ValueError: a rank is out of range or listed twice.
     """
     world = default_group("new_group")
+    world.context.check_alive("new_group")   # a group is made from a working WORLD
     seconds = timeout_seconds(timeout, "new_group")
     name = backend_name_of(backend, "new_group")
     if ranks is None:
@@ -307,6 +310,7 @@ def new_group(ranks: Sequence[int] | None = None, timeout: Timeout | None = None
 
 def split_comm(parent: ProcessGroup, color: int, key: int, name_of, timeout, backend, desc, op):
     """One ``Comm.Split`` of ``parent``: every member of parent must call it."""
+    parent.context.check_alive(op)   # a failed or broken parent cannot split
     comm = parent.context.comm.Split(color, key)
     pg = None
     if comm != MPI.COMM_NULL:

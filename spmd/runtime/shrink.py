@@ -6,22 +6,22 @@ ones' in order, without the excluded; shrinking the default group renumbers the 
 makes the new group the default one and ends every other group (their ranks would
 mean nothing any more).  The old group ends on this rank without waiting for any other.
 
-How the survivors' communicator is made:
+How the stayers' communicator is made:
 
-- **A member died** (an MPI with ULFM): the survivors agreed on the dead when the failure
-  was found (``backends.mpi.faults.agree``: ``MPI_Comm_shrink``), or agree here if this
-  rank has not met the failure yet (the group was revoked, or MPI knows a member is
-  dead).  Excluding exactly the dead ranks takes the agreement's communicator as it is;
-  excluding live ranks too takes a ``Create_group`` of it that only the stayers join.
-  ``ranks_to_exclude`` must hold every dead member.
-- **No member died** (a planned removal, any MPI): ``Create_group`` of the group's
-  communicator, which only the stayers call.  ``SHRINK_ABORT`` first revokes the group
-  where the MPI has ULFM (the ops other ranks are blocked in end with an error), then
-  builds the new communicator from the stayers' MPI group alone
-  (``MPI_Comm_create_from_group``).
+- **A rank died** (an MPI with ULFM): the survivors agreed on the dead once, on WORLD
+  (``spmd.runtime.failures.agree``, run here too if this rank has not met the failure
+  yet), which gave WORLD's survivors a communicator.  Shrinking WORLD by exactly the
+  dead takes it as it is; any other shrink is a ``Create_group`` of it that only the
+  stayers call.  ``ranks_to_exclude`` must hold every dead member of the group.
+- **No rank died** (a planned removal, any MPI): ``Create_group`` of the group's
+  communicator, which only the stayers call.
 - **Without ULFM, a group broken by a timeout**: a member may be dead, and nothing on
   this MPI can build a communicator that does not wait for it; the error says so and
   what MPI would.
+
+``SHRINK_ABORT`` is accepted as in torch; there is nothing more to abort here: spmd's
+blocking ops on this rank have returned when it calls shrink_group, and after a death
+the agreement has revoked every group already (the group's pending Works raise).
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ __all__ = ["SHRINK_DEFAULT", "SHRINK_ABORT", "shrink_group", "get_failed_ranks",
            "fault_tolerant"]
 
 SHRINK_DEFAULT = 0x00
-SHRINK_ABORT = 0x01   # revoke the group first: ops blocked on it end (ULFM)
+SHRINK_ABORT = 0x01   # torch's flag; see the module docstring
 
 _OP = "shrink_group"
 
@@ -84,7 +84,7 @@ def _check_arguments(ranks_to_exclude: Any, shrink_flags: Any, pg: ProcessGroup)
     if not ranks_to_exclude:
         raise located(ValueError, _OP, "ranks_to_exclude is empty; name at least one rank to "
                       "exclude (e.g. the failed ranks: spmd.get_failed_ranks(group))", ctx)
-    if isinstance(shrink_flags, bool) or shrink_flags not in (SHRINK_DEFAULT, SHRINK_ABORT):
+    if not isinstance(shrink_flags, int) or shrink_flags not in (SHRINK_DEFAULT, SHRINK_ABORT):
         raise located(ValueError, _OP, f"shrink_flags must be SHRINK_DEFAULT ({SHRINK_DEFAULT}) "
                       f"or SHRINK_ABORT ({SHRINK_ABORT}), got {shrink_flags!r}", ctx)
     if ctx.size <= 1:
@@ -92,7 +92,7 @@ def _check_arguments(ranks_to_exclude: Any, shrink_flags: Any, pg: ProcessGroup)
                       "at least 2 ranks", ctx)
     seen: list[int] = []
     for i, r in enumerate(ranks_to_exclude):
-        if isinstance(r, bool) or not isinstance(r, int):
+        if not isinstance(r, int):   # as torch: a bool is an int
             raise located(TypeError, _OP, f"ranks_to_exclude[{i}] must be an int, got "
                           f"{type(r).__name__}: {r!r}", ctx)
         if not 0 <= r < ctx.size:
@@ -110,47 +110,44 @@ def _check_arguments(ranks_to_exclude: Any, shrink_flags: Any, pg: ProcessGroup)
     return sorted(seen)
 
 
-def _stayers_comm(pg: ProcessGroup, excluded: list[int], shrink_flags: int) -> MPI.Intracomm:
+def _stayers_comm(pg: ProcessGroup, excluded: list[int]) -> MPI.Intracomm:
     """The communicator of the group's ranks that stay (see the module docstring)."""
     ctx = pg.context
-    comm = ctx.comm
     ulfm = faults.ulfm()
-    if ctx.failed is None and ulfm and (comm.Is_revoked() or faults.known_failed(ctx)):
-        faults.agree(ctx)
-    if ctx.failed is not None:
-        dead = sorted(ctx.index[g] for g in ctx.failed)
-        missing = [r for r in dead if r not in excluded]
-        if missing:
-            raise located(ValueError, _OP, f"group ranks {missing} died, so ranks_to_exclude "
-                          f"must hold them; got {excluded} (spmd.get_failed_ranks(group) "
-                          f"gives {dead})", ctx)
-        live = faults.survivors(ctx)
-        assert live is not None  # agree() keeps it
-        extra = [r for r in excluded if r not in dead]
-        if not extra:
-            return live
-        live_group, group = live.Get_group(), comm.Get_group()
-        try:   # the extra ranks' numbers in the survivors' communicator
-            drop = MPI.Group.Translate_ranks(group, extra, live_group)
-        finally:
-            live_group.Free()
-            group.Free()
-        return _create_group(live, drop)
+    world = world_state.world
+    assert world is not None   # default_group() found it
+    if ulfm and (ctx.failed is not None or failures.known_dead or ctx.comm.Is_revoked()
+                 or faults.known_failed(world.context)):
+        dead = failures.agree()
+        if dead:
+            return _from_survivors(pg, excluded, dead)
     if ctx.error is not None:
         why = ("" if ulfm else "; if a member died, going on without it needs an MPI with "
                f"ULFM: {faults.ulfm_missing()}")
         raise located(RuntimeError, _OP, f"group {ctx.name} is broken since {ctx.error}, "
                       f"and nothing shows that a member died{why}", ctx)
-    if shrink_flags & SHRINK_ABORT and ulfm:
-        faults.revoke(comm)
-        group = comm.Get_group()
-        stay = group.Excl(excluded)
-        group.Free()
-        try:
-            return MPI.Intracomm.Create_from_group(stay, f"spmd.shrink:{ctx.name}")
-        finally:
-            stay.Free()
-    return _create_group(comm, excluded)
+    return _create_group(ctx.comm, excluded)
+
+
+def _from_survivors(pg: ProcessGroup, excluded: list[int],
+                    dead: tuple[int, ...]) -> MPI.Intracomm:
+    """After the agreement: the stayers' communicator, made from WORLD's survivors'."""
+    ctx = pg.context
+    dead_here = sorted(ctx.index[g] for g in dead if g in ctx.index)
+    missing = [r for r in dead_here if r not in excluded]
+    if missing:
+        raise located(ValueError, _OP, f"group ranks {missing} died, so ranks_to_exclude must "
+                      f"hold them; got {excluded} (spmd.get_failed_ranks(group) gives "
+                      f"{dead_here})", ctx)
+    live = failures.survivors()
+    assert live is not None   # the agreement made it
+    world = world_state.world
+    assert world is not None
+    alive = [g for g in world.context.ranks if g not in dead]   # the survivors' order
+    stay = {g for i, g in enumerate(ctx.ranks) if i not in excluded}
+    if pg is world and stay == set(alive):
+        return live   # WORLD without exactly the dead: the agreement's communicator
+    return _create_group(live, [i for i, g in enumerate(alive) if g not in stay])
 
 
 def _create_group(comm: MPI.Intracomm, drop: list[int]) -> MPI.Intracomm:
@@ -178,8 +175,8 @@ def shrink_group(ranks_to_exclude: list[int], group: ProcessGroup | None = None,
             ``group_ranks``, or :func:`get_failed_ranks`); every dead member must be in it.
         group: the group to shrink (the default group if None); a group a member of
             died is what this is for.
-        shrink_flags: ``SHRINK_DEFAULT``, or ``SHRINK_ABORT`` to end the ops other
-            ranks are blocked in on ``group`` first (on an MPI with ULFM).
+        shrink_flags: ``SHRINK_DEFAULT`` or ``SHRINK_ABORT`` (torch's; the same here,
+            see the module docstring).
         pg_options: accepted for torch's signature; spmd's groups take no options.
 
     Returns:
@@ -198,7 +195,7 @@ def shrink_group(ranks_to_exclude: list[int], group: ProcessGroup | None = None,
         raise RuntimeError(f"{_OP}: group {pg.context.name} was destroyed")
     excluded = _check_arguments(ranks_to_exclude, shrink_flags, pg)
     ctx = pg.context
-    comm = _stayers_comm(pg, excluded, shrink_flags)
+    comm = _stayers_comm(pg, excluded)
     stay = [g for i, g in enumerate(ctx.ranks) if i not in excluded]
     if pg is world_state.world:
         return _new_world(pg, comm)

@@ -23,7 +23,7 @@ from _launch import mpiexec_prefix, run
 
 PROGRAM = "tests/programs/ulfm_kill.py"
 POINTS = ["collective", "between", "idle", "work", "p2p", "object", "barrier", "shm",
-          "subgroup"]
+          "subgroup", "shrink_subgroup"]
 # MPI's detection (Open MPI: the runtime sees the process end and tells the others) is
 # milliseconds; the victim sleeps 0.2 s inside its op first, and the watchdog ticks once
 # a second.  The bound leaves room for an oversubscribed, loaded machine.
@@ -70,6 +70,9 @@ def test_survivors_get_the_failure_shrink_and_go_on(point, n):
                 assert r["group"] == "WORLD", out
             else:                               # the victim's neighbour
                 assert r["group"] != "WORLD", out
+    if point == "shrink_subgroup":              # ranks 1.. shrank their subgroup first
+        for r in results[1:]:
+            assert r["subgroup_shrunk"] == [list(range(1, n - 1)), True], out
     if point == "idle":                         # the watchdog found it before any op
         assert all(r["known_before_any_op"] == [victim] for r in results), out
     # reported, by the op that met it or by the watchdog

@@ -15,6 +15,8 @@ POINT: where the victim (the last rank) dies while the others are
   shm         inside a large all_reduce on the shared-memory engine
   subgroup    inside an all_reduce of a subgroup (it and its neighbour); the other
               subgroup finishes its own, then meets the failure at its next op of WORLD
+  shrink_subgroup  inside an all_reduce of its subgroup (every rank but 0); its other
+              members shrink that subgroup and reduce on it before all shrink WORLD
 
 Each survivor prints one line ``RESULT {json}`` that the test checks: the error, its
 failed ranks, the detection time, the shrunk world, and an all_reduce on it compared
@@ -56,9 +58,12 @@ def before_death() -> None:
     dist.barrier()
 
 
-# subgroup: the victim and its neighbour form one group, the other ranks another
-PARTS = [list(range(size - 2)), [size - 2, size - 1]]
-sub = dist.new_subgroups_by_enumeration(PARTS)[0] if POINT == "subgroup" else None
+# subgroup: the victim and its neighbour form one group, the other ranks another;
+# shrink_subgroup: rank 0 alone, and ranks 1.. with the victim
+PARTS = ([list(range(size - 2)), [size - 2, size - 1]] if POINT == "subgroup"
+         else [[0], list(range(1, size))])
+sub = (dist.new_subgroups_by_enumeration(PARTS)[0]
+       if POINT in ("subgroup", "shrink_subgroup") else None)
 before_death()
 if rank == victim:
     time.sleep(0.2)   # the others are inside the op by now
@@ -101,6 +106,9 @@ try:
         part = PARTS[0] if rank in PARTS[0] else PARTS[1]
         detail["subgroup_sum_ok"] = bool(np.all(y == sum(r + 1.0 for r in part)))
         dist.all_reduce(np.ones(N))
+    elif POINT == "shrink_subgroup":
+        assert sub is not None
+        dist.all_reduce(np.ones(N), group=sub if rank > 0 else None)
     else:
         raise SystemExit(f"unknown point {POINT}")
 except dist.ProcessFailedError as exc:
@@ -119,6 +127,13 @@ else:
         result["then"] = "no error"
     except dist.ProcessFailedError as again:
         result["then"] = again.failed_ranks
+    if POINT == "shrink_subgroup" and rank > 0:
+        # the victim's subgroup without it, made from the survivors' communicator
+        assert sub is not None
+        smaller = dist.shrink_group(dist.get_failed_ranks(sub), sub)
+        y = np.full(4, rank + 0.0)
+        dist.all_reduce(y, group=smaller)
+        result["subgroup_shrunk"] = [smaller.ranks, bool(np.all(y == sum(range(1, size - 1))))]
     t1 = time.monotonic()
     dist.shrink_group(dist.get_failed_ranks())
     result["shrink_s"] = round(time.monotonic() - t1, 3)

@@ -7,48 +7,36 @@ wheel is built with it); mpi4py 4.1 maps its ULFM methods to MPICH's ``MPIX_`` f
 for Open MPI only, and elsewhere stands in for them (``Shrink`` becomes a ``Dup``,
 ``Agree`` an ``Allreduce``), so :func:`ulfm` tries them before anything relies on them.
 
-What happens when a member of a group dies (each step in this module, run by the MPI
-engines and Works where an MPI call reports it):
-
-1. The call fails with ``MPI_ERR_PROC_FAILED`` (or ``..._PENDING``) on the ranks that
-   talk to the dead one, ``MPI_ERR_REVOKED`` on the others once a survivor revokes.
-2. The survivor that sees it revokes the group's communicator, so no survivor stays
-   blocked in an op of that group (the watchdog does the same for failures it learns
-   of while nobody waits: :func:`revoke_groups_of`).
-3. The survivors agree on who died: ``MPI_Comm_shrink`` is the agreement (every live
-   member calls it once, the result is the same on all); the failed set is the group
-   minus the shrunk communicator, which :func:`survivors` keeps for ``shrink_group``.
-4. The group is marked failed (``GroupContext.mark_failed``): this op and every later
-   one on it raise :class:`spmd.ProcessFailedError` naming the same ranks on every
-   survivor; ``on_failure`` (set by the runtime) revokes the other groups holding a
-   dead rank, ends the group's flight-recorder entries as failed and reports it.
+This module holds the MPI side of a failure: whether ULFM is there (:func:`ulfm`),
+whether an error is a failure (:func:`is_failure`), revoking a communicator, the
+ranks MPI knows to be dead (:func:`known_failed`), and the agreement itself
+(:func:`shrink_agreement`: ``MPI_Comm_shrink``, which every live member calls once and
+which gives all of them the same survivors).  The MPI engines and Works hand every
+error they meet to :func:`failure`; what a failure then means for the groups (one
+agreement on WORLD, every group of the rank revoked and marked) is the runtime's
+(``spmd.runtime.failures``, installed as ``on_failure``).
 """
 
 from __future__ import annotations
 
 import os
-import threading
-import weakref
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 
 from mpi4py import MPI
 
 from spmd.core import mpi_exit
 from spmd.core.context import GroupContext
-from spmd.core.errors import GroupBrokenError
 
-__all__ = ["ulfm", "ulfm_missing", "is_failure", "failure", "agree", "survivors",
-           "known_failed", "revoke", "revoke_groups_of", "on_failure"]
+__all__ = ["ulfm", "ulfm_missing", "is_failure", "failure", "shrink_agreement",
+           "known_failed", "revoke", "on_failure", "threads_may_call"]
 
 _probed: bool | None = None
 # Error classes of a failure (ULFM's); empty until ulfm() found it working.
 _FAILURE_CLASSES: frozenset[int] = frozenset()
-_lock = threading.RLock()   # one agreement at a time (the watchdog only revokes)
-_survivors: weakref.WeakKeyDictionary[GroupContext, MPI.Intracomm] = \
-    weakref.WeakKeyDictionary()
 
-# Called once per group after its survivors agreed: (group, failed global ranks).
-on_failure: Callable[[GroupContext, tuple[int, ...]], None] | None = None
+# (op, group) -> the error to raise, after the survivors agreed on who died: set by the
+# runtime, which holds the groups (spmd.runtime.failures).
+on_failure: Callable[[str, GroupContext], BaseException] | None = None
 
 
 def _ft_enabled() -> bool:
@@ -108,6 +96,12 @@ def revoke(comm: MPI.Comm | None) -> None:
         pass   # revoked already, or freed
 
 
+def threads_may_call() -> bool:
+    """Whether a thread besides the main one may call MPI (MPI_THREAD_MULTIPLE): the
+    watchdog asks for dead ranks only then."""
+    return MPI.Query_thread() >= MPI.THREAD_MULTIPLE
+
+
 def known_failed(ctx: GroupContext) -> tuple[int, ...]:
     """The global ranks of the members this process knows to be dead (a local query;
     another survivor may know more or fewer until they agree)."""
@@ -118,71 +112,45 @@ def known_failed(ctx: GroupContext) -> tuple[int, ...]:
         dead = comm.Get_failed()
     except MPI.Exception:
         return ()
+    everyone = comm.Get_group()
     try:
         n = dead.Get_size()
         if n == 0:
             return ()
-        mine = MPI.Group.Translate_ranks(dead, list(range(n)), comm.Get_group())
+        mine = MPI.Group.Translate_ranks(dead, list(range(n)), everyone)
     finally:
         dead.Free()
+        everyone.Free()
     if mine:
         mpi_exit.note_failure()
     return tuple(sorted(ctx.ranks[r] for r in mine if r >= 0))
 
 
-def revoke_groups_of(failed: Iterable[int], groups: Iterable[GroupContext]) -> list[str]:
-    """Revoke each of ``groups`` that holds one of the ``failed`` global ranks (a survivor
-    blocked in one of its ops wakes up with the failure); their names."""
-    dead = set(failed)
-    named = []
-    for ctx in groups:
-        if ctx.comm is not None and dead.intersection(ctx.ranks):
-            revoke(ctx.comm)
-            named.append(ctx.name)
-    return named
-
-
-def agree(ctx: GroupContext) -> tuple[int, ...]:
-    """Revoke the group, agree with its other survivors on who died (every live member
-    calls this once per failure), mark it failed; the failed global ranks."""
-    with _lock:
-        if ctx.failed is not None:
-            return ctx.failed
-        comm = ctx.comm
-        revoke(comm)
-        shrunk = MPI.Intracomm(comm.Shrink())   # an intracommunicator's shrink is one
-        live, everyone = shrunk.Get_group(), comm.Get_group()
-        try:
-            back = MPI.Group.Translate_ranks(live, list(range(live.Get_size())), everyone)
-        finally:
-            live.Free()
-            everyone.Free()
-        alive = set(back)
-        failed = tuple(ctx.ranks[r] for r in range(ctx.size) if r not in alive)
-        _survivors[ctx] = shrunk
-        if failed:
-            mpi_exit.note_failure()
-            ctx.mark_failed(failed)
-            if on_failure is not None:
-                on_failure(ctx, failed)
-        return failed
-
-
-def survivors(ctx: GroupContext) -> MPI.Intracomm | None:
-    """The communicator of the group's survivors the agreement made (None before)."""
-    return _survivors.get(ctx)
+def shrink_agreement(ctx: GroupContext) -> tuple[tuple[int, ...], MPI.Intracomm]:
+    """Revoke ``ctx``'s communicator and agree with its other live members on who died:
+    ``MPI_Comm_shrink`` is the agreement (every live member calls it once; the result is
+    the same on all).  The dead members' global ranks, and the survivors' communicator
+    (ranks in the group's order)."""
+    comm = ctx.comm
+    revoke(comm)
+    shrunk = MPI.Intracomm(comm.Shrink())   # an intracommunicator's shrink is one
+    live, everyone = shrunk.Get_group(), comm.Get_group()
+    try:
+        back = MPI.Group.Translate_ranks(live, list(range(live.Get_size())), everyone)
+    finally:
+        live.Free()
+        everyone.Free()
+    alive = set(back)
+    dead = tuple(ctx.ranks[r] for r in range(ctx.size) if r not in alive)
+    if dead:
+        mpi_exit.note_failure()
+    return dead, shrunk
 
 
 def failure(exc: BaseException, op: str, ctx: GroupContext) -> BaseException:
     """The error to raise for ``exc``, raised by MPI in ``op`` on ``ctx``: a dead rank's
-    (or a revoked communicator's) becomes the group's ProcessFailedError once the
-    survivors agreed; any other comes back unchanged."""
-    if not is_failure(exc) or ctx.comm is None:
+    (or a revoked communicator's) becomes what ``on_failure`` (the runtime's agreement)
+    makes of it; any other comes back unchanged."""
+    if not is_failure(exc) or ctx.comm is None or on_failure is None:
         return exc
-    if ctx.failed is None:
-        if not agree(ctx):   # revoked with nobody dead: shrink_group(..., SHRINK_ABORT)
-            ctx.mark_broken("a member revoked it (shrink_group with SHRINK_ABORT)")
-            return GroupBrokenError(f"{op}: group {ctx.name} was revoked by a member that "
-                                    "shrank it with SHRINK_ABORT; use the shrunk group "
-                                    f"[rank {ctx.rank}, group {ctx.name}]")
-    return ctx.failure_error(op)
+    return on_failure(op, ctx)

@@ -97,9 +97,9 @@ class NCCLEngine(Engine):
         self.communicator.shutdown()
 
     def abort(self) -> None:
-        why = "a member died" if self.group.failed is None else \
-            f"ranks {list(self.group.failed)} died"
-        self.communicator.abort(f"the group was aborted ({why} or it was shrunk)")
+        why = ("shrink_group replaced it, or a rank died elsewhere" if self.group.failed is None
+               else f"ranks {list(self.group.failed)} died")
+        self.communicator.abort(f"the group was aborted ({why})")
         self.communicator.shutdown()
 
     def _plan(self, dtype, op, opname: str):
