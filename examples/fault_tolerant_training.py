@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import os
 import signal
+import sys
 import time
 
 import numpy as np
@@ -59,7 +60,9 @@ def reference(steps: int) -> np.ndarray:
 
 
 def log(text: str) -> None:
-    print(f"[rank {dist.get_rank()}/{dist.get_world_size()}] {text}", flush=True)
+    # one write per line: the launcher merges the ranks' output, lines stay whole
+    sys.stdout.write(f"[rank {dist.get_rank()}/{dist.get_world_size()}] {text}\n")
+    sys.stdout.flush()
 
 
 def main() -> None:

@@ -29,7 +29,7 @@ def test_shrinking_world_rebuilds_what_hangs_off_it(tmp_path):
 
 
 TORCH_SHRINK = r"""
-import sys, torch, torch.distributed as dist
+import os, sys, torch, torch.distributed as dist
 dist.init_process_group("spmd")
 r, n = dist.get_rank(), dist.get_world_size()
 sub = dist.new_group(list(range(n - 1)))
@@ -48,8 +48,8 @@ try:
     old = "works"
 except Exception as exc:
     old = type(exc).__name__
-print(f"RESULT {r} {dist.get_rank()} {m} {new is dist.group.WORLD} {t.tolist()} {old}",
-      flush=True)
+line = f"RESULT {r} {dist.get_rank()} {m} {new is dist.group.WORLD} {t.tolist()} {old}\n"
+os.write(1, line.encode())   # one write: the ranks' lines never interleave
 dist.destroy_process_group()
 """
 
