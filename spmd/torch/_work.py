@@ -22,6 +22,7 @@ import torch.distributed as dist
 
 import spmd
 from spmd.core.timeouts import to_seconds
+from spmd.core.wait import timeout_error
 
 __all__ = ["SpmdWork"]
 
@@ -64,6 +65,8 @@ class SpmdWork(dist.Work):
         self._done = False
         self._exc: BaseException | None = None
         self._future: torch.futures.Future[Any] | None = None
+        self._source: torch.futures.Future[Any] | None = None   # what completes _future
+        self._started = _monotonic()   # for the poller: when its timeout runs out
 
     def _run_finish(self) -> None:
         finish, self._finish = self._finish, None
@@ -77,13 +80,10 @@ class SpmdWork(dist.Work):
         self._works = ()
 
     def _fire(self) -> None:
-        fut = self._future
-        if fut is None or fut.done():
+        source = self._source
+        if source is None or source.done():
             return
-        if self._exc is None:
-            fut.set_result(self._outputs)
-        else:
-            fut.set_exception(self._exc)
+        source.set_result(self._outputs if self._exc is None else self._exc)
 
     def wait(self, timeout=None) -> bool:
         """Block until the operation completes; return True.
@@ -116,6 +116,24 @@ class SpmdWork(dist.Work):
         if self._exc is not None:
             raise self._exc
         return True
+
+    def _expire_if_late(self) -> None:
+        """For the poller: past its timeout (the op's, else its group's) nobody may be
+        waiting but its future (DDP's reducer waits in C++): end it as a waiting rank
+        would, with the timeout's diagnosis, so the future fails instead of never
+        completing."""
+        if self._done:
+            return
+        limit = self._timeout if self._timeout is not None else \
+            self._group.context.timeout
+        if _monotonic() - self._started <= limit:
+            return
+        error = timeout_error(self._op, self._group.context, limit)   # with its diagnosis
+        with self._lock:
+            if self._done:
+                return
+            self._settle(error)
+        self._fire()
 
     def _poll(self) -> bool:
         """Test once without blocking (skipped while another thread holds the Work)."""
@@ -178,9 +196,14 @@ class SpmdWork(dist.Work):
         """A future completed with the output tensors when the operation completes,
         also when nobody waits on this Work (a poller thread watches it)."""
         if self._future is None:
-            fut: torch.futures.Future[Any] = torch.futures.Future(devices=self._devices())
+            # The future handed out is a callback's of the one this Work completes: a
+            # callback that raises sets a C++ error on it, which torch's C++ consumers
+            # (DDP's reducer) see.  Future.set_exception only stores the exception as the
+            # value, which DDP's reducer read as a result and crashed on.
+            source: torch.futures.Future[Any] = torch.futures.Future(devices=self._devices())
+            fut = source.then(_result_or_raise)
             with self._lock:
-                self._future = fut
+                self._source, self._future = source, fut
             if self._done:
                 self._fire()
             else:
@@ -196,6 +219,15 @@ class SpmdWork(dist.Work):
     def __repr__(self) -> str:
         state = "completed" if self._done else "pending"
         return f"<SpmdWork {self._op} {state} group={self._group.name}>"
+
+
+def _result_or_raise(source: torch.futures.Future) -> Any:
+    """The callback between a Work's completion and its future: the outputs, or raise
+    the Work's error (see ``SpmdWork.get_future``)."""
+    value = source.value()
+    if isinstance(value, BaseException):
+        raise value
+    return value
 
 
 class _Poller:
@@ -242,6 +274,10 @@ class _Poller:
                     return
                 works = list(self._pending)
             done = [w for w in works if w._poll()]
+            for w in works:
+                if not w._done:
+                    w._expire_if_late()
+            done += [w for w in works if w._done and w not in done]
             if done:
                 with self._cond:
                     self._pending = [w for w in self._pending if not w._done]

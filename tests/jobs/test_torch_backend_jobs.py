@@ -95,3 +95,14 @@ def test_skipped_all_reduce_names_the_rank(n):
     m = re.search(r"ranks that have not reached all_reduce #\d+:\s*\n.*rank (\d+):", out)
     assert m and int(m.group(1)) == straggler, out[-4000:]
     assert "time.sleep(600)" in out  # where the straggler is
+
+
+@pytest.mark.timeout(120)
+def test_a_timed_out_ddp_all_reduce_raises_in_backward():
+    """DDP's reducer waits on the Work's future in C++: past its timeout the future fails
+    (it used to never complete, and a failed one crashed the reducer)."""
+    pytest.importorskip("torch.distributed")
+    proc = run(mpiexec(2, sys.executable, "tests/programs/ddp_timeout.py"), timeout=90)
+    out = proc.stdout
+    assert "RESULT raised RuntimeError: " in out, out
+    assert "DistTimeoutError: all_reduce: did not complete within 3.0 s" in out, out
