@@ -80,13 +80,18 @@ def test_survivors_get_the_failure_shrink_and_go_on(point, n):
     assert "DistTimeoutError" not in out and "MPI_ABORT" not in out, out
 
 
-@pytest.mark.timeout(120)
-def test_the_example_trains_on_after_a_rank_dies():
+def example_output(script: str, timeout: float) -> str:
+    """The output of ``examples/<script>`` on 4 ranks under ULFM (rank 3 is killed)."""
     exe, *flags = mpiexec_prefix()
     proc = run([exe, "--with-ft", "ulfm", *flags, "-n", "4", sys.executable,
-                "examples/fault_tolerant_training.py"], timeout=90)
-    out = proc.stdout
-    assert proc.returncode == 0, out
+                f"examples/{script}"], timeout=timeout)
+    assert proc.returncode == 0, proc.stdout
+    return proc.stdout
+
+
+@pytest.mark.timeout(120)
+def test_the_example_trains_on_after_a_rank_dies():
+    out = example_output("fault_tolerant_training.py", 90)
     for r in range(3):
         assert f"[rank {r}/3] step 7: rank(s) [3] died; shrank the world to 3 ranks" in out, out
     assert "[rank 0/3] trained 20 steps on 3 ranks; final parameters equal the one-process " \
@@ -98,11 +103,7 @@ def test_torch_ddp_example_rebuilds_on_the_shrunk_world():
     """DDP over "spmd": a rank dies inside DDP's all-reduce, the survivors' backward
     raises, torch's own dist.shrink_group shrinks the default group, DDP is rebuilt."""
     pytest.importorskip("torch.distributed", reason="torch is not installed with this MPI")
-    exe, *flags = mpiexec_prefix()
-    proc = run([exe, "--with-ft", "ulfm", *flags, "-n", "4", sys.executable,
-                "examples/fault_tolerant_ddp.py"], timeout=120)
-    out = proc.stdout
-    assert proc.returncode == 0, out
+    out = example_output("fault_tolerant_ddp.py", 120)
     for r in range(3):
         assert f"[rank {r}/3] step 7: rank(s) [3] died" in out, out
     assert "[rank 0/3] trained 20 steps on 3 ranks with DDP; final weights equal the " \
