@@ -2,10 +2,11 @@
 
 torch calls :func:`register` for the ``torch.backends`` entry point while it imports
 (``TORCH_DEVICE_BACKEND_AUTOLOAD=0`` turns that off; ``import spmd.torch`` registers
-explicitly).  A plain ``import torch`` must not start MPI, and it does not: importing
-``spmd`` and ``spmd.torch`` starts nothing, and nothing here imports the rest of spmd or
-mpi4py until a process group with the spmd backend is made (or an spmd job's env://
-rendezvous runs); then ``spmd.torch._process_group`` does the work.
+explicitly).  A plain ``import torch`` must not start MPI or change torch, and it does
+not: importing ``spmd`` and ``spmd.torch`` starts nothing, nothing here imports the rest
+of spmd or mpi4py until a process group with the spmd backend is made (or an spmd job's
+env:// rendezvous runs), and torch's env:// rendezvous is left as it is until a process
+names the backend (:class:`_BackendName`).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ __all__ = ["BACKEND", "register"]
 
 BACKEND = "spmd"
 _DEVICES = ["cpu", "cuda"]  # a list: torch iterates a string character by character
-_torch_env_handler: Callable[..., Iterator[Any]] | None = None  # torch's env://, set by register()
+_torch_env_handler: Callable[..., Iterator[Any]] | None = None  # torch's env://, kept by _use_env_rendezvous()
 
 
 def _create(opts, pg_options):
@@ -64,19 +65,49 @@ def _env_rendezvous(url: str, timeout=None, **kwargs):
         size = int(query["world_size"][0]) if "world_size" in query else -1
         yield mpi_rendezvous(rank, size, timeout)
         raise RuntimeError("Unable to perform re-rendezvous using the spmd MPI rendezvous")
-    assert _torch_env_handler is not None, "register() keeps torch's env:// handler first"
+    assert _torch_env_handler is not None, "_use_env_rendezvous() keeps torch's env:// handler first"
     if timeout is None:
         yield from _torch_env_handler(url, **kwargs)
     else:
         yield from _torch_env_handler(url, timeout=timeout, **kwargs)
 
 
+def _use_env_rendezvous() -> None:
+    """Put spmd's env:// rendezvous in front of torch's (once; never raises)."""
+    global _torch_env_handler
+    try:
+        # The module, not torch.distributed.rendezvous (a function of the same name).
+        handlers = importlib.import_module("torch.distributed.rendezvous")._rendezvous_handlers
+        if handlers.get("env") is not _env_rendezvous and "env" in handlers:
+            _torch_env_handler = handlers["env"]
+            handlers["env"] = _env_rendezvous
+    except Exception as exc:  # noqa: BLE001 - torch then keeps its own env://
+        warnings.warn(f"spmd: could not add the MPI rendezvous to torch's env://: {exc}",
+                      stacklevel=3)
+
+
+class _BackendName:
+    """``torch.distributed.Backend.SPMD``: the backend's name, and the moment a process
+    first names the backend.
+
+    ``Backend("spmd")``, which ``init_process_group`` calls before its rendezvous (and
+    ``new_group`` and the like after it), looks the name up as this class attribute;
+    reading it puts spmd's env:// rendezvous in front of torch's.  So torch's env://
+    stays untouched in every process that never names the backend, and a job that does
+    needs no MASTER_ADDR or RANK under mpiexec or srun.
+    """
+
+    def __get__(self, obj: object, owner: type | None = None) -> str:
+        _use_env_rendezvous()
+        return BACKEND
+
+
 def register() -> None:
     """Register the ``"spmd"`` backend with torch.distributed (idempotent, never raises).
 
-    Cheap: it starts no MPI; the first process group made with the backend does.
+    Cheap: it starts no MPI (the first process group made with the backend does) and
+    leaves torch's env:// rendezvous alone until the backend is named.
     """
-    global _torch_env_handler
     try:
         import torch.distributed as dist
 
@@ -92,11 +123,8 @@ def register() -> None:
         self_recording = getattr(c10d, "_FR_SELF_RECORDING_BACKENDS", None)
         if self_recording is not None:
             self_recording.add(BACKEND)
-        # The module, not torch.distributed.rendezvous (a function of the same name).
-        handlers = importlib.import_module("torch.distributed.rendezvous")._rendezvous_handlers
-        if handlers.get("env") is not _env_rendezvous and "env" in handlers:
-            _torch_env_handler = handlers["env"]
-            handlers["env"] = _env_rendezvous
+        if not isinstance(vars(dist.Backend).get(BACKEND.upper()), _BackendName):
+            setattr(dist.Backend, BACKEND.upper(), _BackendName())
     except Exception as exc:  # noqa: BLE001 - a failure here must not break `import torch`
         warnings.warn(f"spmd: could not register the torch.distributed backend: {exc}",
                       stacklevel=2)

@@ -26,7 +26,19 @@ def test_import_torch_registers_without_starting_mpi():
     proc = _plain()
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout.splitlines()[0]) == \
-        {"registered": True, "mpi4py.MPI": False, "spmd.runtime": False}
+        {"registered": True, "mpi4py.MPI": False, "spmd.runtime": False, "env:// is torch's": True}
+
+
+def test_env_rendezvous_changes_only_once_the_backend_is_named():
+    """torch's env:// stays torch's in a process that names only other backends; naming
+    "spmd" (as init_process_group("spmd") does before its rendezvous) adds spmd's
+    MPI rendezvous in front, still without starting MPI."""
+    proc = _plain("name")
+    assert proc.returncode == 0, proc.stderr
+    lines = [json.loads(line) for line in proc.stdout.splitlines()]
+    assert lines[0]["env:// is torch's"] is True
+    assert lines[1] == {"after gloo": True, "after spmd": False, "name": "spmd",
+                        "mpi4py.MPI": False}
 
 
 def test_autoload_off_then_explicit_import():
