@@ -55,3 +55,20 @@ def run(cmd: list[str], timeout: float, **env: str) -> subprocess.CompletedProce
     """Run ``cmd`` from the repository root; a job past ``timeout`` is killed and fails."""
     return subprocess.run(cmd, cwd=ROOT, env=clean_env(**env), stdout=subprocess.PIPE,
                           stderr=subprocess.STDOUT, text=True, timeout=timeout)
+
+
+def slurm_unavailable() -> str | None:
+    """Why srun cannot start a job here, or None when a SLURM node is up."""
+    hint = "(start a local cluster with: sudo bash slurm/setup_local_cluster.sh)"
+    missing = [c for c in ("srun", "sinfo") if shutil.which(c) is None]
+    if missing:
+        return f"SLURM not available: {', '.join(missing)} not on PATH {hint}"
+    try:
+        proc = subprocess.run(["sinfo", "-h", "-o", "%t"], capture_output=True, text=True,
+                              timeout=30, check=False)
+    except subprocess.TimeoutExpired:
+        return f"SLURM cluster not up: sinfo timed out {hint}"
+    states = proc.stdout.split()
+    if proc.returncode != 0 or not {"idle", "mix", "alloc"} & set(states):
+        return f"SLURM cluster not up: sinfo: {(proc.stderr or proc.stdout).strip()!r} {hint}"
+    return None

@@ -170,6 +170,9 @@ def _connect() -> socket.socket:
     world = MPI.COMM_WORLD
     hello = {"token": token, "rank": world.Get_rank(), "size": world.Get_size(),
              "pid": os.getpid(), "host": socket.gethostname()}
+    step = os.environ.get("SLURM_STEP_ID") or os.environ.get("SLURM_STEPID")
+    if os.environ.get("SLURM_JOB_ID") and step:  # srun's: the caller cancels it to end the job
+        hello["step"] = f"{os.environ['SLURM_JOB_ID']}.{step}"
     conn.sendall(frame(HELLO, json.dumps(hello).encode()))
     return conn
 

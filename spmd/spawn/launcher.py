@@ -1,12 +1,21 @@
-"""The MPI library's own launcher, which starts the ranks of :func:`spmd.spawn`.
+"""The launcher that starts the ranks of :func:`spmd.spawn`: the MPI library's own
+``mpiexec``, or SLURM's ``srun`` inside an allocation.
 
-:func:`find_launcher` finds the ``mpiexec`` of the MPI library the ranks will load:
-``$SPMD_MPIEXEC`` when set, else the first MPI launcher next to ``sys.executable``, in
-``sys.prefix/bin`` (where the MPI wheels put theirs, so a virtual environment's ``bin``
-need not be on ``PATH``) or on ``PATH``.  ``mpiexec --version`` says which one it is:
-Hydra (MPICH, and Intel MPI's) or Open MPI's, which needs ``--oversubscribe`` to run
-more ranks than cores, as a notebook's test job often does, and ``--allow-run-as-root``
-in containers.  :func:`launcher_environment` is the environment it runs in.
+:func:`find_launcher` picks it:
+
+- ``$SPMD_MPIEXEC`` when set (an ``mpiexec``, or ``srun``);
+- inside a SLURM allocation (``SLURM_JOB_ID`` set, as in an ``salloc`` shell or a batch
+  script) ``srun``, which places the ranks on the allocation's nodes as the site's
+  scheduler wants, with the PMI plugin the ranks' MPI speaks (``--mpi=pmi2`` for MPICH
+  and Intel MPI, ``pmix`` for Open MPI, unless ``SLURM_MPI_TYPE`` says otherwise);
+- else the first MPI launcher next to ``sys.executable``, in ``sys.prefix/bin`` (where
+  the MPI wheels put theirs, so a virtual environment's ``bin`` need not be on ``PATH``)
+  or on ``PATH``, which runs the ranks on this host.
+
+``mpiexec --version`` says which one it is: Hydra (MPICH, and Intel MPI's) or Open MPI's,
+which needs ``--oversubscribe`` to run more ranks than cores, as a notebook's test job
+often does, and ``--allow-run-as-root`` in containers.  :func:`launcher_environment` is
+the environment it runs in.
 """
 
 from __future__ import annotations
@@ -22,9 +31,13 @@ from dataclasses import dataclass
 
 from spmd.core.launch import HYDRA, OPENMPI, SINGLETON, launch_info
 
-__all__ = ["Launcher", "find_launcher", "launcher_environment"]
+__all__ = ["SRUN", "Launcher", "find_launcher", "launcher_environment"]
 
 MPIEXEC_VAR = "SPMD_MPIEXEC"
+SRUN = "srun"   # Launcher.kind of SLURM's srun
+# srun's PMI plugin for each kind of MPI library (an mpiexec's kind says which library
+# the ranks load): Hydra's PMI-2 for MPICH and Intel MPI, PMIx for Open MPI 5.
+_SRUN_MPI = {HYDRA: "pmi2", OPENMPI: "pmix"}
 
 # Variables by which a launcher tells its processes which job they are (PMI, PMIx, Open
 # MPI's, Hydra's), and SLURM's, by which Hydra and Open MPI's launcher would place ranks
@@ -39,14 +52,34 @@ _SPMD_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__f
 
 @dataclass(frozen=True)
 class Launcher:
-    """An ``mpiexec`` and what kind it is (``core.launch.HYDRA``, ``OPENMPI``, or
-    ``"unknown"`` for one ``$SPMD_MPIEXEC`` names that says neither)."""
+    """A launcher and what kind it is (``core.launch.HYDRA``, ``OPENMPI``, :data:`SRUN`,
+    or ``"unknown"`` for one ``$SPMD_MPIEXEC`` names that says neither).
+
+    For srun: ``mpi`` is its ``--mpi`` plugin (None: srun's default, ``SLURM_MPI_TYPE`` or
+    slurm.conf's), and ``overlap`` that the caller runs inside a job step (``srun --pty``),
+    which holds the allocation's CPUs, so the ranks' step must share them.
+    """
 
     path: str
     kind: str
+    mpi: str | None = None
+    overlap: bool = False
+
+    @property
+    def spans_nodes(self) -> bool:
+        """True when the ranks may run on other hosts than the caller's."""
+        return self.kind == SRUN
 
     def command(self, nprocs: int, program: Sequence[str]) -> list[str]:
         """The command line that runs ``program`` as ``nprocs`` ranks."""
+        if self.kind == SRUN:
+            # One rank's failure ends the step, as mpiexec ends its job.
+            flags = [f"--ntasks={nprocs}", "--kill-on-bad-exit=1"]
+            if self.mpi:
+                flags.append(f"--mpi={self.mpi}")
+            if self.overlap:
+                flags.append("--overlap")
+            return [self.path, *flags, *program]
         flags = []
         if self.kind == OPENMPI:
             flags.append("--oversubscribe")
@@ -65,6 +98,8 @@ def _kind(path: str) -> str | None:
         return None
     if "Open MPI" in out or "OpenRTE" in out:   # Open MPI 5 says the first, 4 the second
         return OPENMPI
+    if out.startswith("slurm "):
+        return SRUN
     if "HYDRA" in out.upper() or "Intel(R) MPI" in out:
         return HYDRA
     return None
@@ -75,17 +110,35 @@ def _executable(path: str) -> bool:
 
 
 def find_launcher() -> Launcher:
-    """The ``mpiexec`` that starts spawned ranks (see the module's docstring).
+    """The launcher that starts spawned ranks (see the module's docstring).
 
     Raises:
-        RuntimeError: ``$SPMD_MPIEXEC`` names no executable, or no MPI launcher was found;
+        RuntimeError: ``$SPMD_MPIEXEC`` names no executable, or no launcher was found;
             the message says what to install or set.
     """
     chosen = os.environ.get(MPIEXEC_VAR)
     if chosen:
         if not _executable(chosen):
             raise RuntimeError(f"spawn: {MPIEXEC_VAR}={chosen} is not an executable file")
-        return Launcher(chosen, _kind(os.path.realpath(chosen)) or "unknown")
+        kind = _kind(os.path.realpath(chosen)) or "unknown"
+        return _srun(chosen, _local_mpiexec()) if kind == SRUN else Launcher(chosen, kind)
+    srun = shutil.which(SRUN)
+    if os.environ.get("SLURM_JOB_ID") and srun:
+        return _srun(srun, _local_mpiexec())
+    local = _local_mpiexec()
+    if isinstance(local, Launcher):
+        return local
+    not_mpi = f"; not an MPI launcher: {', '.join(local)}" if local else ""
+    raise RuntimeError(
+        f"spawn: no MPI launcher found (looked for mpiexec next to {sys.executable}, in "
+        f"{sys.prefix}/bin and on PATH{not_mpi}); install an MPI wheel into this environment "
+        f"(pip install 'spmd[mpich]') or set {MPIEXEC_VAR} to the mpiexec of the MPI library "
+        "mpi4py uses")
+
+
+def _local_mpiexec() -> Launcher | list[str]:
+    """The first MPI launcher next to ``sys.executable``, in ``sys.prefix/bin`` or on
+    ``PATH``; else the executables found there that are none."""
     candidates = [os.path.join(os.path.dirname(sys.executable), "mpiexec"),
                   os.path.join(sys.prefix, "bin", "mpiexec")]
     on_path = shutil.which("mpiexec")
@@ -96,24 +149,30 @@ def find_launcher() -> Launcher:
         if not _executable(path):
             continue
         kind = _kind(os.path.realpath(path))
-        if kind is not None:
+        if kind in (HYDRA, OPENMPI):
             return Launcher(path, kind)
         others.append(path)
-    not_mpi = f"; not an MPI launcher: {', '.join(others)}" if others else ""
-    raise RuntimeError(
-        f"spawn: no MPI launcher found (looked for mpiexec next to {sys.executable}, in "
-        f"{sys.prefix}/bin and on PATH{not_mpi}); install an MPI wheel into this environment "
-        f"(pip install 'spmd[mpich]') or set {MPIEXEC_VAR} to the mpiexec of the MPI library "
-        "mpi4py uses")
+    return others
 
 
-def launcher_environment(extra: Mapping[str, str]) -> dict[str, str]:
+def _srun(path: str, local: Launcher | list[str]) -> Launcher:
+    """srun, with the PMI plugin of the MPI library whose mpiexec is ``local``."""
+    mpi = None
+    if not os.environ.get("SLURM_MPI_TYPE") and isinstance(local, Launcher):
+        mpi = _SRUN_MPI.get(local.kind)
+    in_step = bool(os.environ.get("SLURM_STEP_ID") or os.environ.get("SLURM_STEPID"))
+    return Launcher(path, SRUN, mpi, overlap=in_step)
+
+
+def launcher_environment(extra: Mapping[str, str], launcher: Launcher) -> dict[str, str]:
     """The environment the launcher and its ranks start with: the caller's, less the
-    variables of the job the caller may itself be a rank of and of a SLURM allocation (the
-    ranks are a job of their own, on this host), with spmd importable, plus ``extra``."""
-    drop = _ALLOCATION_VARIABLES
+    variables of the job the caller may itself be a rank of, with spmd importable, plus
+    ``extra``.  An mpiexec does not see a SLURM allocation the caller is in (it would place
+    ranks on the allocation's other nodes, out of reach of the caller's loopback socket);
+    srun does, as it runs the ranks there."""
+    drop = () if launcher.kind == SRUN else _ALLOCATION_VARIABLES
     if launch_info().launcher != SINGLETON:
-        drop = _ALLOCATION_VARIABLES + _JOB_VARIABLES
+        drop = drop + _JOB_VARIABLES
     env = {k: v for k, v in os.environ.items() if not k.startswith(drop)}
     if _SPMD_ROOT not in _site_directories():
         # spmd runs from a source tree (an editable install, a path the caller added):

@@ -18,16 +18,18 @@ Choices, and why:
   the interpreter (a notebook kernel).  Starting the launcher is what every MPI program
   does, and whatever happens to the job, the caller is untouched and the next spawn
   starts afresh.  The caller never imports ``mpi4py.MPI``.
-- **Launcher**: the mpiexec of the MPI library the ranks load, with the flags it needs
-  (:mod:`spmd.spawn.launcher`); none found is a RuntimeError saying what to install or
-  set.  It runs in a session of its own: a Ctrl-C at the caller's terminal does not reach
-  it (the caller stops the ranks itself), and ending it cannot signal the caller.  Ranks
-  run on this host; inside a SLURM allocation too, as the launcher does not see it
-  (starting them with ``srun`` across the allocation is not supported yet).
-- **Channel**: a TCP socket the caller listens on at 127.0.0.1 (an ephemeral port), its
-  address and a random token in the ranks' environment (:mod:`spmd.spawn.protocol`).
-  A rank shows the token before the caller reads anything else from its connection, so
-  nothing another local user sends is unpickled.  Not MPI (the caller has none) and not
+- **Launcher**: the mpiexec of the MPI library the ranks load, with the flags it needs,
+  on this host; inside a SLURM allocation ``srun``, which runs the ranks on the
+  allocation's nodes (:mod:`spmd.spawn.launcher`); none found is a RuntimeError saying
+  what to install or set.  It runs in a session of its own: a Ctrl-C at the caller's
+  terminal does not reach it (the caller stops the ranks itself), and ending it cannot
+  signal the caller.
+- **Channel**: a TCP socket the caller listens on, at 127.0.0.1 when the ranks run on
+  this host, on every interface (the ranks are given the caller's host name) when srun
+  may place them on other nodes; an ephemeral port; its address and a random token in
+  the ranks' environment (:mod:`spmd.spawn.protocol`).  A rank shows the token before the
+  caller reads anything else from its connection, so nothing anybody else sends is
+  unpickled.  Not MPI (the caller has none) and not
   a TCPStore (a store answers requests; it cannot tell the caller a rank is gone): a
   rank's connection ends the moment its process does, which is how the caller learns of
   a killed rank at once, on any host, without polling process ids.
@@ -49,8 +51,9 @@ Choices, and why:
   milliseconds; so is the launcher ending before every rank reported.  ``timeout``
   bounds the whole job (:class:`spmd.DistTimeoutError`); a KeyboardInterrupt in the
   caller ends the job too.  However it ended, the launcher gets a grace period to
-  finish, then it and every process below it are killed; ``join`` returns or raises only
-  once they are gone, and nothing of the job (process, socket, port) outlives it.
+  finish, then it and every process below it are killed (an srun's step is cancelled
+  first, which ends its ranks on every node); ``join`` returns or raises only once they
+  are gone, and nothing of the job (process, socket, port) outlives it.
 - **Inside an mpiexec/srun job** of more than one rank, spawn refuses (RuntimeError):
   the ranks already are the SPMD job, call ``fn`` directly.  A job of one rank spawns as
   a plain ``python`` does.
@@ -63,6 +66,7 @@ import hmac
 import json
 import os
 import pickle
+import re
 import secrets
 import selectors
 import signal
@@ -78,7 +82,7 @@ from typing import Any
 from spmd.core.errors import DistError, DistTimeoutError
 from spmd.core.launch import launch_info
 from spmd.core.timeouts import to_seconds
-from spmd.spawn.launcher import find_launcher, launcher_environment
+from spmd.spawn.launcher import SRUN, Launcher, find_launcher, launcher_environment
 from spmd.spawn.protocol import (
     ADDRESS_VAR,
     HELLO,
@@ -108,6 +112,8 @@ _CHECK = 0.05        # seconds between looks at the launcher and the deadline
 # launcher to exit, or this long, before it says which ranks died.
 _SETTLE = 0.5
 _CHILD = [sys.executable, "-m", "spmd.spawn.child"]
+_SRUN_GRACE = 10.0   # seconds srun gets to end a cancelled step before it is killed
+_STEP = re.compile(r"[0-9]+(_[0-9]+)?\.[0-9]+")   # a SLURM job step, "123.4"
 
 
 class ProcessException(DistError):
@@ -231,11 +237,11 @@ class ProcessContext:
     Returned by ``spawn(..., join=False)``; ``spawn(..., join=True)`` joins it for you.
     """
 
-    def __init__(self, launcher: subprocess.Popen, launcher_path: str,
+    def __init__(self, launcher: subprocess.Popen, kind: Launcher,
                  listener: socket.socket, token: str, job: bytes, nprocs: int,
                  deadline: float | None):
         self.nprocs = nprocs
-        self._launcher, self._launcher_path = launcher, launcher_path
+        self._launcher, self._launcher_path, self._kind = launcher, kind.path, kind
         self._listener, self._token, self._job = listener, token, job
         self._deadline = deadline
         self._selector = selectors.DefaultSelector()
@@ -244,6 +250,7 @@ class ProcessContext:
         self._ranks: dict[int, _Connection] = {}
         self._pids: dict[int, int] = {}
         self._starts: dict[int, int] = {}   # local ranks' process start times
+        self._steps: set[str] = set()       # srun's job step ("job.step"), from the ranks
         self._values: dict[int, Any] = {}
         self._replied: set[int] = set()
         self._dead: list[int] = []          # ranks whose connection ended without a
@@ -397,13 +404,23 @@ class ProcessContext:
         if not token_ok:
             self._close(conn)
             return
+        step = hello.get("step")
+        if self._kind.kind == SRUN and isinstance(step, str) and _STEP.fullmatch(step):
+            self._steps.add(step)
         if hello.get("size") != self.nprocs:
             # Each process initialised an MPI of its own (a world of 1): the launcher
             # speaks another process-management protocol than mpi4py's MPI library.
+            if self._kind.kind == SRUN:
+                why = (f"srun's PMI plugin (--mpi={self._kind.mpi or 'its default'}) is not "
+                       "one the MPI library mpi4py uses speaks; set SLURM_MPI_TYPE to one it "
+                       "does (srun --mpi=list), or SPMD_MPIEXEC to that library's mpiexec to "
+                       "run the ranks on this host")
+            else:
+                why = ("it is not the launcher of the MPI library mpi4py uses; set "
+                       "SPMD_MPIEXEC to that library's mpiexec")
             self._fail(RuntimeError(
                 f"spawn: {self._launcher_path} started processes that MPI made ranks of a "
-                f"world of {hello.get('size')}, not {self.nprocs}: it is not the launcher of "
-                "the MPI library mpi4py uses; set SPMD_MPIEXEC to that library's mpiexec"))
+                f"world of {hello.get('size')}, not {self.nprocs}: {why}"))
             self._close(conn)
             return
         rank = hello.get("rank")
@@ -473,9 +490,15 @@ class ProcessContext:
         code = self._launcher.returncode
         how = f"was killed by signal {-code}" if code < 0 else f"exited with status {code}"
         missing = [r for r in range(self.nprocs) if r not in self._replied]
+        hint = ""
+        if self._kind.kind == SRUN and not self._pids:
+            hint = ("; srun runs the ranks in this SLURM allocation: a PMI plugin it lacks "
+                    f"(--mpi={self._kind.mpi or 'its default'}, see srun --mpi=list; SLURM_MPI_TYPE picks "
+                    "another) or more ranks than the allocation has stop it there, and "
+                    "SPMD_MPIEXEC set to the MPI library's mpiexec runs them on this host instead")
         return ProcessExitedException(
             f"spawn: the launcher ({self._launcher_path}) {how} before ranks {missing} of "
-            f"{self.nprocs} reported (its messages, if any, are on this process's stderr)",
+            f"{self.nprocs} reported (its messages, if any, are on this process's stderr){hint}",
             missing[0], self._pids.get(missing[0]))
 
     def _end(self, failure: BaseException | None) -> None:
@@ -519,7 +542,19 @@ class ProcessContext:
 
     def _kill_leftovers(self) -> None:
         """Kill the launcher and every process below it, and any rank of this host that
-        outlived them; reap the launcher."""
+        outlived them; reap the launcher.  srun's ranks may be on other hosts: its step is
+        cancelled first (SIGKILL to every rank, by SLURM), or, where no rank said which
+        step it is, srun is asked to end it (SIGTERM, which it passes to every rank)."""
+        if self._kind.kind == SRUN and self._launcher.poll() is None:
+            if self._steps:
+                subprocess.run(["scancel", "--quiet", *sorted(self._steps)], check=False,
+                               stdin=subprocess.DEVNULL, timeout=30)
+            else:
+                self._launcher.terminate()
+            try:
+                self._launcher.wait(_SRUN_GRACE)   # srun exits once its step has ended
+            except subprocess.TimeoutExpired:
+                pass
         if self._launcher.poll() is None:
             for pid in [self._launcher.pid, *_descendants(self._launcher.pid)]:
                 _kill(pid)
@@ -621,19 +656,21 @@ def spawn(fn: Callable[..., Any], args: Sequence = (), nprocs: int = 1, join: bo
                                    "payload": payload}, protocol=pickle.HIGHEST_PROTOCOL))
     listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     try:
-        listener.bind(("127.0.0.1", 0))
+        listener.bind(("0.0.0.0" if launcher.spans_nodes else "127.0.0.1", 0))
         listener.listen(nprocs)
         listener.setblocking(False)
-        host, port = listener.getsockname()
+        port = listener.getsockname()[1]
+        host = socket.gethostname() if launcher.spans_nodes else "127.0.0.1"
         token = secrets.token_hex(16)
         rank_env.update({ADDRESS_VAR: f"{host}:{port}", TOKEN_VAR: token})
         process = subprocess.Popen(launcher.command(nprocs, _CHILD),
-                                   env=launcher_environment(rank_env), cwd=os.getcwd(),
-                                   stdin=subprocess.DEVNULL, start_new_session=True)
+                                   env=launcher_environment(rank_env, launcher),
+                                   cwd=os.getcwd(), stdin=subprocess.DEVNULL,
+                                   start_new_session=True)
     except OSError as exc:
         listener.close()
         raise RuntimeError(f"spawn: cannot start {launcher.path}: {exc}") from exc
-    ctx = ProcessContext(process, launcher.path, listener, token, job, nprocs,
+    ctx = ProcessContext(process, launcher, listener, token, job, nprocs,
                          None if seconds is None else start + seconds)
     if not join:
         return ctx

@@ -6,9 +6,10 @@ ends.  The address and a random token reach the ranks in their environment
 (:data:`ADDRESS_VAR`, :data:`TOKEN_VAR`).  A connection carries frames, each a header
 (:data:`HEADER`: kind, body length) and a body:
 
-- rank -> caller ``HELLO``: JSON ``{"token", "rank", "size", "pid", "host"}``, sent right
-  after MPI_Init.  JSON, not pickle: the caller reads nothing else from a connection, and
-  unpickles nothing from it, before the token matches.
+- rank -> caller ``HELLO``: JSON ``{"token", "rank", "size", "pid", "host"}`` and, under
+  srun, ``"step"`` (its SLURM job step, ``"123.4"``), sent right after MPI_Init.  JSON,
+  not pickle: the caller reads nothing else from a connection, and unpickles nothing
+  from it, before the token matches.
 - caller -> rank ``JOB``: a pickled dict: ``path`` (the caller's ``sys.path``), ``main``
   (the caller's main script to run as ``__mp_main__``, or None), ``main_file`` (the
   caller's main script, to name its functions' code), ``payload`` (the pickled ``(fn,

@@ -10,18 +10,19 @@ import subprocess
 import sys
 
 import pytest
-from _launch import ROOT, clean_env
+from _launch import ROOT, clean_env, slurm_unavailable
 
 PROGRAM = os.path.join("tests", "programs", "spawn_jobs.py")
 
 
-def run_mode(mode: str, timeout: float = 150, **env: str):
-    """Run spawn_jobs.py MODE with plain python and PATH without the environment's bin."""
+def run_mode(mode: str, timeout: float = 150, prefix: tuple[str, ...] = (), **env: str):
+    """Run spawn_jobs.py MODE with plain python (after ``prefix``, as salloc's command) and
+    PATH without the environment's bin."""
     e = clean_env(**env)
     e["PATH"] = os.pathsep.join(p for p in e.get("PATH", "").split(os.pathsep)
                                 if p and not os.path.isfile(os.path.join(p, "mpiexec")))
     e.pop("SPMD_MPIEXEC", None)
-    proc = subprocess.run([sys.executable, PROGRAM, mode], check=False, cwd=ROOT, env=e,
+    proc = subprocess.run([*prefix, sys.executable, PROGRAM, mode], check=False, cwd=ROOT, env=e,
                           timeout=timeout, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                           text=True)
     checks = {}
@@ -200,3 +201,44 @@ def test_a_job_of_one_rank_spawns_a_job_of_its_own():
     rows = [json.loads(line) for line in proc.stdout.splitlines()
             if line.startswith('{"check": "nested"')]
     assert rows and rows[0]["ok"] is True and rows[0]["workers"] == [], proc.stdout
+
+
+def _mpi_vendor() -> str:
+    """The MPI library mpi4py loads here, asked in a process of its own (this one stays
+    without MPI)."""
+    return subprocess.run([sys.executable, "-c", "from mpi4py import MPI; print(MPI.get_vendor()[0])"],
+                          capture_output=True, text=True, timeout=60, check=True,
+                          env=clean_env()).stdout.strip()
+
+
+@pytest.mark.timeout(300)
+def test_inside_a_slurm_allocation_srun_runs_the_ranks_on_its_nodes():
+    """From an salloc of two nodes: srun places the ranks on both, the collectives match
+    numpy, a killed rank ends the step on every node (no rank, no step left), and the next
+    spawns work.  Open MPI's ranks need srun's PMIx plugin: where this SLURM has none that
+    works, spawn says so and how to go on."""
+    if reason := slurm_unavailable():
+        pytest.skip(reason)
+    salloc = ("salloc", "--nodes=2", "--ntasks=4", "--time=4")
+    if _mpi_vendor() == "Open MPI":
+        pmix = subprocess.run(["srun", "--mpi=pmix", "-n", "1", "--time=1", "true"],
+                              capture_output=True, text=True, timeout=120, check=False)
+        if pmix.returncode != 0:
+            proc, checks = run_mode("slurm", timeout=240, prefix=salloc)
+            assert "srun runs the ranks in this SLURM allocation" in proc.stdout, proc.stdout
+            assert "--mpi=pmix" in proc.stdout and "SPMD_MPIEXEC" in proc.stdout, proc.stdout
+            return
+    proc, checks = run_mode("slurm", timeout=240, prefix=salloc)
+    assert proc.returncode == 0, proc.stdout
+    row = checks["slurm"][0]
+    assert row["ok"] is True, row
+    assert len(set(row["nodes"])) == 2, row    # both nodes of the allocation
+    assert len(row["steps"]) == 1, row    # one job step, all four ranks
+    kill = checks["slurm_kill"][0]
+    assert "died without reporting" in kill["message"] and kill["seconds"] < 15, kill
+    assert kill["spawned"] == [] and kill["steps"] == [] and kill["descendants"] == [], kill
+    raised = checks["slurm_raise"][0]
+    assert raised["rank"] == 1 and raised["spawned"] == [] and raised["steps"] == [], raised
+    again = checks["slurm_again"][0]
+    assert again["results"] == [14, 14, 14, 14], again   # 0 + 1 + 4 + 9 on every rank
+    assert again["spawned"] == [] and again["steps"] == [], again

@@ -6,12 +6,11 @@ from __future__ import annotations
 
 import json
 import re
-import shutil
 import subprocess
 import sys
 
 import pytest
-from _launch import ROOT, clean_env, mpiexec, run
+from _launch import ROOT, clean_env, mpiexec, run, slurm_unavailable
 
 pytest.importorskip("torch", reason="torch is not installed")
 DIR = "tests/torch_backend"
@@ -62,26 +61,9 @@ def test_unmodified_ddp_script(n):
         assert f"rank {r} of {n}: DDP matches single-process training" in proc.stdout
 
 
-def _slurm_unavailable() -> str | None:
-    """Why srun cannot start a job here, or None when a SLURM node is up."""
-    hint = "(start a local cluster with: sudo bash slurm/setup_local_cluster.sh)"
-    missing = [c for c in ("srun", "sinfo") if shutil.which(c) is None]
-    if missing:
-        return f"SLURM not available: {', '.join(missing)} not on PATH {hint}"
-    try:
-        proc = subprocess.run(["sinfo", "-h", "-o", "%t"], capture_output=True, text=True,
-                              timeout=30, check=False)
-    except subprocess.TimeoutExpired:
-        return f"SLURM cluster not up: sinfo timed out {hint}"
-    states = proc.stdout.split()
-    if proc.returncode != 0 or not {"idle", "mix", "alloc"} & set(states):
-        return f"SLURM cluster not up: sinfo: {(proc.stderr or proc.stdout).strip()!r} {hint}"
-    return None
-
-
 @pytest.mark.parametrize("nodes, n", [(1, 2), (2, 4)])
 def test_unmodified_ddp_script_under_srun(nodes, n):
-    if reason := _slurm_unavailable():
+    if reason := slurm_unavailable():
         pytest.skip(reason)
     env = clean_env()  # no SLURM_*/PMI_* of an enclosing job: srun makes its own allocation
     for var in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK"):

@@ -286,6 +286,60 @@ def mode_nested():
     emit(check="nested", ok=collectives_match_numpy(2, 5), workers=workers())
 
 
+def where(rank):
+    """The SLURM node and job step a rank runs in, and its collectives."""
+    return {"node": os.environ.get("SLURMD_NODENAME"),
+            "step": f"{os.environ.get('SLURM_JOB_ID')}.{os.environ.get('SLURM_STEP_ID')}",
+            **collectives(rank, 3)}
+
+
+def spawned_anywhere() -> list[int]:
+    """Spawned ranks running anywhere on this host (srun's ranks are slurmstepd's
+    children, not the caller's), from /proc."""
+    found = []
+    for name in os.listdir("/proc"):
+        if name.isdigit() and int(name) != os.getpid():
+            try:
+                with open(f"/proc/{name}/cmdline", "rb") as f:
+                    if b"spmd.spawn.child" in f.read() and running(int(name)):
+                        found.append(int(name))
+            except OSError:
+                continue
+    return found
+
+
+def steps() -> list[str]:
+    """The job steps SLURM runs in this allocation (squeue --steps)."""
+    import subprocess
+
+    out = subprocess.run(["squeue", "-h", "--steps", "-j", os.environ["SLURM_JOB_ID"],
+                          "-o", "%i"], capture_output=True, text=True, timeout=30, check=True)
+    return [s for s in out.stdout.split() if not s.endswith((".extern", ".batch", ".interactive"))]
+
+
+def mode_slurm():
+    """Inside an allocation of two nodes (salloc): srun places the ranks on both; a killed
+    rank ends the step on every node; the next spawn works."""
+    xs = [np.random.default_rng(3 + r).standard_normal(5) for r in range(4)]
+    out = spmd.spawn(where, nprocs=4)
+    emit(check="slurm", nodes=[o["node"] for o in out], steps=sorted({o["step"] for o in out}),
+         ok=all(np.allclose(o["sum"], np.sum(xs, axis=0), rtol=0, atol=1e-12)
+                and np.array_equal(o["gathered"], np.concatenate(xs)) for o in out))
+    t0 = time.monotonic()
+    try:
+        spmd.spawn(kill_one, nprocs=4)
+    except ProcessExitedException as exc:
+        emit(check="slurm_kill", message=str(exc), seconds=time.monotonic() - t0,
+             spawned=spawned_anywhere(), steps=steps(), descendants=[c for _, c in descendants()])
+    try:
+        spmd.spawn(raise_on_one, nprocs=3)
+    except ProcessRaisedException as exc:
+        emit(check="slurm_raise", rank=exc.error_index, seconds=time.monotonic() - t0,
+             spawned=spawned_anywhere(), steps=steps())
+    emit(check="slurm_again", results=spmd.spawn(slow_square, args=(0.0,), nprocs=4),
+         spawned=spawned_anywhere(), steps=steps())
+
+
 def mode_env():
     emit(check="env", results=spmd.spawn(read_env_global, nprocs=2, env={"SPMD_SPAWN_TEST": "hello"}))
 
