@@ -72,3 +72,39 @@ def slurm_unavailable() -> str | None:
     if proc.returncode != 0 or not {"idle", "mix", "alloc"} & set(states):
         return f"SLURM cluster not up: sinfo: {(proc.stderr or proc.stdout).strip()!r} {hint}"
     return None
+
+
+# srun's PMI plugin for each MPI library's ranks (pmi2, which MPICH and Intel MPI speak,
+# for the others): the plugin spmd.spawn picks too.
+SRUN_MPI = {"Open MPI": "pmix"}
+
+
+@functools.cache
+def mpi_vendor() -> str:
+    """The MPI library mpi4py loads in this environment ("MPICH", "Open MPI", "Intel MPI"),
+    asked in a process of its own (the test process stays without MPI)."""
+    return subprocess.run([sys.executable, "-c", "from mpi4py import MPI; print(MPI.get_vendor()[0])"],
+                          capture_output=True, text=True, timeout=60, check=True,
+                          env=clean_env()).stdout.strip()
+
+
+def srun_mpi() -> str:
+    """The ``--mpi`` plugin srun needs for this environment's MPI library."""
+    return SRUN_MPI.get(mpi_vendor(), "pmi2")
+
+
+@functools.cache
+def srun_cannot_start_ranks() -> str | None:
+    """Why srun cannot start this MPI library's ranks on this cluster, or None: its PMI
+    plugin is tried once (pmi2 is what a SLURM build always has)."""
+    plugin = srun_mpi()
+    if plugin == "pmi2":
+        return None
+    probe = subprocess.run(["srun", f"--mpi={plugin}", "--ntasks=1", "--time=1", "true"],
+                           capture_output=True, text=True, timeout=120, check=False,
+                           env=clean_env())
+    if probe.returncode == 0:
+        return None
+    said = (probe.stderr.strip().splitlines() or ["no message"])[-1]
+    return (f"{mpi_vendor()}'s ranks need srun --mpi={plugin}, which this SLURM cannot run "
+            f"({said})")

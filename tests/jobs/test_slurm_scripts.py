@@ -25,6 +25,7 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
+from _launch import srun_cannot_start_ranks, srun_mpi
 
 REPO = Path(__file__).resolve().parents[2]
 SLURM_DIR = REPO / "slurm"
@@ -114,6 +115,9 @@ def cluster():
     nodes, cpus, reason = _probe_cluster()
     if reason:
         pytest.skip(reason)
+    # The scripts' srun needs the PMI plugin this environment's MPI library speaks.
+    if reason := srun_cannot_start_ranks():
+        pytest.skip(reason)
     return {"nodes": nodes, "cpus": cpus}
 
 
@@ -132,6 +136,7 @@ def _job_env(extra=None):
     env.update(extra or {})
     py = sys.executable
     env["SPMD_PYTHON"] = py
+    env["SPMD_SRUN_MPI"] = srun_mpi()
     # mpmd.conf runs "python3" from PATH: the venv's bin first.
     env["PATH"] = os.path.dirname(py) + os.pathsep + env.get("PATH", "")
     # examples import spmd from the checkout even if it is not pip-installed.

@@ -10,7 +10,7 @@ import subprocess
 import sys
 
 import pytest
-from _launch import ROOT, clean_env, slurm_unavailable
+from _launch import ROOT, clean_env, slurm_unavailable, srun_cannot_start_ranks, srun_mpi
 
 PROGRAM = os.path.join("tests", "programs", "spawn_jobs.py")
 
@@ -203,14 +203,6 @@ def test_a_job_of_one_rank_spawns_a_job_of_its_own():
     assert rows and rows[0]["ok"] is True and rows[0]["workers"] == [], proc.stdout
 
 
-def _mpi_vendor() -> str:
-    """The MPI library mpi4py loads here, asked in a process of its own (this one stays
-    without MPI)."""
-    return subprocess.run([sys.executable, "-c", "from mpi4py import MPI; print(MPI.get_vendor()[0])"],
-                          capture_output=True, text=True, timeout=60, check=True,
-                          env=clean_env()).stdout.strip()
-
-
 @pytest.mark.timeout(300)
 def test_inside_a_slurm_allocation_srun_runs_the_ranks_on_its_nodes():
     """From an salloc of two nodes: srun places the ranks on both, the collectives match
@@ -220,14 +212,11 @@ def test_inside_a_slurm_allocation_srun_runs_the_ranks_on_its_nodes():
     if reason := slurm_unavailable():
         pytest.skip(reason)
     salloc = ("salloc", "--nodes=2", "--ntasks=4", "--time=4")
-    if _mpi_vendor() == "Open MPI":
-        pmix = subprocess.run(["srun", "--mpi=pmix", "-n", "1", "--time=1", "true"],
-                              capture_output=True, text=True, timeout=120, check=False)
-        if pmix.returncode != 0:
-            proc, checks = run_mode("slurm", timeout=240, prefix=salloc)
-            assert "srun runs the ranks in this SLURM allocation" in proc.stdout, proc.stdout
-            assert "--mpi=pmix" in proc.stdout and "SPMD_MPIEXEC" in proc.stdout, proc.stdout
-            return
+    if srun_cannot_start_ranks():
+        proc, checks = run_mode("slurm", timeout=240, prefix=salloc)
+        assert "srun runs the ranks in this SLURM allocation" in proc.stdout, proc.stdout
+        assert f"--mpi={srun_mpi()}" in proc.stdout and "SPMD_MPIEXEC" in proc.stdout, proc.stdout
+        return
     proc, checks = run_mode("slurm", timeout=240, prefix=salloc)
     assert proc.returncode == 0, proc.stdout
     row = checks["slurm"][0]

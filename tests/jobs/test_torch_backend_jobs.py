@@ -10,7 +10,15 @@ import subprocess
 import sys
 
 import pytest
-from _launch import ROOT, clean_env, mpiexec, run, slurm_unavailable
+from _launch import (
+    ROOT,
+    clean_env,
+    mpiexec,
+    run,
+    slurm_unavailable,
+    srun_cannot_start_ranks,
+    srun_mpi,
+)
 
 pytest.importorskip("torch", reason="torch is not installed")
 DIR = "tests/torch_backend"
@@ -63,13 +71,13 @@ def test_unmodified_ddp_script(n):
 
 @pytest.mark.parametrize("nodes, n", [(1, 2), (2, 4)])
 def test_unmodified_ddp_script_under_srun(nodes, n):
-    if reason := slurm_unavailable():
+    if reason := slurm_unavailable() or srun_cannot_start_ranks():
         pytest.skip(reason)
     env = clean_env()  # no SLURM_*/PMI_* of an enclosing job: srun makes its own allocation
     for var in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK"):
         env.pop(var, None)
     # --time: SLURM itself ends a job that outlives the limit, even if srun is killed.
-    cmd = ["srun", f"--nodes={nodes}", f"--ntasks={n}", "--mpi=pmi2", "--time=4",
+    cmd = ["srun", f"--nodes={nodes}", f"--ntasks={n}", f"--mpi={srun_mpi()}", "--time=4",
            sys.executable, f"{DIR}/ddp_script.py"]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,
                           stderr=subprocess.STDOUT, text=True, timeout=240, check=False)
