@@ -13,13 +13,13 @@ from typing import Any
 from spmd.backends.base import Engine, reraise
 from spmd.backends.mpi.engine import MPIEngine
 from spmd.backends.mpi.fastcall import COMPILED_OPS, comm_of
+from spmd.backends.mpi.fastcall import pieces as fastcall_pieces
 from spmd.backends.mpi.faults import failure
-from spmd.backends.mpi.packing import get_bucket_bytes, pack_buckets
+from spmd.backends.mpi.packing import ArrayPieces, get_bucket_bytes
 from spmd.backends.reduction import simple_plan
 from spmd.backends.shm.engine import engine_for
 from spmd.core.context import GroupContext
 from spmd.core.optable import ENGINE_OPS
-from spmd.core.work import then
 
 __all__ = ["HostEngine"]
 
@@ -100,17 +100,11 @@ class HostEngine(Engine):
 
     def all_reduce_coalesced(self, tensors, op):
         if fused_on_shm(tensors, op, self.shm.all_reduce_from):
-            # One bucket (fused_on_shm checked its size), packed and unpacked by one
-            # MPI datatype of the arrays' addresses where there are many.
-            (packed,) = pack_buckets(tensors, tensors[0].dtype, in_place=False)
-            try:
-                work = self.shm.all_reduce(packed.buf, op)
-            except BaseException:
-                packed.release()
-                raise
-            work.outputs = list(tensors)   # the Future's value, as torch gives
-            then(work, packed.unpack)
-            return work
+            # One bucket (fused_on_shm checked its size), gathered into the engine's
+            # window and reduced back into the arrays, in C where the extension is on
+            # and the arrays are plain (the compiled path's call: the same steps).
+            pieces = fastcall_pieces(tensors) or ArrayPieces(list(tensors), tensors[0].dtype)
+            return self.shm.all_reduce_coalesced(pieces, op)
         return self.mpi.all_reduce_coalesced(tensors, op)
 
     def reduce(self, a, root, op):

@@ -15,6 +15,7 @@ from conftest import _initialised, all_dtypes
 from mpi4py import MPI
 from programs.shm_checks import (
     check_all_reduce,
+    check_all_reduce_coalesced,
     check_movement,
     check_reduce,
     check_reduce_scatter,
@@ -52,6 +53,11 @@ def engine_groups(request):
 @pytest.mark.parametrize("group_kind", ["world", "parity"])
 def test_all_reduce(dist, engine_groups, group_kind):
     check_all_reduce(dist, engine_groups[group_kind], DTYPES)
+
+
+@pytest.mark.parametrize("group_kind", ["world", "parity"])
+def test_all_reduce_coalesced(dist, engine_groups, group_kind):
+    check_all_reduce_coalesced(dist, engine_groups[group_kind], DTYPES)
 
 
 @pytest.mark.parametrize("group_kind", ["world", "parity"])

@@ -187,6 +187,60 @@ def check_movement(dist, pg, dtypes, rows=9, in_place=True):
             np.testing.assert_array_equal(outs[i], make(r, (rows * (i + 1),), dt))
 
 
+def check_all_reduce_coalesced(dist, pg, dtypes, ops=REDUCE_OPS):
+    """all_reduce_coalesced of one dtype at a time (the engine's fused path: the arrays
+    gathered into its window and reduced back into them, in C for plain arrays, in numpy
+    where the list holds a view, on one rank or on all): numpy's result on every rank;
+    then, for float32 and float64 SUM (the lists the engine fuses; AVG, PREMUL_SUM and
+    16-bit floats are MPI's), the bits of the rank-order sum on every rank, either way."""
+    members = dist.get_process_group_ranks(pg)
+    me = dist.get_rank()
+    shapes = [(13,), (4, 5), (), (0,), (7, 3)]
+    for opname in ops:
+        for dt in dtypes:
+            if not supported(dt, opname):
+                continue
+            for views in ("none", "first rank", "all"):
+                arrays = [make(me, s, dt, opname, salt=k) for k, s in enumerate(shapes)]
+                if views == "all" or (views == "first rank" and me == members[0]):
+                    wide = np.zeros((7, 6), dt)
+                    wide[:, ::2] = arrays[4]
+                    arrays[4] = wide[:, ::2]
+                expect = [reduce_ref([make(r, s, dt, opname, salt=k) for r in members], opname, dt)
+                          for k, s in enumerate(shapes)]
+                dist.all_reduce_coalesced(arrays, op=op_of(dist, opname), group=pg)
+                for got, want in zip(arrays, expect, strict=True):
+                    assert_equal(np.asarray(got), want,
+                                 f"all_reduce_coalesced {opname} {dt} views: {views}")
+    for dt in (d for d in dtypes if d.kind in "iu"):   # sums wrap around, as numpy's do
+        top = np.iinfo(dt).max
+        arrays = [np.full(5, top, dt), np.full((2, 3), top - me, dt)]
+        dist.all_reduce_coalesced(arrays, group=pg)
+        want = [np.full(5, top, dt), np.full((2, 3), top, dt)]
+        for r in members[1:]:
+            want = [want[0] + np.asarray(top, dt), want[1] + np.asarray(top - r, dt)]
+        want[1] -= np.asarray(members[0], dt)   # members[0]'s term was top - members[0]
+        for got, w in zip(arrays, want, strict=True):
+            np.testing.assert_array_equal(got, w, err_msg=f"all_reduce_coalesced wraps {dt}")
+    for dt in (d for d in dtypes if d.kind == "f" and d.itemsize >= 4):
+        for opname in ("SUM",):
+            for views in (False, True):
+                x = _rank_input(me, 3001, dt)
+                arrays = [x[:1000].copy(), x[1000:].copy()]
+                if views:
+                    wide = np.zeros((2001, 2), dt)
+                    wide[:, 0] = arrays[1]
+                    arrays[1] = wide[:, 0]
+                dist.all_reduce_coalesced(arrays, op=op_of(dist, opname), group=pg)
+                got = np.concatenate(arrays)
+                want = _ordered_sum([_rank_input(r, 3001, dt) for r in members],
+                                    [list(range(len(members)))], opname, dt)
+                np.testing.assert_array_equal(
+                    got.view(np.uint8), want.view(np.uint8),
+                    err_msg=f"all_reduce_coalesced {opname} {dt} views={views}: not the "
+                            "rank-order sum")
+
+
 def _rank_input(rank: int, count: int, dt) -> np.ndarray:
     rng = np.random.default_rng(1234 + rank)
     return (rng.standard_normal(count) * 10 ** rng.uniform(-3, 3, count)).astype(dt)

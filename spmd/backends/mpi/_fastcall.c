@@ -121,7 +121,7 @@ static PyObject *end_op;         /* recorder.end(number): an op pushed out while
 static PyObject *expired;        /* (op, context, number, waited): raises DistTimeoutError */
 static PyObject *mpi_error;      /* (code): raises mpi4py's MPI.Exception */
 static PyObject *bucket_bytes;   /* (): the fusion limit (spmd.backends.mpi.packing.get_bucket_bytes) */
-static PyObject *shm_all_reduce; /* (engine, buffer, dtype, op): its all_reduce, waited */
+static PyObject *shm_all_reduce; /* (engine, pieces, op): its fused all_reduce, waited */
 static long tag_ub;
 static int bound;
 
@@ -686,64 +686,301 @@ static PyObject *fc_recv(FastComm *self, PyObject *const *a, Py_ssize_t n) {
     return p2p(self, O_RECV, a, n);
 }
 
+/* -- the arrays of one fused all-reduce ------------------------------------------------
+ *
+ * Pieces: the arrays of an all_reduce_coalesced, held alive, as consecutive pieces of
+ * one virtual buffer.  The shared-memory engine gathers them straight into its window
+ * and sums into them straight from the peers' copies, and the MPI path packs them into
+ * one buffer: each byte is copied once on the way in and once on the way out.  The sum
+ * adds in rank order, as numpy's add in spmd.backends.shm.reduce does, so every rank
+ * gets the same bits whichever of the two ran. */
+#define MAX_FUSED 4096
+
+typedef struct { char *data; Py_ssize_t len; } Piece;
+
+typedef struct {
+    PyObject_HEAD
+    Py_ssize_t k, nbytes, itemsize;
+    PyObject *dtype;
+    char kind;               /* 'f', 'i' or 'u' with a native byte order: what sum_from adds */
+    Piece *piece;
+    PyObject **refs;
+} Pieces;
+
+static void pieces_dealloc(Pieces *self) {
+    for (Py_ssize_t i = 0; i < self->k; i++) Py_DECREF(self->refs[i]);
+    PyMem_Free(self->piece);
+    PyMem_Free(self->refs);
+    Py_XDECREF(self->dtype);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static PyTypeObject PiecesType;
+
+/* The Pieces of ``seq`` (a list of two or more exact, C-contiguous, writable ndarrays of
+ * one dtype); Py_None, no error set, for any other list. */
+static PyObject *pieces_of(PyObject *seq) {
+    Py_ssize_t k = PyList_CheckExact(seq) ? PyList_GET_SIZE(seq) : -1;
+    if (k < 2 || k > MAX_FUSED || !bound) Py_RETURN_NONE;
+    PyObject *dtype = NULL;
+    Py_ssize_t itemsize = 0;
+    for (Py_ssize_t i = 0; i < k; i++) {
+        NumpyArray *x = (NumpyArray *)PyList_GET_ITEM(seq, i);
+        if (Py_TYPE(x) != ndarray_type || (i > 0 && x->descr != dtype)
+                || (x->flags & (NUMPY_C_CONTIGUOUS | NUMPY_WRITEABLE))
+                   != (NUMPY_C_CONTIGUOUS | NUMPY_WRITEABLE)) Py_RETURN_NONE;
+        dtype = x->descr;
+    }
+    PyObject *size = PyObject_GetAttrString(dtype, "itemsize");
+    PyObject *kind = size ? PyObject_GetAttrString(dtype, "kind") : NULL;
+    PyObject *native = kind ? PyObject_GetAttrString(dtype, "isnative") : NULL;
+    if (native == NULL) {
+        Py_XDECREF(size);
+        Py_XDECREF(kind);
+        return NULL;
+    }
+    itemsize = PyLong_AsSsize_t(size);
+    const char *k_text = PyUnicode_Check(kind) ? PyUnicode_AsUTF8(kind) : NULL;
+    char c = k_text && native == Py_True && strchr("fiu", k_text[0]) ? k_text[0] : 0;
+    Py_DECREF(size);
+    Py_DECREF(kind);
+    Py_DECREF(native);
+    if (itemsize <= 0 || PyErr_Occurred()) {
+        PyErr_Clear();
+        Py_RETURN_NONE;
+    }
+    Pieces *p = PyObject_New(Pieces, &PiecesType);
+    if (p == NULL) return NULL;
+    p->k = 0;
+    p->piece = PyMem_Malloc(sizeof(Piece) * (size_t)k);
+    p->refs = PyMem_Malloc(sizeof(PyObject *) * (size_t)k);
+    p->dtype = Py_NewRef(dtype);
+    if (p->piece == NULL || p->refs == NULL) {
+        Py_DECREF(p);
+        return PyErr_NoMemory();
+    }
+    p->itemsize = itemsize;
+    p->kind = c;
+    p->nbytes = 0;
+    for (; p->k < k; p->k++) {
+        NumpyArray *x = (NumpyArray *)PyList_GET_ITEM(seq, p->k);
+        Py_ssize_t len = itemsize;
+        for (int d = 0; d < x->nd; d++) len *= x->dimensions[d];
+        p->refs[p->k] = Py_NewRef((PyObject *)x);
+        p->piece[p->k].data = x->data;
+        p->piece[p->k].len = len;
+        p->nbytes += len;
+    }
+    return (PyObject *)p;
+}
+
+static PyObject *fc_pieces(PyObject *m, PyObject *seq) {
+    return pieces_of(seq);
+}
+
+static void gather(const Pieces *p, char *dst) {
+    for (Py_ssize_t i = 0; i < p->k; i++) {
+        memcpy(dst, p->piece[i].data, (size_t)p->piece[i].len);
+        dst += p->piece[i].len;
+    }
+}
+
+static void scatter(const Pieces *p, const char *src) {
+    for (Py_ssize_t i = 0; i < p->k; i++) {
+        memcpy(p->piece[i].data, src, (size_t)p->piece[i].len);
+        src += p->piece[i].len;
+    }
+}
+
+/* A writable (or readable) buffer of at least ``p``'s bytes; 0 with an error if not. */
+static int buffer_for(const Pieces *p, PyObject *obj, int writable, Py_buffer *view) {
+    if (PyObject_GetBuffer(obj, view, PyBUF_C_CONTIGUOUS | (writable ? PyBUF_WRITABLE : 0)) < 0)
+        return 0;
+    if (view->len < p->nbytes) {
+        PyErr_Format(PyExc_ValueError, "Pieces: a buffer of %zd bytes for %zd bytes of arrays",
+                     view->len, p->nbytes);
+        PyBuffer_Release(view);
+        return 0;
+    }
+    return 1;
+}
+
+static PyObject *pieces_gather(Pieces *self, PyObject *dst) {
+    Py_buffer v;
+    if (!buffer_for(self, dst, 1, &v)) return NULL;
+    gather(self, v.buf);
+    PyBuffer_Release(&v);
+    Py_RETURN_NONE;
+}
+
+static PyObject *pieces_scatter(Pieces *self, PyObject *src) {
+    Py_buffer v;
+    if (!buffer_for(self, src, 0, &v)) return NULL;
+    scatter(self, v.buf);
+    PyBuffer_Release(&v);
+    Py_RETURN_NONE;
+}
+
+/* out = s[0] + s[1], then out += s[r]: numpy's order.  Signed integers add as unsigned
+ * ones (numpy's wrap-around, without C's undefined overflow).  Built with -O3 where the
+ * compiler is GCC, whose -O2 does not vectorise loops of unknown length. */
+#if defined(__GNUC__) && !defined(__clang__)
+#define VECTORISED __attribute__((optimize("O3")))
+#else
+#define VECTORISED
+#endif
+#define SUM_KERNEL(name, T)                                                              \
+    VECTORISED static void name(char *out, char *const *src, int q, Py_ssize_t n) {      \
+        T *restrict o = (T *)out;                                                        \
+        const T *restrict a = (const T *)src[0], *restrict b = (const T *)src[1];        \
+        for (Py_ssize_t j = 0; j < n; j++) o[j] = (T)(a[j] + b[j]);                      \
+        for (int r = 2; r < q; r++) {                                                    \
+            const T *restrict s = (const T *)src[r];                                     \
+            for (Py_ssize_t j = 0; j < n; j++) o[j] = (T)(o[j] + s[j]);                  \
+        }                                                                                \
+    }
+SUM_KERNEL(sum_f32, float)
+SUM_KERNEL(sum_f64, double)
+SUM_KERNEL(sum_u8, uint8_t)
+SUM_KERNEL(sum_u16, uint16_t)
+SUM_KERNEL(sum_u32, uint32_t)
+SUM_KERNEL(sum_u64, uint64_t)
+typedef void (*sum_fn)(char *, char *const *, int, Py_ssize_t);
+
+static sum_fn sum_kernel(const Pieces *p) {
+    if (p->kind == 'f') return p->itemsize == 4 ? sum_f32 : p->itemsize == 8 ? sum_f64 : NULL;
+    if (p->kind != 'i' && p->kind != 'u') return NULL;
+    switch (p->itemsize) {
+        case 1: return sum_u8;
+        case 2: return sum_u16;
+        case 4: return sum_u32;
+        case 8: return sum_u64;
+        default: return NULL;
+    }
+}
+
+#define MAX_SOURCES 256
+/* sum_from(sources) -> bool: each array = the sum of its piece of every source (equal
+ * buffers of the arrays' dtype, in rank order); False, having done nothing, for a dtype
+ * it does not add (the caller reduces with numpy, then scatters). */
+static PyObject *pieces_sum_from(Pieces *self, PyObject *srcs) {
+    sum_fn f = sum_kernel(self);
+    Py_ssize_t q = PyList_CheckExact(srcs) ? PyList_GET_SIZE(srcs) : -1;
+    if (f == NULL || q < 1 || q > MAX_SOURCES) Py_RETURN_FALSE;
+    Py_buffer v[MAX_SOURCES];
+    char *at[MAX_SOURCES];
+    Py_ssize_t got = 0;
+    for (; got < q; got++) {
+        if (!buffer_for(self, PyList_GET_ITEM(srcs, got), 0, &v[got])) break;
+        at[got] = v[got].buf;
+    }
+    if (got == q) {
+        if (q == 1) {
+            scatter(self, at[0]);
+        } else {
+            for (Py_ssize_t i = 0; i < self->k; i++) {
+                f(self->piece[i].data, at, (int)q, self->piece[i].len / self->itemsize);
+                for (Py_ssize_t r = 0; r < q; r++) at[r] += self->piece[i].len;
+            }
+        }
+    }
+    for (Py_ssize_t r = 0; r < got; r++) PyBuffer_Release(&v[r]);
+    if (got < q) return NULL;
+    Py_RETURN_TRUE;
+}
+
+static PyObject *pieces_get_nbytes(Pieces *self, void *unused) {
+    return PyLong_FromSsize_t(self->nbytes);
+}
+
+static PyObject *pieces_get_dtype(Pieces *self, void *unused) {
+    return Py_NewRef(self->dtype);
+}
+
+static PyObject *pieces_get_arrays(Pieces *self, void *unused) {
+    PyObject *out = PyList_New(self->k);
+    if (out == NULL) return NULL;
+    for (Py_ssize_t i = 0; i < self->k; i++) PyList_SET_ITEM(out, i, Py_NewRef(self->refs[i]));
+    return out;
+}
+
+static PyMethodDef pieces_methods[] = {
+    {"gather", (PyCFunction)pieces_gather, METH_O,
+     "gather(dst): copy the arrays, in order, into the buffer dst."},
+    {"scatter", (PyCFunction)pieces_scatter, METH_O,
+     "scatter(src): copy consecutive pieces of the buffer src into the arrays."},
+    {"sum_from", (PyCFunction)pieces_sum_from, METH_O,
+     "sum_from(sources) -> bool: each array = its piece of sources[0] + sources[1] + ...; "
+     "False, having done nothing, for a dtype it does not add."},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyGetSetDef pieces_getset[] = {
+    {"nbytes", (getter)pieces_get_nbytes, NULL, "The arrays' bytes together.", NULL},
+    {"dtype", (getter)pieces_get_dtype, NULL, "The arrays' dtype.", NULL},
+    {"arrays", (getter)pieces_get_arrays, NULL, "The arrays, in order.", NULL},
+    {NULL, NULL, NULL, NULL, NULL},
+};
+
+static PyTypeObject PiecesType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "spmd.backends.mpi._fastcall.Pieces",
+    .tp_doc = "The arrays of one fused all-reduce as consecutive pieces of one buffer "
+              "(made by pieces(arrays)).",
+    .tp_basicsize = sizeof(Pieces),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_dealloc = (destructor)pieces_dealloc,
+    .tp_methods = pieces_methods,
+    .tp_getset = pieces_getset,
+};
+
 /* all_reduce_coalesced(tensors, op): two or more arrays of one dtype,
  * each an exact, C-contiguous, writable ndarray, at most one fusion bucket together:
- * packed into one buffer, one all-reduce, copied back (the Python path's MPI call on
+ * on the shared-memory engine's sizes its fused all_reduce of the Pieces; below them
+ * packed into one buffer, one MPI all-reduce, copied back (the Python path's calls on
  * the same bytes, without its Python per array). */
-#define MAX_FUSED 4096
 static char *scratch;            /* the packing buffer, kept between calls */
 static size_t scratch_size;
 static int scratch_busy;         /* a call in another thread holds it (GIL released) */
 
-typedef struct { char *data; Py_ssize_t len; } Piece;
-
 static PyObject *fc_all_reduce_coalesced(FastComm *self, PyObject *const *a, Py_ssize_t n) {
     START("all_reduce_coalesced", 2);
     PyObject *seq = a[0];
-    Py_ssize_t k = PyList_CheckExact(seq) ? PyList_GET_SIZE(seq) : -1;
     PyObject *dtype;
     intptr_t type = 0, mop = 0;
     /* The first array through the buffer protocol (its item size, and a check of the
      * layout read below), then the rest by their fields. */
-    if (k < 2 || k > MAX_FUSED || !hold(&c, PyList_GET_ITEM(seq, 0), 1, &dtype)
+    if (!PyList_CheckExact(seq) || PyList_GET_SIZE(seq) < 2
+            || !hold(&c, PyList_GET_ITEM(seq, 0), 1, &dtype)
             || !reduced_type(a[1], dtype, &type, &mop)) DECLINE;
     Py_ssize_t itemsize = c.view[0].itemsize;
     if (((NumpyArray *)PyList_GET_ITEM(seq, 0))->data != c.view[0].buf) DECLINE;
-    Piece *pieces = PyMem_Malloc(sizeof(Piece) * (size_t)k);
-    PyObject **refs = PyMem_Malloc(sizeof(PyObject *) * (size_t)k);
-    if (pieces == NULL || refs == NULL) {
-        PyMem_Free(pieces);
-        PyMem_Free(refs);
-        end_call(&c, NULL);
-        return PyErr_NoMemory();
+    Pieces *p = (Pieces *)pieces_of(seq);
+    if (p == NULL) return end_call(&c, NULL);
+    if ((PyObject *)p == Py_None) {
+        Py_DECREF(p);
+        DECLINE;
     }
     PyObject *res = NULL;
-    Py_ssize_t held = 0, total = 0;
-    int take = 1;
-    for (; held < k; held++) {
-        NumpyArray *x = (NumpyArray *)PyList_GET_ITEM(seq, held);
-        if (Py_TYPE(x) != ndarray_type || x->descr != dtype
-                || (x->flags & (NUMPY_C_CONTIGUOUS | NUMPY_WRITEABLE))
-                   != (NUMPY_C_CONTIGUOUS | NUMPY_WRITEABLE)) {
-            take = 0;
-            break;
-        }
-        Py_ssize_t len = itemsize;
-        for (int d = 0; d < x->nd; d++) len *= x->dimensions[d];
-        refs[held] = Py_NewRef((PyObject *)x);    /* alive while the GIL may be released */
-        pieces[held].data = x->data;
-        pieces[held].len = len;
-        total += len;
-    }
+    Py_ssize_t total = p->nbytes;
     long long limit = -1;
-    PyObject *lim = take ? PyObject_CallNoArgs(bucket_bytes) : NULL;
+    PyObject *lim = PyObject_CallNoArgs(bucket_bytes);
     if (lim != NULL) {
         limit = PyLong_AsLongLong(lim);
         Py_DECREF(lim);
     }
     PyErr_Clear();      /* an unreadable limit: the Python path takes the call */
-    if (!take || total > limit || total / itemsize > INT_MAX) {
+    if (total > limit || total / itemsize > INT_MAX) {
         res = Py_NewRef(Py_False);
+        goto done;
+    }
+    if (total >= self->from[O_ALL_REDUCE]) {
+        /* The shared-memory engine's size: its fused all_reduce, as the Python path
+         * (HostEngine.all_reduce_coalesced) runs it; it records itself. */
+        PyObject *args[3] = {self->shm, (PyObject *)p, a[1]};
+        PyObject *r = PyObject_Vectorcall(shm_all_reduce, args, 3, NULL);
+        res = r == NULL ? NULL : Py_NewRef(Py_True);
+        Py_XDECREF(r);
         goto done;
     }
     char *buf = scratch;
@@ -754,42 +991,18 @@ static PyObject *fc_all_reduce_coalesced(FastComm *self, PyObject *const *a, Py_
     } else {
         scratch_busy = 1;
     }
-    Py_ssize_t pos = 0;
-    for (Py_ssize_t i = 0; i < k; i++) {
-        memcpy(buf + pos, pieces[i].data, (size_t)pieces[i].len);
-        pos += pieces[i].len;
-    }
-    if (total >= self->from[O_ALL_REDUCE]) {
-        /* The shared-memory engine's size: its all_reduce on the packed bytes, as the
-         * Python path (HostEngine.all_reduce_coalesced) does; it records itself. */
-        PyObject *mv = PyMemoryView_FromMemory(buf, total, PyBUF_WRITE);
-        PyObject *args[4] = {self->shm, mv, dtype, a[1]};
-        PyObject *r = mv ? PyObject_Vectorcall(shm_all_reduce, args, 4, NULL) : NULL;
-        res = r == NULL ? NULL : Py_NewRef(Py_True);
-        Py_XDECREF(r);
-        if (res != NULL && Py_REFCNT(mv) != 1) {   /* nothing may keep a view of it */
-            PyErr_SetString(PyExc_BufferError, "all_reduce_coalesced: a view of the fused "
-                            "buffer outlived the shared-memory engine's all_reduce");
-            Py_CLEAR(res);
-        }
-        Py_XDECREF(mv);
-    } else {
-        Handle req;
-        int rc = c_reduction(FN_IALLREDUCE, in_place, buf, (int)(total / itemsize), type, mop, self->comm,
-                              &req);
-        res = complete(rc, &req, O_COALESCED, c.rec, c.fc, &c.view[0], dtype);
-    }
+    gather(p, buf);
+    Handle req;
+    int rc = c_reduction(FN_IALLREDUCE, in_place, buf, (int)(total / itemsize), type, mop,
+                         self->comm, &req);
+    res = complete(rc, &req, O_COALESCED, c.rec, c.fc, &c.view[0], dtype);
     if (res == NULL) {
         /* A failed or timed-out op may still write into the buffer later: never reuse
          * or free it. */
         if (!own) { scratch = NULL; scratch_size = 0; scratch_busy = 0; }
         goto done;
     }
-    pos = 0;
-    for (Py_ssize_t i = 0; i < k; i++) {
-        memcpy(pieces[i].data, buf + pos, (size_t)pieces[i].len);
-        pos += pieces[i].len;
-    }
+    scatter(p, buf);
     if (own) {
         /* Keep the larger buffer for the next call when no other call holds one. */
         if (!scratch_busy && (size_t)total > scratch_size) {
@@ -803,9 +1016,7 @@ static PyObject *fc_all_reduce_coalesced(FastComm *self, PyObject *const *a, Py_
         scratch_busy = 0;
     }
 done:
-    for (Py_ssize_t i = 0; i < held; i++) Py_DECREF(refs[i]);
-    PyMem_Free(pieces);
-    PyMem_Free(refs);
+    Py_DECREF(p);
     return end_call(&c, res);
 }
 
@@ -994,6 +1205,9 @@ static PyMethodDef methods[] = {
     {"bind", (PyCFunction)fc_bind, METH_VARARGS, "Bind the MPI library and spmd's objects."},
     {"set_ring", (PyCFunction)fc_set_ring, METH_O,
      "set_ring(storage): the flight recorder's ring (Ring.storage())."},
+    {"pieces", (PyCFunction)fc_pieces, METH_O,
+     "pieces(arrays) -> Pieces or None: the arrays of a fused all-reduce, if they are two "
+     "or more exact, C-contiguous, writable ndarrays of one dtype (needs bind())."},
     {NULL, NULL, 0, NULL},
 };
 
@@ -1006,14 +1220,13 @@ static struct PyModuleDef module = {
 #define INTERN(var, text) if ((var = PyUnicode_InternFromString(text)) == NULL) return NULL
 
 PyMODINIT_FUNC PyInit__fastcall(void) {
-    if (PyType_Ready(&FastCommType) < 0) return NULL;
+    if (PyType_Ready(&FastCommType) < 0 || PyType_Ready(&PiecesType) < 0) return NULL;
     INTERN(s_mpi_engine, "MPI");
     for (int i = 0; i < N_OPS; i++) INTERN(s_ops[i], OP_NAMES[i]);
     PyObject *m = PyModule_Create(&module);
     if (m == NULL) return NULL;
-    Py_INCREF(&FastCommType);
-    if (PyModule_AddObject(m, "FastComm", (PyObject *)&FastCommType) < 0) {
-        Py_DECREF(&FastCommType);
+    if (PyModule_AddObjectRef(m, "FastComm", (PyObject *)&FastCommType) < 0
+            || PyModule_AddObjectRef(m, "Pieces", (PyObject *)&PiecesType) < 0) {
         Py_DECREF(m);
         return NULL;
     }

@@ -151,10 +151,10 @@ def _mpi_error(code: int) -> None:
     raise MPI.Exception(code)
 
 
-def _shm_all_reduce(shm: Any, raw: memoryview, dtype: np.dtype, op: ReduceOp) -> None:
-    """A fused all_reduce_coalesced of the engine's size: its all_reduce on the packed
-    bytes, as HostEngine.all_reduce_coalesced runs it."""
-    shm.all_reduce(np.frombuffer(raw, dtype), op).wait()
+def _shm_all_reduce(shm: Any, pieces: Any, op: ReduceOp) -> None:
+    """A fused all_reduce_coalesced of the engine's size: its fused all_reduce of the
+    arrays (a ``_fastcall.Pieces``), as HostEngine.all_reduce_coalesced runs it."""
+    shm.all_reduce_coalesced(pieces, op).wait()
 
 
 def bind() -> None:
@@ -202,6 +202,12 @@ def host_arrays(items: Any) -> bool:
     dtypes spmd supports: the output lists array_list accepts as they are, checked in C
     (False where the extension is off: array_list then checks each array itself)."""
     return compiled is not None and compiled.host_arrays(items, FAMILY)
+
+
+def pieces(arrays: list) -> Any:
+    """The extension's Pieces of ``arrays`` (two or more exact, C-contiguous, writable
+    ndarrays of one dtype), or None (where it is off, or for other arrays)."""
+    return None if compiled is None else compiled.pieces(arrays)
 
 
 def comm_of(context: GroupContext, comm: MPI.Intracomm, shm: Any) -> Any:

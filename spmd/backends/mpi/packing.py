@@ -13,7 +13,7 @@ import numpy as np
 import numpy.typing as npt
 from mpi4py import MPI
 
-__all__ = ["get_bucket_bytes", "set_bucket_bytes", "buckets", "pack", "unpack",
+__all__ = ["ArrayPieces", "get_bucket_bytes", "set_bucket_bytes", "buckets", "pack", "unpack",
            "pack_buckets", "Packed", "PackPlan", "DEFAULT_BUCKET_BYTES"]
 
 DEFAULT_BUCKET_BYTES = 128 * 1024 * 1024
@@ -163,6 +163,36 @@ def pack_buckets(arrays: list, dtype: np.dtype, in_place: bool = True, limit: in
             out.append(Packed(run, pack(run, dtype)))
         lo = hi
     return out
+
+
+class ArrayPieces:
+    """The arrays of one fused all-reduce as consecutive pieces of one buffer, in numpy:
+    what ``_fastcall.Pieces`` does in C, for arrays it does not take (views, mixed
+    layouts) and where the extension is off.  The shared-memory engine gathers them into
+    its window and scatters the result back."""
+
+    __slots__ = ("arrays", "dtype", "nbytes")
+
+    def __init__(self, arrays: list, dtype: np.dtype):
+        self.arrays = arrays
+        self.dtype = dtype
+        self.nbytes = sum(a.nbytes for a in arrays)
+
+    def gather(self, dst: np.ndarray) -> None:
+        """Copy the arrays, in order, into ``dst`` (a flat array of their dtype)."""
+        pos = 0
+        for a in self.arrays:
+            dst[pos:pos + a.size] = a.reshape(-1)
+            pos += a.size
+
+    def scatter(self, src: np.ndarray) -> None:
+        """Copy consecutive pieces of ``src`` (a flat array of their dtype) into the arrays."""
+        unpack(self.arrays, src)
+
+    def sum_from(self, sources: list) -> bool:
+        """Summing straight into the arrays is the C type's; here the engine reduces with
+        numpy and scatters."""
+        return False
 
 
 class PackPlan:

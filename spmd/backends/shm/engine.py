@@ -312,6 +312,17 @@ class ShmEngine:
         return self._start(a.nbytes, steps,
                            lambda: backend.all_reduce(a, op), "all_reduce", [a], a)
 
+    def all_reduce_coalesced(self, pieces, op):
+        """All-reduce the arrays of ``pieces`` (a ``_fastcall.Pieces`` or
+        ``packing.ArrayPieces``: one dtype, one fusion bucket) as one array."""
+        backend = self._backend
+        dt = pieces.dtype
+        plan = backend.reduction_plan(dt, op, "all_reduce_coalesced")
+        steps = self._fused_steps(pieces, plan.view, self._reduction(plan, op))
+        return self._start(pieces.nbytes, steps,
+                           lambda: backend.all_reduce_coalesced(pieces.arrays, op),
+                           "all_reduce", pieces.arrays, pieces)
+
     def reduce(self, a, root, op):
         backend = self._backend
         plan = backend.reduction_plan(a.dtype, op, "reduce")
@@ -362,6 +373,20 @@ class ShmEngine:
         yield from self._two_shot(flat, red, root)
         if not arr.flags.c_contiguous and (root is None or root == self._group.rank):
             np.copyto(arr, flat.reshape(arr.shape))
+
+    def _fused_steps(self, pieces, view, red: Reduction):
+        """all_reduce_coalesced: one-shot with the arrays gathered straight into the slot
+        and summed straight into the arrays where they fit; else all_reduce's steps on a
+        packed copy."""
+        count = pieces.nbytes // pieces.dtype.itemsize
+        if view is None and self._window().num_nodes == 1 and \
+                pieces.nbytes <= min(self.one_shot_max or 0, self.slot_bytes):
+            yield from self._one_shot_pieces(pieces, count, red)
+            return
+        flat = np.empty(count, pieces.dtype)
+        pieces.gather(flat)
+        yield from self._reduce_steps(flat, view, red, None)
+        pieces.scatter(flat)
 
     def _reduce_scatter_steps(self, out, a, view, red: Reduction):
         fin = _flat(a if view is None else a.view(view))
@@ -424,6 +449,25 @@ class ShmEngine:
                 acc = a if acc is None else acc.reshape(a.shape)
                 accumulate(red, acc, srcs, None if tmp is None else tmp.reshape(a.shape))
                 finalize(red, acc, a)
+        self._release[k] = w.seq + 1
+
+    def _one_shot_pieces(self, pieces, n: int, red: Reduction):
+        """``_one_shot`` of all_reduce_coalesced: the same steps, the arrays copied into
+        the slot and the result into the arrays with no packed copy between."""
+        w = self._window()
+        me, q = w.local_rank, w.local_size
+        k, free_after = self._slot()
+        yield free_after
+        dt = pieces.dtype
+        srcs = [w.view(i, k, dt, n) for i in range(q)]
+        pieces.gather(srcs[me])
+        yield w.publish()
+        if not (red.direct and red.mpi_op == MPI.SUM and pieces.sum_from(srcs)):
+            acc, tmp = red.scratch(n, dt)
+            out = np.empty(n, dt)
+            accumulate(red, out if acc is None else acc, srcs, tmp)
+            finalize(red, out if acc is None else acc, out)
+            pieces.scatter(out)
         self._release[k] = w.seq + 1
 
     def _two_shot(self, flat, red: Reduction, root):
