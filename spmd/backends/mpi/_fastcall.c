@@ -906,9 +906,9 @@ static PyObject *pieces_get_arrays(Pieces *self, void *unused) {
 
 static PyMethodDef pieces_methods[] = {
     {"gather", (PyCFunction)pieces_gather, METH_O,
-     "gather(dst): copy the arrays, in order, into the buffer dst."},
+     "gather(dst): copy the arrays, in order, into the start of the buffer dst."},
     {"scatter", (PyCFunction)pieces_scatter, METH_O,
-     "scatter(src): copy consecutive pieces of the buffer src into the arrays."},
+     "scatter(src): copy consecutive pieces of the start of the buffer src into the arrays."},
     {"sum_from", (PyCFunction)pieces_sum_from, METH_O,
      "sum_from(sources) -> bool: each array = its piece of sources[0] + sources[1] + ...; "
      "False, having done nothing, for a dtype it does not add."},

@@ -178,16 +178,22 @@ class ArrayPieces:
         self.dtype = dtype
         self.nbytes = sum(a.nbytes for a in arrays)
 
+    def _as_items(self, buf: np.ndarray) -> np.ndarray:
+        # The first nbytes of ``buf`` (any flat numpy array: a window slot's bytes, a
+        # packed buffer), as the arrays' dtype.
+        return buf.reshape(-1).view(np.uint8)[:self.nbytes].view(self.dtype)
+
     def gather(self, dst: np.ndarray) -> None:
-        """Copy the arrays, in order, into ``dst`` (a flat array of their dtype)."""
+        """Copy the arrays, in order, into the start of ``dst``."""
+        flat = self._as_items(dst)
         pos = 0
         for a in self.arrays:
-            dst[pos:pos + a.size] = a.reshape(-1)
+            flat[pos:pos + a.size] = a.reshape(-1)
             pos += a.size
 
     def scatter(self, src: np.ndarray) -> None:
-        """Copy consecutive pieces of ``src`` (a flat array of their dtype) into the arrays."""
-        unpack(self.arrays, src)
+        """Copy consecutive pieces of the start of ``src`` into the arrays."""
+        unpack(self.arrays, self._as_items(src))
 
     def sum_from(self, sources: list) -> bool:
         """Summing straight into the arrays is the C type's; here the engine reduces with

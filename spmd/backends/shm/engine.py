@@ -455,14 +455,14 @@ class ShmEngine:
         """``_one_shot`` of all_reduce_coalesced: the same steps, the arrays copied into
         the slot and the result into the arrays with no packed copy between."""
         w = self._window()
-        me, q = w.local_rank, w.local_size
         k, free_after = self._slot()
         yield free_after
-        dt = pieces.dtype
-        srcs = [w.view(i, k, dt, n) for i in range(q)]
-        pieces.gather(srcs[me])
+        raw = w.by_slot[k]
+        pieces.gather(raw[w.local_rank])
         yield w.publish()
-        if not (red.direct and red.mpi_op == MPI.SUM and pieces.sum_from(srcs)):
+        if not (red.direct and red.mpi_op == MPI.SUM and pieces.sum_from(raw)):
+            dt = pieces.dtype
+            srcs = [w.view(i, k, dt, n) for i in range(w.local_size)]
             acc, tmp = red.scratch(n, dt)
             out = np.empty(n, dt)
             accumulate(red, out if acc is None else acc, srcs, tmp)

@@ -82,6 +82,8 @@ class NodeWindow:
             segs.append(np.frombuffer(buf, np.uint8))
         self.slots = [[seg[_HEADER + k * slot_bytes:_HEADER + (k + 1) * slot_bytes]
                        for k in range(slots)] for seg in segs]
+        # Slot k of every local rank, in local-rank order: what a fused op reads.
+        self.by_slot = [[self.slots[i][k] for i in range(local_size)] for k in range(slots)]
         counters = [memoryview(seg[:8]).cast("q") for seg in segs]
         self._mine = counters[self.local_rank]
         self._peers = [c for i, c in enumerate(counters) if i != self.local_rank]
