@@ -52,6 +52,7 @@ mpi_run() {  # mpi_run NAME N [VAR=VALUE...]: the MPI tests of PATHS at world si
     local name=$1 n=$2
     shift 2
     echo "=== ${MPI_LABEL:-}MPI tests at world size $n${*:+ ($*)} ==="
+    local start=$SECONDS
     env "$@" timeout -k 10 "$LIMIT" "$MPIEXEC" "${MPIFLAGS[@]}" -n "$n" "$PYTHON" \
         tests/mpi_pytest.py "$LOGS/${name//[^A-Za-z0-9=.-]/_}" -q -p no:cacheprovider -m mpi "${PATHS[@]}"
     local rc=$?
@@ -61,7 +62,7 @@ mpi_run() {  # mpi_run NAME N [VAR=VALUE...]: the MPI tests of PATHS at world si
             [ -f "$f" ] && { echo "--- tail of $f"; tail -n 40 "$f"; }
         done
     fi
-    summary+=("$name: exit $rc")
+    summary+=("$name: exit $rc ($((SECONDS - start)) s)")
 }
 
 PATHS=(tests/mpi tests/engines)
@@ -103,11 +104,12 @@ if "$PYTHON" -c "import torch.distributed, expecttest" 2>/dev/null; then
         name=${run%:*} n=${run#*:}
         as=(); [ "$name" != spmd ] && as=(--as "$name")
         echo "=== torch distributed_test on the spmd backend (as $name), $n ranks ==="
+        start=$SECONDS
         timeout -k 10 "$LIMIT" "$MPIEXEC" "${MPIFLAGS[@]}" -n "$n" "$PYTHON" \
             tests/torch_backend/run_torch_suite.py "${as[@]}"
         rc=$?
         [ $rc -ne 0 ] && failed+=("torch suite as $name n=$n (exit $rc)")
-        summary+=("torch suite as $name n=$n: exit $rc")
+        summary+=("torch suite as $name n=$n: exit $rc ($((SECONDS - start)) s)")
     done
 else
     echo "=== torch distributed_test: skipped (torch or expecttest is not installed) ==="
@@ -138,30 +140,33 @@ for venv in ${OTHER_MPIS:-}; do
     jobs=(tests/unit/test_launch.py tests/jobs/test_spawn.py tests/jobs/test_stall_isolation.py)
     [ "${#MPIFLAGS[@]}" -gt 0 ] && jobs+=(tests/jobs/test_reliability_jobs.py)
     echo "=== ${MPI_LABEL}jobs ==="
+    start=$SECONDS
     PATH="$venv/bin:$PATH" timeout -k 10 "$LIMIT" "$PYTHON" -m pytest -q -p no:cacheprovider \
         -rs "${jobs[@]}"
     rc=$?
     [ $rc -ne 0 ] && failed+=("$library: jobs (exit $rc)")
-    summary+=("$library: jobs: exit $rc")
+    summary+=("$library: jobs: exit $rc ($((SECONDS - start)) s)")
     # A dead rank the job survives: Open MPI's ULFM (mpiexec --with-ft ulfm), ranks killed
     # at each point at 3 and 4 ranks, and the fault-tolerant training example.
     if [ "${#MPIFLAGS[@]}" -gt 0 ]; then   # Open MPI's launcher
         echo "=== ${MPI_LABEL}jobs that lose a rank (ULFM) ==="
+        start=$SECONDS
         PATH="$venv/bin:$PATH" timeout -k 10 "$LIMIT" "$PYTHON" -m pytest -q -p no:cacheprovider \
             -rs tests/jobs/test_ulfm_jobs.py
         rc=$?
         [ $rc -ne 0 ] && failed+=("$library: ULFM jobs (exit $rc)")
-        summary+=("$library: ULFM jobs: exit $rc")
+        summary+=("$library: ULFM jobs: exit $rc ($((SECONDS - start)) s)")
     fi
     PYTHON=${saved[0]} MPIEXEC=${saved[1]} MPI_LABEL=""
     mpi_flags
 done
 
 echo "=== tests that launch their own jobs ==="
+start=$SECONDS
 timeout -k 10 "$LIMIT" "$PYTHON" -m pytest -q -p no:cacheprovider -m "not mpi" -rs tests/unit tests/jobs
 rc=$?
 [ $rc -ne 0 ] && failed+=("plain pytest (exit $rc)")
-summary+=("plain: exit $rc")
+summary+=("plain: exit $rc ($((SECONDS - start)) s)")
 
 echo "=== summary ==="
 printf '  %s\n' "${summary[@]}"
@@ -169,4 +174,4 @@ if [ ${#failed[@]} -ne 0 ]; then
     echo "FAILED: ${failed[*]}"
     exit 1
 fi
-echo "all test runs passed"
+echo "all test runs passed in $SECONDS s"
