@@ -35,6 +35,7 @@ import numpy as np
 
 from spmd.api import collectives as _c
 from spmd.backends import checked as _checked
+from spmd.backends.host import HostEngine
 from spmd.backends.mpi import persistent as native
 from spmd.backends.mpi.packing import PackPlan
 from spmd.backends.reduction import AVERAGE, PLANS, checked_plan
@@ -210,7 +211,9 @@ def all_reduce_coalesced(tensors: list[Array], op: ReduceOp = _SUM,
     The arrays are packed into one buffer per dtype (and fusion bucket) whose layout is
     built once, and each buffer gets a persistent all-reduce: a start is one C copy in,
     one ``MPI_Startall`` and, on completion, one C copy out per bucket, with no Python
-    per array.  The arrays must stay the same objects (refill them in place).
+    per array.  Where the shared-memory engine fuses the arrays (one bucket at its
+    sizes), a start is its fused all-reduce instead, which is faster (``plan.native``
+    is then False).  The arrays must stay the same objects (refill them in place).
     """
     name = "persistent.all_reduce_coalesced"
     pg = _group(group, "all_reduce_coalesced")
@@ -222,8 +225,12 @@ def all_reduce_coalesced(tensors: list[Array], op: ReduceOp = _SUM,
     for a in arrays:
         by_dtype.setdefault(a.dtype, []).append(a)
     plans = {dt: checked_plan(PLANS, dt, op, name, pg.context) for dt in by_dtype}
+    # The shared-memory engine's fused all-reduce beats MPI's persistent one where it
+    # takes the arrays (one bucket at its sizes): the plan then starts it (not native).
+    engine = pg.engine_for(dev)
     direct = dev == "cpu" and all(p.upcast is None and not p.premul for p in plans.values()) \
-        and all(a.flags.c_contiguous for a in arrays)
+        and all(a.flags.c_contiguous for a in arrays) \
+        and not (isinstance(engine, HostEngine) and engine.fuses(arrays, op))
     packs: list[tuple[PackPlan, Any]] = []
 
     def release():
