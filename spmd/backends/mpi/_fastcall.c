@@ -122,6 +122,7 @@ static PyObject *expired;        /* (op, context, number, waited): raises DistTi
 static PyObject *mpi_error;      /* (code): raises mpi4py's MPI.Exception */
 static PyObject *bucket_bytes;   /* (): the fusion limit (spmd.backends.mpi.packing.get_bucket_bytes) */
 static PyObject *shm_all_reduce; /* (engine, pieces, op): its fused all_reduce, waited */
+static PyObject *summed;         /* {dtype: SUM_* kernel}: the dtypes Pieces.sum_from adds */
 static long tag_ub;
 static int bound;
 
@@ -698,11 +699,41 @@ static PyObject *fc_recv(FastComm *self, PyObject *const *a, Py_ssize_t n) {
 
 typedef struct { char *data; Py_ssize_t len; } Piece;
 
+/* out = s[0] + s[1], then out += s[r]: numpy's order.  Signed integers add as unsigned
+ * ones (numpy's wrap-around, without C's undefined overflow).  Built with -O3 where the
+ * compiler is GCC, whose -O2 does not vectorise loops of unknown length. */
+#if defined(__GNUC__) && !defined(__clang__)
+#define VECTORISED __attribute__((optimize("O3")))
+#else
+#define VECTORISED
+#endif
+#define SUM_KERNEL(name, T)                                                              \
+    VECTORISED static void name(char *out, char *const *src, int q, Py_ssize_t n) {      \
+        T *restrict o = (T *)out;                                                        \
+        const T *restrict a = (const T *)src[0], *restrict b = (const T *)src[1];        \
+        for (Py_ssize_t j = 0; j < n; j++) o[j] = (T)(a[j] + b[j]);                      \
+        for (int r = 2; r < q; r++) {                                                    \
+            const T *restrict s = (const T *)src[r];                                     \
+            for (Py_ssize_t j = 0; j < n; j++) o[j] = (T)(o[j] + s[j]);                  \
+        }                                                                                \
+    }
+SUM_KERNEL(sum_f32, float)
+SUM_KERNEL(sum_f64, double)
+SUM_KERNEL(sum_u8, uint8_t)
+SUM_KERNEL(sum_u16, uint16_t)
+SUM_KERNEL(sum_u32, uint32_t)
+SUM_KERNEL(sum_u64, uint64_t)
+typedef void (*sum_fn)(char *, char *const *, int, Py_ssize_t);
+/* The kernels by the codes spmd.backends.mpi.fastcall.SUM_KERNELS gives dtypes (0: none). */
+#define SUM_KERNELS 7
+static const sum_fn sum_kernels[SUM_KERNELS] = {NULL, sum_f32, sum_f64, sum_u8, sum_u16,
+                                                sum_u32, sum_u64};
+
 typedef struct {
     PyObject_HEAD
     Py_ssize_t k, nbytes, itemsize;
     PyObject *dtype;
-    char kind;               /* 'f', 'i' or 'u' with a native byte order: what sum_from adds */
+    int kernel;              /* its SUM_* kernel (summed[dtype]), 0 if sum_from does not add it */
     Piece *piece;
     PyObject **refs;
 } Pieces;
@@ -731,21 +762,19 @@ static PyObject *pieces_of(PyObject *seq) {
                    != (NUMPY_C_CONTIGUOUS | NUMPY_WRITEABLE)) Py_RETURN_NONE;
         dtype = x->descr;
     }
-    PyObject *size = PyObject_GetAttrString(dtype, "itemsize");
-    PyObject *kind = size ? PyObject_GetAttrString(dtype, "kind") : NULL;
-    PyObject *native = kind ? PyObject_GetAttrString(dtype, "isnative") : NULL;
-    if (native == NULL) {
-        Py_XDECREF(size);
-        Py_XDECREF(kind);
-        return NULL;
+    /* The item size from the first array's buffer (one export, not one per array); the
+     * kernel from the table bind() pushed. */
+    Py_buffer first;
+    if (PyObject_GetBuffer(PyList_GET_ITEM(seq, 0), &first, PyBUF_SIMPLE) < 0) {
+        PyErr_Clear();
+        Py_RETURN_NONE;
     }
-    itemsize = PyLong_AsSsize_t(size);
-    const char *k_text = PyUnicode_Check(kind) ? PyUnicode_AsUTF8(kind) : NULL;
-    char c = k_text && native == Py_True && strchr("fiu", k_text[0]) ? k_text[0] : 0;
-    Py_DECREF(size);
-    Py_DECREF(kind);
-    Py_DECREF(native);
-    if (itemsize <= 0 || PyErr_Occurred()) {
+    itemsize = first.itemsize;
+    PyBuffer_Release(&first);
+    PyObject *code = PyDict_GetItemWithError(summed, dtype);
+    if (code == NULL && PyErr_Occurred()) return NULL;
+    int kernel = code ? (int)PyLong_AsLong(code) : 0;
+    if (kernel < 0 || kernel >= SUM_KERNELS || itemsize <= 0) {
         PyErr_Clear();
         Py_RETURN_NONE;
     }
@@ -760,7 +789,7 @@ static PyObject *pieces_of(PyObject *seq) {
         return PyErr_NoMemory();
     }
     p->itemsize = itemsize;
-    p->kind = c;
+    p->kernel = kernel;
     p->nbytes = 0;
     for (; p->k < k; p->k++) {
         NumpyArray *x = (NumpyArray *)PyList_GET_ITEM(seq, p->k);
@@ -821,50 +850,12 @@ static PyObject *pieces_scatter(Pieces *self, PyObject *src) {
     Py_RETURN_NONE;
 }
 
-/* out = s[0] + s[1], then out += s[r]: numpy's order.  Signed integers add as unsigned
- * ones (numpy's wrap-around, without C's undefined overflow).  Built with -O3 where the
- * compiler is GCC, whose -O2 does not vectorise loops of unknown length. */
-#if defined(__GNUC__) && !defined(__clang__)
-#define VECTORISED __attribute__((optimize("O3")))
-#else
-#define VECTORISED
-#endif
-#define SUM_KERNEL(name, T)                                                              \
-    VECTORISED static void name(char *out, char *const *src, int q, Py_ssize_t n) {      \
-        T *restrict o = (T *)out;                                                        \
-        const T *restrict a = (const T *)src[0], *restrict b = (const T *)src[1];        \
-        for (Py_ssize_t j = 0; j < n; j++) o[j] = (T)(a[j] + b[j]);                      \
-        for (int r = 2; r < q; r++) {                                                    \
-            const T *restrict s = (const T *)src[r];                                     \
-            for (Py_ssize_t j = 0; j < n; j++) o[j] = (T)(o[j] + s[j]);                  \
-        }                                                                                \
-    }
-SUM_KERNEL(sum_f32, float)
-SUM_KERNEL(sum_f64, double)
-SUM_KERNEL(sum_u8, uint8_t)
-SUM_KERNEL(sum_u16, uint16_t)
-SUM_KERNEL(sum_u32, uint32_t)
-SUM_KERNEL(sum_u64, uint64_t)
-typedef void (*sum_fn)(char *, char *const *, int, Py_ssize_t);
-
-static sum_fn sum_kernel(const Pieces *p) {
-    if (p->kind == 'f') return p->itemsize == 4 ? sum_f32 : p->itemsize == 8 ? sum_f64 : NULL;
-    if (p->kind != 'i' && p->kind != 'u') return NULL;
-    switch (p->itemsize) {
-        case 1: return sum_u8;
-        case 2: return sum_u16;
-        case 4: return sum_u32;
-        case 8: return sum_u64;
-        default: return NULL;
-    }
-}
-
 #define MAX_SOURCES 256
 /* sum_from(sources) -> bool: each array = the sum of its piece of every source (equal
  * buffers of the arrays' dtype, in rank order); False, having done nothing, for a dtype
  * it does not add (the caller reduces with numpy, then scatters). */
 static PyObject *pieces_sum_from(Pieces *self, PyObject *srcs) {
-    sum_fn f = sum_kernel(self);
+    sum_fn f = sum_kernels[self->kernel];
     Py_ssize_t q = PyList_CheckExact(srcs) ? PyList_GET_SIZE(srcs) : -1;
     if (f == NULL || q < 1 || q > MAX_SOURCES) Py_RETURN_FALSE;
     Py_buffer v[MAX_SOURCES];
@@ -1088,13 +1079,14 @@ static void set_ref(PyObject **slot, PyObject *v) {
  * functions: {MPI function name: address}; moved: [(dtype, type handle)]; reduced:
  * [(op, [(dtype, type handle, op handle)])].  Called once, by spmd.backends.mpi.fastcall. */
 static PyObject *fc_bind(PyObject *m, PyObject *args) {
-    PyObject *functions, *mv, *rd, *nd, *obs, *rec, *po, *eo, *exp, *me, *bb, *sa;
+    PyObject *functions, *mv, *rd, *nd, *obs, *rec, *po, *eo, *exp, *me, *bb, *sa, *sm;
     int hsize;
     long long ip;
     long ub;
-    if (!PyArg_ParseTuple(args, "O!iLO!O!O!O!OOOOOlOO", &PyDict_Type, &functions, &hsize,
+    if (!PyArg_ParseTuple(args, "O!iLO!O!O!O!OOOOOlOOO!", &PyDict_Type, &functions, &hsize,
                           &ip, &PyList_Type, &mv, &PyList_Type, &rd, &PyType_Type, &nd,
-                          &PyList_Type, &obs, &rec, &po, &eo, &exp, &me, &ub, &bb, &sa))
+                          &PyList_Type, &obs, &rec, &po, &eo, &exp, &me, &ub, &bb, &sa,
+                          &PyDict_Type, &sm))
         return NULL;
     if (hsize != 4 && hsize != (int)sizeof(void *)) {
         PyErr_Format(PyExc_ValueError, "bind: MPI handles of %d bytes are not supported", hsize);
@@ -1166,6 +1158,7 @@ static PyObject *fc_bind(PyObject *m, PyObject *args) {
     set_ref(&mpi_error, me);
     set_ref(&bucket_bytes, bb);
     set_ref(&shm_all_reduce, sa);
+    set_ref(&summed, sm);
     tag_ub = ub;
     bound = 1;
     Py_RETURN_NONE;

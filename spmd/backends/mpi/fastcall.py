@@ -136,6 +136,18 @@ def _reduced() -> list[tuple[ReduceOp, list[tuple[np.dtype, int, int]]]]:
     return out
 
 
+def _summed() -> dict[np.dtype, int]:
+    """The dtypes ``Pieces.sum_from`` adds in C, with their kernels (``_fastcall.c``'s
+    ``sum_kernels``): float32, float64, and integers of each width, added as unsigned
+    ones (the bits of numpy's wrap-around)."""
+    ints = (np.byte, np.ubyte, np.short, np.ushort, np.intc, np.uintc, np.int_, np.uint,
+            np.longlong, np.ulonglong)
+    kernels: dict[np.dtype, int] = {np.dtype(np.float32): 1, np.dtype(np.float64): 2}
+    for t in ints:
+        kernels[np.dtype(t)] = {1: 3, 2: 4, 4: 5, 8: 6}[np.dtype(t).itemsize]
+    return kernels
+
+
 def _expired(op: str, group: GroupContext, number: int, waited: float) -> None:
     """A compiled wait passed the group's timeout: the Python path's error (``number``:
     the op's in the flight recorder, -1 when it is off)."""
@@ -182,7 +194,8 @@ def bind() -> None:
     try:
         _module.bind(functions, sizes.pop(), int(MPI.IN_PLACE), _moved(), _reduced(),
                      np.ndarray, observers, recorder, recorder.push_out, recorder.end,
-                     _expired, _mpi_error, tag_ub, packing.get_bucket_bytes, _shm_all_reduce)
+                     _expired, _mpi_error, tag_ub, packing.get_bucket_bytes, _shm_all_reduce,
+                     _summed())
     except TypeError as err:  # an extension built from another version of this module
         reason = f"the built extension does not match spmd ({err}); reinstall spmd"
         return
