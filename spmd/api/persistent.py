@@ -228,9 +228,10 @@ def all_reduce_coalesced(tensors: list[Array], op: ReduceOp = _SUM,
     # The shared-memory engine's fused all-reduce beats MPI's persistent one where it
     # takes the arrays (one bucket at its sizes): the plan then starts it (not native).
     engine = pg.engine_for(dev)
-    direct = dev == "cpu" and all(p.upcast is None and not p.premul for p in plans.values()) \
-        and all(a.flags.c_contiguous for a in arrays) \
-        and not (isinstance(engine, HostEngine) and engine.fuses(arrays, op))
+    fused = engine.fused_start(arrays, op) if isinstance(engine, HostEngine) else None
+    direct = fused is None and dev == "cpu" and \
+        all(p.upcast is None and not p.premul for p in plans.values()) and \
+        all(a.flags.c_contiguous for a in arrays)
     packs: list[tuple[PackPlan, Any]] = []
 
     def release():
@@ -264,7 +265,7 @@ def all_reduce_coalesced(tensors: list[Array], op: ReduceOp = _SUM,
             pack.unpack()
 
     return Plan("all_reduce_coalesced", pg, arrays, init if direct else None,
-                lambda: pg.engine_for(dev).all_reduce_coalesced(arrays, op),
+                fused or (lambda: pg.engine_for(dev).all_reduce_coalesced(arrays, op)),
                 finish, packs, (arrays, op), prepare=prepare, release=release)
 
 

@@ -43,6 +43,12 @@ def fused_on_shm(tensors: list, op: Any, shm_from: int) -> bool:
     return shm_from <= sum(t.nbytes for t in tensors) <= get_bucket_bytes()
 
 
+def _pieces(tensors: list) -> Any:
+    """The arrays of a fused all-reduce as the shared-memory engine takes them: in C where
+    the extension is on and the arrays are plain, else in numpy."""
+    return fastcall_pieces(tensors) or ArrayPieces(list(tensors), tensors[0].dtype)
+
+
 class HostEngine(Engine):
     """Host arrays of one group: the shared-memory engine in front of MPI."""
 
@@ -98,19 +104,22 @@ class HostEngine(Engine):
             return self.shm.all_reduce(a, op)
         return self.mpi.all_reduce(a, op)
 
-    def fuses(self, tensors: list, op: Any) -> bool:
-        """Whether all_reduce_coalesced of ``tensors`` runs as the shared-memory engine's
-        one fused all-reduce (faster there than MPI's persistent collective, so a
-        persistent plan of it runs it too)."""
-        return self.shm is not None and fused_on_shm(tensors, op, self.shm.all_reduce_from)
+    def fused_start(self, tensors: list, op: Any) -> Callable[[], Any] | None:
+        """For a persistent plan of all_reduce_coalesced (the same arrays at every
+        start): a function that starts it as the shared-memory engine's fused all-reduce,
+        checked and laid out once; None where the engine does not fuse ``tensors`` (there
+        MPI's persistent collective serves the plan; here the engine is the faster)."""
+        if self.shm is None or not fused_on_shm(tensors, op, self.shm.all_reduce_from):
+            return None
+        pieces, shm = _pieces(tensors), self.shm
+        return lambda: shm.all_reduce_coalesced(pieces, op)
 
     def all_reduce_coalesced(self, tensors, op):
         if fused_on_shm(tensors, op, self.shm.all_reduce_from):
             # One bucket (fused_on_shm checked its size), gathered into the engine's
-            # window and reduced back into the arrays, in C where the extension is on
-            # and the arrays are plain (the compiled path's call: the same steps).
-            pieces = fastcall_pieces(tensors) or ArrayPieces(list(tensors), tensors[0].dtype)
-            return self.shm.all_reduce_coalesced(pieces, op)
+            # window and reduced back into the arrays (the compiled path's call: the
+            # same steps).
+            return self.shm.all_reduce_coalesced(_pieces(tensors), op)
         return self.mpi.all_reduce_coalesced(tensors, op)
 
     def reduce(self, a, root, op):
