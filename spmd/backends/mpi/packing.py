@@ -191,6 +191,8 @@ class ArrayPieces:
             flat[pos:pos + a.size] = a.reshape(-1)
             pos += a.size
 
+    stream_into = gather   # (the C type's streams past the cache; numpy cannot)
+
     def scatter(self, src: np.ndarray) -> None:
         """Copy consecutive pieces of the start of ``src`` into the arrays."""
         unpack(self.arrays, self._as_items(src))

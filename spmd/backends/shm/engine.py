@@ -458,7 +458,7 @@ class ShmEngine:
         k, free_after = self._slot()
         yield free_after
         raw = w.by_slot[k]
-        pieces.gather(raw[w.local_rank])
+        pieces.stream_into(raw[w.local_rank])
         yield w.publish()
         if not (red.direct and red.mpi_op == MPI.SUM and pieces.sum_from(raw)):
             dt = pieces.dtype
