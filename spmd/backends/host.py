@@ -12,7 +12,7 @@ from typing import Any
 
 from spmd.backends.base import Engine, reraise
 from spmd.backends.mpi.engine import MPIEngine
-from spmd.backends.mpi.fastcall import COMPILED_OPS, comm_of
+from spmd.backends.mpi.fastcall import COMPILED_OPS, comm_of, streamer
 from spmd.backends.mpi.fastcall import pieces as fastcall_pieces
 from spmd.backends.mpi.faults import failure
 from spmd.backends.mpi.packing import ArrayPieces, get_bucket_bytes
@@ -59,6 +59,8 @@ class HostEngine(Engine):
         self.mpi = MPIEngine(group)
         # The engine falls back to MPI for a call its window cannot take.
         self.shm = engine_for(self.mpi)
+        if self.shm is not None:
+            self.shm.stream = streamer()
         # The compiled call path (None when it is off): blocking calls of the common
         # case without the Python, and without a Work.
         self.fast = comm_of(group, self.mpi.comm, self.shm)

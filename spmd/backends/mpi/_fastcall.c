@@ -856,6 +856,37 @@ static void stream_copy(char *dst, const char *src, size_t n) {
 #define STREAM_FENCE() ((void)0)
 #endif
 
+/* stream(dst, src): copy the bytes of the buffer src to the start of the buffer dst,
+ * streamed (the shared-memory engine's copies into its window); below a few pages a
+ * plain copy, which is cheaper there. */
+#define STREAM_FROM 4096
+static PyObject *fc_stream(PyObject *m, PyObject *const *a, Py_ssize_t n) {
+    if (n != 2) {
+        PyErr_SetString(PyExc_TypeError, "stream(dst, src): two buffers");
+        return NULL;
+    }
+    Py_buffer d, s;
+    if (PyObject_GetBuffer(a[0], &d, PyBUF_WRITABLE) < 0) return NULL;
+    if (PyObject_GetBuffer(a[1], &s, PyBUF_SIMPLE) < 0) {
+        PyBuffer_Release(&d);
+        return NULL;
+    }
+    int ok = s.len <= d.len;
+    if (ok && s.len < STREAM_FROM) {
+        memcpy(d.buf, s.buf, (size_t)s.len);
+    } else if (ok) {
+        stream_copy(d.buf, s.buf, (size_t)s.len);
+        STREAM_FENCE();
+    }
+    PyBuffer_Release(&s);
+    PyBuffer_Release(&d);
+    if (!ok) {
+        PyErr_SetString(PyExc_ValueError, "stream(dst, src): src is longer than dst");
+        return NULL;
+    }
+    Py_RETURN_NONE;
+}
+
 static void stream_into(const Pieces *p, char *dst) {
     for (Py_ssize_t i = 0; i < p->k; i++) {
         stream_copy(dst, p->piece[i].data, (size_t)p->piece[i].len);
@@ -1252,6 +1283,9 @@ static PyMethodDef methods[] = {
     {"bind", (PyCFunction)fc_bind, METH_VARARGS, "Bind the MPI library and spmd's objects."},
     {"set_ring", (PyCFunction)fc_set_ring, METH_O,
      "set_ring(storage): the flight recorder's ring (Ring.storage())."},
+    {"stream", (PyCFunction)(void (*)(void))fc_stream, METH_FASTCALL,
+     "stream(dst, src): copy src's bytes to the start of dst past the cache (into the "
+     "shared window, which other processes read next)."},
     {"pieces", (PyCFunction)fc_pieces, METH_O,
      "pieces(arrays) -> Pieces or None: the arrays of a fused all-reduce, if they are two "
      "or more exact, C-contiguous, writable ndarrays of one dtype (needs bind())."},

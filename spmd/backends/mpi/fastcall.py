@@ -223,6 +223,12 @@ def pieces(arrays: list) -> Any:
     return None if compiled is None else compiled.pieces(arrays)
 
 
+def streamer() -> Any:
+    """The extension's ``stream(dst, src)`` (a copy into the shared window past the
+    cache), or None where it is off."""
+    return None if compiled is None else compiled.stream
+
+
 def comm_of(context: GroupContext, comm: MPI.Intracomm, shm: Any) -> Any:
     """What the extension needs of one group (None when it is off): its communicator,
     identity and timeout now; the shared-memory engine's thresholds whenever they change;

@@ -155,6 +155,9 @@ class ShmEngine:
         self._next_slot = 0
         self._release: list[int] = []
         self._reductions: dict = {}  # plan -> Reduction, for plans without a factor
+        # stream(dst, src): a copy into the window past the cache (the compiled
+        # extension's, pushed by the host engine when it is on), else None.
+        self.stream: Callable[[np.ndarray, np.ndarray], None] | None = None
 
     def _take(self, sizes: Thresholds) -> None:
         self.all_reduce_from = sizes.all_reduce_from
@@ -296,6 +299,15 @@ class ShmEngine:
         if red is None:
             red = self._reductions[plan] = Reduction(plan, op, self._group.size)
         return red
+
+    def _copy_in(self, dst: np.ndarray, src: np.ndarray) -> None:
+        """Copy ``src`` into this rank's slot (``dst``, same shape): streamed past the
+        cache where ``stream`` is set and both are contiguous (the peers read the lines
+        next; _fastcall.c's stream_copy says what that saves), else numpy's copy."""
+        if self.stream is not None and src.flags.c_contiguous and dst.flags.c_contiguous:
+            self.stream(dst, src)
+        else:
+            np.copyto(dst, src)
 
     def _slot(self) -> tuple[int, int]:
         """The next slot of the ring, and the step count after which it may be rewritten."""
@@ -439,7 +451,7 @@ class ShmEngine:
             srcs = [w.view(i, k, dt, n) for i in range(q)]
         else:
             srcs = [w.view(i, k, dt, n).reshape(a.shape) for i in range(q)]
-        np.copyto(srcs[me], a)
+        self._copy_in(srcs[me], a)
         yield w.publish()
         if root is None or me == root:
             if red.direct:
@@ -496,7 +508,7 @@ class ShmEngine:
             mine = w.view(me, k, dt, n)
             for j in range(q):
                 if j != me:
-                    mine[cut[j]:cut[j + 1]] = flat[lo + cut[j]:lo + cut[j + 1]]
+                    self._copy_in(mine[cut[j]:cut[j + 1]], flat[lo + cut[j]:lo + cut[j + 1]])
             if prev is not None and cross is not None:
                 yield prev.request
                 finalize(red, prev.acc, prev.dst)
@@ -550,7 +562,7 @@ class ShmEngine:
             mine = w.view(me, k, dt, q * n)
             for j in range(q):
                 if j != me or keep_own:
-                    mine[j * n:(j + 1) * n] = fin[j * m + lo:j * m + lo + n]
+                    self._copy_in(mine[j * n:(j + 1) * n], fin[j * m + lo:j * m + lo + n])
             yield w.publish()
             srcs = [fin[me * m + lo:me * m + lo + n] if i == me and not keep_own
                     else w.view(i, k, dt, q * n)[me * n:(me + 1) * n] for i in range(q)]
@@ -568,7 +580,7 @@ class ShmEngine:
             k, free_after = self._slot()
             yield free_after
             if me == root:
-                w.slots[me][k][:n] = flat[lo:lo + n]
+                self._copy_in(w.slots[me][k][:n], flat[lo:lo + n])
             yield w.publish()
             if me != root:
                 flat[lo:lo + n] = w.slots[root][k][:n]
@@ -585,7 +597,7 @@ class ShmEngine:
             k, free_after = self._slot()
             yield free_after
             n = max(0, min(size, fin.size - lo))
-            w.slots[me][k][:n] = fin[lo:lo + n]
+            self._copy_in(w.slots[me][k][:n], fin[lo:lo + n])
             ready = w.publish()
             if copy_own:
                 own[lo:lo + n] = fin[lo:lo + n]
