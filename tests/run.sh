@@ -137,12 +137,13 @@ for venv in ${OTHER_MPIS:-}; do
     # a rank that raises, is killed or never comes (error classes, how the launcher ends
     # the job), a stalled test kept to itself.
     # (A Hydra ends a job as MPICH's does: the reliability jobs run on Open MPI's launcher.)
+    # Tests marked same_on_every_mpi run on the first MPI only (with the job tests below).
     jobs=(tests/unit/test_launch.py tests/jobs/test_spawn.py tests/jobs/test_stall_isolation.py)
     [ "${#MPIFLAGS[@]}" -gt 0 ] && jobs+=(tests/jobs/test_reliability_jobs.py)
     echo "=== ${MPI_LABEL}jobs ==="
     start=$SECONDS
     PATH="$venv/bin:$PATH" timeout -k 10 "$LIMIT" "$PYTHON" -m pytest -q -p no:cacheprovider \
-        -rs "${jobs[@]}"
+        -rs -m "not same_on_every_mpi" "${jobs[@]}"
     rc=$?
     [ $rc -ne 0 ] && failed+=("$library: jobs (exit $rc)")
     summary+=("$library: jobs: exit $rc ($((SECONDS - start)) s)")

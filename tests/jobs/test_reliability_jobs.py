@@ -196,6 +196,7 @@ def test_a_timed_out_nccl_op_ends_the_job_before_its_outputs_are_used(n):
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.same_on_every_mpi   # the device double's NCCL; no rank ends, nothing aborts
 @pytest.mark.parametrize("n", [2, 3])
 def test_a_timed_out_nccl_op_raises_everywhere_after_it_when_asked(n):
     """device_timeout="raise": the process stays up; the timed-out group's pending Work
@@ -211,6 +212,7 @@ def test_a_timed_out_nccl_op_raises_everywhere_after_it_when_asked(n):
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.same_on_every_mpi   # the device double's NCCL and the watchdog, idle
 @pytest.mark.parametrize("n", [1, 3])
 def test_idle_nccl_job_keeps_its_groups(n):
     """NCCL ops (on the device double), then 4 s idle past a 1 s timeout: the job goes on

@@ -13,6 +13,9 @@ import pytest
 from _launch import ROOT, clean_env, slurm_unavailable, srun_cannot_start_ranks, srun_mpi
 
 PROGRAM = os.path.join("tests", "programs", "spawn_jobs.py")
+# How fn travels to the ranks cannot depend on the MPI library: plain pickle's runs only
+# on the first MPI tests/run.sh tests.
+PICKLERS = ["cloudpickle", pytest.param("pickle", marks=pytest.mark.same_on_every_mpi)]
 
 
 def run_mode(mode: str, timeout: float = 150, prefix: tuple[str, ...] = (), **env: str):
@@ -41,7 +44,7 @@ def run_with(pickler: str, mode: str):
 
 
 @pytest.mark.timeout(200)
-@pytest.mark.parametrize("pickler", ["cloudpickle", "pickle"])
+@pytest.mark.parametrize("pickler", PICKLERS)
 def test_sizes_1_to_4_match_numpy(pickler):
     proc, checks = run_with(pickler, "sizes")
     assert proc.returncode == 0, proc.stdout
@@ -60,7 +63,7 @@ def test_readme_example():
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("pickler", ["cloudpickle", "pickle"])
+@pytest.mark.parametrize("pickler", PICKLERS)
 def test_exception_names_rank_with_traceback_and_ends_the_others(pickler):
     proc, checks = run_with(pickler, "raise")
     assert proc.returncode == 0, proc.stdout
