@@ -122,12 +122,6 @@ class Packed:
             return
         unpack(self.arrays, self.buf)
 
-    def release(self) -> None:
-        """Free the datatype without unpacking (the collective failed)."""
-        if self._layout is not None:
-            self._layout.Free()
-            self._layout = None
-
 
 def pack_buckets(arrays: list, dtype: np.dtype, in_place: bool = True, limit: int | None = None
                  ) -> list[Packed]:

@@ -477,8 +477,9 @@ class ShmEngine:
             srcs = [w.view(i, k, dt, n) for i in range(w.local_size)]
             acc, tmp = red.scratch(n, dt)
             out = np.empty(n, dt)
-            accumulate(red, out if acc is None else acc, srcs, tmp)
-            finalize(red, out if acc is None else acc, out)
+            acc = out if acc is None else acc
+            accumulate(red, acc, srcs, tmp)
+            finalize(red, acc, out)
             pieces.scatter(out)
         self._release[k] = w.seq + 1
 
