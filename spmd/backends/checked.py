@@ -30,6 +30,7 @@ import numpy as np
 from mpi4py import MPI
 
 from spmd.backends.base import Engine, install_op_methods
+from spmd.backends.mpi import orphans
 from spmd.backends.mpi.faults import failure
 from spmd.core.context import GroupContext
 from spmd.core.errors import CollectiveMismatchError
@@ -137,7 +138,7 @@ _check_comms: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def _wait(req, op: str, ctx: GroupContext, seq: int, what: str) -> None:
-    wait_until(req.Test, ctx.timeout, op, ctx, seq=seq, source=f"in debug mode, {what}")
+    _wait_all([req], op, ctx, seq, what)
 
 
 def check_call(ctx: GroupContext, op: str, fields: dict, pairs: dict | None = None) -> None:
@@ -267,8 +268,13 @@ def _sites(records: list[dict], ranks: list[int]) -> str:
 
 
 def _wait_all(reqs, op: str, ctx: GroupContext, seq: int, what: str) -> None:
-    wait_until(lambda: MPI.Request.Testall(reqs), ctx.timeout, op, ctx, seq=seq,
-               source=f"in debug mode, {what}")
+    try:
+        wait_until(lambda: MPI.Request.Testall(reqs), ctx.timeout, op, ctx, seq=seq,
+                   source=f"in debug mode, {what}")
+    except BaseException:
+        # mpi4py's requests reference their buffers: held, they outlive this frame.
+        orphans.hold([r for r in reqs if r], None)
+        raise
 
 
 class CheckedEngine(Engine):

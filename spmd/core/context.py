@@ -17,7 +17,17 @@ from spmd.core.errors import GroupBrokenError, ProcessFailedError
 if TYPE_CHECKING:
     from mpi4py import MPI
 
-__all__ = ["GroupContext"]
+__all__ = ["GroupContext", "set_broken_notice"]
+
+# (group, reason): tells the group's other members that it broke here, so that an op
+# they are in, or reach later, raises instead of completing against a rank that gave it
+# up.  Set by the runtime (its control channel); None before init.
+_tell_peers: Callable[[GroupContext, str], None] | None = None
+
+
+def set_broken_notice(fn: Callable[[GroupContext, str], None] | None) -> None:
+    global _tell_peers
+    _tell_peers = fn
 
 
 class GroupContext:
@@ -88,11 +98,17 @@ class GroupContext:
         self.engine_for: Callable[[str], Any] | None = None
         self.on_end: list[Callable[[], None]] = []
 
-    def mark_broken(self, reason: str) -> None:
-        """A timeout broke the group: every later op on it raises GroupBrokenError."""
+    def mark_broken(self, reason: str, *, tell_peers: bool = True) -> None:
+        """A timeout broke the group: every later op on it raises GroupBrokenError.
+
+        ``tell_peers``: tell the other members (False where they know already: the news
+        came from one of them, or every survivor of a failure breaks its groups itself).
+        """
         if self.error is None:
             self.error = reason
             self._ended()
+            if tell_peers and _tell_peers is not None and self.size > 1:
+                _tell_peers(self, reason)
 
     def mark_failed(self, failed: tuple[int, ...]) -> None:
         """Members died (``failed``: their global ranks, agreed by the survivors): every

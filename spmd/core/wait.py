@@ -69,7 +69,7 @@ def timeout_error(op: str, group: GroupContext, waited: float, *, seq: int | Non
 def wait_until(test: Callable[[], Any], seconds: float, op: str, group: GroupContext, *,
                seq: int | None = None, kind: str = "collective", source: str = "wait",
                work: Any = None, nap: Callable[[], None] | None = None,
-               on_timeout: Callable[[], None] | None = None) -> None:
+               on_timeout: Callable[[], bool | None] | None = None) -> None:
     """Poll ``test()`` until it is true; raise DistTimeoutError after ``seconds``.
 
     Args:
@@ -79,7 +79,15 @@ def wait_until(test: Callable[[], Any], seconds: float, op: str, group: GroupCon
         seq, kind, source, work: what the diagnosis reports (the op's sequence number,
             "collective" or "p2p", which wait timed out, the Work if there is one).
         nap: what to do between polls (default: yield the core when oversubscribed).
-        on_timeout: called before the error is raised (NCCL aborts its communicator).
+        on_timeout: called past the deadline, before the error is raised (NCCL aborts
+            its communicator; an MPI Work gives its op up); if it returns True the op
+            completed after all (a cancelled receive whose message had matched) and the
+            wait ends without an error.
+
+    Raises:
+        DistTimeoutError: past the deadline.
+        GroupBrokenError, ProcessFailedError: the group broke meanwhile (a peer's
+            timeout, told over the control channel; a member died).
     """
     start = _monotonic()
     deadline = start + seconds
@@ -96,9 +104,11 @@ def wait_until(test: Callable[[], Any], seconds: float, op: str, group: GroupCon
             failed = _failure_check(op, group)
             if failed is not None:
                 raise failed
+        if group.error is not None:   # broken meanwhile: the op can never complete in step
+            group.check_alive(op)
         if _monotonic() > deadline:
-            if on_timeout is not None:
-                on_timeout()
+            if on_timeout is not None and on_timeout():
+                return
             # "did not complete within" the limit: the limit, not the time measured past
             # it (which on a loaded machine runs over by a poll interval or more).
             raise timeout_error(op, group, seconds, seq=seq, kind=kind, source=source,

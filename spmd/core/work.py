@@ -56,10 +56,16 @@ class Work:
     The blocking form of every operation is the asynchronous one followed by
     ``wait()``.  The arrays the operation reads and writes are kept alive by the Work
     until it completes; results land in the caller's arrays when it completes.
+
+    A wait under the group's timeout (``wait()``, and every blocking call) that ends
+    without the operation (the timeout, an interrupt, a dead peer, the group broken) gives
+    the operation up (:meth:`_give_up`): the engine leaves it nothing to write into that
+    the program may reuse, and the Work ends with that error.  ``wait(timeout)`` is a
+    poll: past its timeout the operation stays this Work's, to be waited for again.
     """
 
     __slots__ = ("_finish", "outputs", "keep", "_done", "error", "_future",
-                 "op", "group", "_meta", "flight_number", "__weakref__")
+                 "op", "group", "_meta", "flight_number", "_given_up", "__weakref__")
 
     engine = "?"          # what runs the operation, for diagnoses (each engine's Work says)
     device_end: tuple[Any, Any] | None = None  # (engine, end event) of an op that ends on a GPU stream
@@ -75,6 +81,7 @@ class Work:
         self.error: BaseException | None = None
         self._future: Future | None = None
         self._meta = None          # for observers: whatever they attach to this Work
+        self._given_up = False
         if observers:
             for obs in observers:
                 obs.started(self)
@@ -114,7 +121,10 @@ class Work:
         seconds = None if timeout is None else to_seconds(timeout, f"{self.op}: Work.wait")
         if not self._done:
             if not self._test():
-                self._poll(self.group.timeout if seconds is None else seconds)
+                if seconds is None:
+                    self._wait_or_give_up()
+                else:
+                    self._poll(seconds)
             if self._finish is None and not observers and self._future is None:
                 self._done = True  # _complete() with nothing to run
                 self.keep = None
@@ -124,8 +134,56 @@ class Work:
             raise self.error
         return True
 
-    def _poll(self, seconds: float) -> None:
-        wait_until(self._test, seconds, self.op, self.group, work=self)
+    def _poll(self, seconds: float, give_up: Callable[[], bool] | None = None) -> None:
+        """Wait until ``_test()`` passes, ``seconds`` at most; past them ``give_up()`` runs
+        first where given, and a True from it ends the wait as if the test had passed."""
+        wait_until(self._test, seconds, self.op, self.group, work=self, on_timeout=give_up)
+
+    def _wait_or_give_up(self) -> None:
+        """Wait under the group's timeout; an error or interrupt that ends the wait first
+        gives the operation up, and the Work ends with it."""
+        try:
+            self._poll(self.group.timeout, self._give_up_once)
+        except BaseException as exc:
+            if self._give_up_once():   # delivered after all: its results are in place
+                self._complete()
+                raise
+            self._end_with(exc)
+            if self._leaves_running():
+                # The peers may still be in the op, or reach it later: out of step, the
+                # group can take no more ops (a timed-out collective broke it already).
+                self.group.mark_broken(f"{self.op} was given up on rank {self.group.rank} "
+                                       f"({type(exc).__name__}) with its MPI operation "
+                                       "still running")
+            raise
+
+    def _give_up_once(self) -> bool:
+        if self._given_up:
+            return False
+        self._given_up = True
+        return self._give_up()
+
+    def _give_up(self) -> bool:
+        """Stop waiting for the operation, leaving it nothing to write into that the
+        program may reuse (each engine's Work says how; by default the operation writes
+        into the program's arrays only inside the wait).  True if it completed after all."""
+        return False
+
+    def _leaves_running(self) -> bool:
+        """Whether the given-up operation is still running (held until it completes)."""
+        return False
+
+    def _end_with(self, exc: BaseException) -> None:
+        """The operation was given up: the Work ends with ``exc``, its results unfinished."""
+        self._done = True
+        self.error = exc
+        self._finish = None
+        self.keep = None
+        if observers:
+            for obs in observers:
+                obs.completed(self)
+        if self._future is not None:
+            self._future.set_exception(exc)
 
     def synchronize(self) -> None:
         """Block the host until the operation completes (same as ``wait`` for host arrays)."""

@@ -88,6 +88,8 @@ class Channel:
             reply = self._answer(request)
         except Exception as exc:  # noqa: BLE001 - answer with the error instead of silence
             reply = {"error": f"{type(exc).__name__}: {exc}"}
+        if reply is None or "tag" not in request:   # a notice (see notify): nobody waits
+            return
         reply["qid"] = request.get("qid")
         reply["rank"] = self.rank
         self.send(reply, source, int(request["tag"]))
@@ -103,7 +105,20 @@ class Channel:
         with self._lock:
             self._sends = [(r, d) for r, d in self._sends if not r.Test()]
 
-    # -- asking -------------------------------------------------------------------
+    # -- telling and asking ---------------------------------------------------------
+
+    def notify(self, ranks, notice: dict) -> None:
+        """Send ``notice`` to ``ranks`` (global ranks) without waiting for them: each
+        one's thread hands it to ``answer``, which answers nothing.  Callable from any
+        thread; a rank that is gone is skipped."""
+        if not self.threaded:
+            return
+        for r in ranks:
+            if r != self.rank:
+                try:
+                    self.send(notice, r, TAG_QUERY)
+                except MPI.Exception:  # a dead rank (ULFM): it needs no news
+                    pass
 
     def query(self, ranks, request: dict, timeout: float) -> dict[int, dict]:
         """Send ``request`` to ``ranks`` (global ranks); return the replies that came

@@ -17,7 +17,7 @@ from spmd.runtime.locations import where
 from spmd.runtime.reliability import state
 
 __all__ = ["answer", "diagnose", "diagnose_timeout", "group_key", "handle_timeout",
-           "peer_text", "who"]
+           "peer_text", "tell_broken", "who"]
 
 _monotonic = time.monotonic
 
@@ -39,8 +39,26 @@ def find_group(key: dict) -> GroupContext | None:
     return same[key["index"]] if len(same) > key["index"] else None
 
 
-def answer(request: dict) -> dict:
-    """A peer asks where this rank is (runs on the control thread)."""
+def tell_broken(g: GroupContext, reason: str) -> None:
+    """Tell ``g``'s other members that it broke on this rank (``GroupContext``'s notice:
+    an op they are in, or reach later, then raises GroupBrokenError)."""
+    ch = state.channel
+    if ch is None:
+        return
+    me = g.ranks[g.rank]
+    ch.notify([r for r in g.ranks if r != me],
+              {"q": "broken", "group": group_key(g), "reason": reason, "from": me})
+
+
+def answer(request: dict) -> dict | None:
+    """A peer asks where this rank is, or tells it that a group broke (runs on the
+    control thread; a notice gets no answer)."""
+    if request.get("q") == "broken":
+        g = find_group(request["group"])
+        if g is not None and g.error is None:
+            g.mark_broken(f"{request['reason']} (told by rank {request['from']})",
+                          tell_peers=False)
+        return None
     if request.get("q") != "state":
         return {"error": f"unknown query {request.get('q')!r}"}
     g = find_group(request["group"])

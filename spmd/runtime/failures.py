@@ -76,7 +76,7 @@ def agree() -> tuple[int, ...]:
                 ctx.mark_failed(mine)
             else:
                 ctx.mark_broken(f"ranks {list(dead)} died (every group was revoked so that "
-                                "no survivor stays blocked)")
+                                "no survivor stays blocked)", tell_peers=False)
         _wait.set_failure_check(failure_in)
     report(f"spmd: rank(s) {list(dead)} died; the survivors agreed on it: ops on the groups "
            "that hold them raise ProcessFailedError, every other group was revoked "

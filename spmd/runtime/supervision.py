@@ -31,11 +31,12 @@ import sys
 from spmd.core import flight_recorder
 from spmd.core import wait as _wait
 from spmd.core import work as _work
+from spmd.core.context import set_broken_notice
 from spmd.core.lines import write_lines
 from spmd.runtime import debug, failures
 from spmd.runtime.abort import excepthook
 from spmd.runtime.control import Channel
-from spmd.runtime.diagnosis import answer, diagnose_timeout
+from spmd.runtime.diagnosis import answer, diagnose_timeout, tell_broken
 from spmd.runtime.group import ProcessGroup, world_state
 from spmd.runtime.reliability import Config, config, reports, state
 from spmd.runtime.watchdog import Watchdog, heartbeat_check
@@ -57,6 +58,7 @@ def start(world: ProcessGroup, cfg: Config) -> None:
     else:  # off: no per-call cost, and no sequence numbers in diagnoses
         _work.remove_observer(flight_recorder.recorder)
     _wait.set_diagnosis(diagnose_timeout)
+    set_broken_notice(tell_broken)
     failures.install()
     flight_recorder.recorder.groups_source = lambda: (
         world_state.world.context if world_state.world is not None else None,
@@ -85,6 +87,7 @@ def stop() -> None:
     if state.watchdog is not None:
         state.watchdog.close()
         state.watchdog = None
+    set_broken_notice(None)
     if state.channel is not None:
         state.channel.close()
         state.channel = None

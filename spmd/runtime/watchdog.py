@@ -11,6 +11,7 @@ import threading
 import time
 import traceback
 
+from spmd.backends.mpi import orphans
 from spmd.core import flight_recorder
 from spmd.runtime import failures
 from spmd.runtime.abort import after_device_timeout
@@ -51,7 +52,9 @@ class Watchdog:
     def check(self) -> None:
         """Report the operations past their group's timeout.  ``in_flight`` has asked
         the GPU about device operations first: one that finished there is not in flight
-        even if nobody has looked at its Work."""
+        even if nobody has looked at its Work.  Also lets go of given-up MPI ops that
+        MPI has finished with."""
+        orphans.reap()
         now = _monotonic()
         for e in flight_recorder.recorder.in_flight():
             g = e.group

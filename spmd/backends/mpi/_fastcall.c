@@ -118,7 +118,7 @@ static PyObject *observers;      /* spmd.core.work.observers */
 static PyObject *recorder;       /* the flight recorder: the one observer this path serves */
 static PyObject *push_out;       /* recorder.push_out(slot): keep an in-flight op it overwrites */
 static PyObject *end_op;         /* recorder.end(number): an op pushed out while waited on */
-static PyObject *expired;        /* (op, context, number, waited): raises DistTimeoutError */
+static PyObject *given_up;       /* (op, context, number, waited, request, buffers, receive, why) */
 static PyObject *mpi_error;      /* (code): raises mpi4py's MPI.Exception */
 static PyObject *bucket_bytes;   /* (): the fusion limit (spmd.backends.mpi.packing.get_bucket_bytes) */
 static PyObject *shm_all_reduce; /* (engine, pieces, op): its fused all_reduce, waited */
@@ -436,9 +436,64 @@ static int finish(int64_t n) {
     return r == NULL ? -1 : 0;
 }
 
-/* Test the request until it completes: the group's timeout, signals, the GIL handed
- * over, the core given away when ranks outnumber cores, as spmd.core.wait.wait_until. */
-static int wait_for(Handle *req, int op, FastComm *fc, int64_t number) {
+/* One call's state: its group's FastComm, whether the recorder is on, the buffers it
+ * holds. */
+typedef struct {
+    FastComm *fc;
+    int rec;
+    int nviews;
+    Py_buffer view[2];
+} Call;
+
+/* Why a wait ended without its op (spmd.backends.mpi.fastcall's names). */
+enum { GAVE_UP_TIMEOUT, GAVE_UP_ENDED, GAVE_UP_SIGNAL };
+
+/* Hand a request the wait ends without to the Python side, which cancels a receive and
+ * otherwise holds the request with the call's arrays until MPI is done with them (MPI
+ * may still write into them: they must outlive the call), then raises the error of
+ * `why`.  0: the op completed after all (a receive whose message had matched), -1: an
+ * error is set (for a signal, the signal's). */
+static int give_up(Handle *req, int op, Call *c, int64_t number, double waited, int why) {
+    PyObject *type = NULL, *value = NULL, *tb = NULL;
+    if (why == GAVE_UP_SIGNAL) PyErr_Fetch(&type, &value, &tb);
+    PyObject *buffers = PyTuple_New(c->nviews);
+    PyObject *r = NULL;
+    if (buffers != NULL) {
+        for (int i = 0; i < c->nviews; i++)
+            PyTuple_SET_ITEM(buffers, i, Py_NewRef(c->view[i].obj ? c->view[i].obj : Py_None));
+        /* The handle as mpi4py's Request.handle gives it: an unsigned number. */
+        unsigned long long h = h4 ? (unsigned long long)(long long)req->i
+                                  : (unsigned long long)(uintptr_t)req->p;
+        r = PyObject_CallFunction(given_up, "OOLdKOii", s_ops[op], c->fc->ctx,
+                                  (long long)number, waited, h, buffers, op == O_RECV, why);
+        Py_DECREF(buffers);
+    }
+    if (why == GAVE_UP_SIGNAL) {
+        if (r != NULL) {        /* the signal's error goes on */
+            Py_DECREF(r);
+            PyErr_Restore(type, value, tb);
+        } else {                /* the hand-over failed: its error replaces the signal's */
+            Py_XDECREF(type);
+            Py_XDECREF(value);
+            Py_XDECREF(tb);
+        }
+        return -1;
+    }
+    if (r == NULL) return -1;
+    int delivered = PyObject_IsTrue(r);
+    Py_DECREF(r);
+    if (delivered > 0) return 0;
+    if (!PyErr_Occurred())
+        PyErr_SetString(PyExc_RuntimeError, "spmd: a given-up wait raised nothing");
+    return -1;
+}
+
+/* Test the request until it completes: the group's timeout, the group's end (broken or
+ * destroyed meanwhile: a peer gave the op up), signals, the GIL handed over, the core
+ * given away when ranks outnumber cores, as spmd.core.wait.wait_until.  A wait that ends
+ * without the op gives it up (give_up). */
+static int wait_for(Handle *req, int op, Call *c, int64_t number) {
+    FastComm *fc = c->fc;
     int flag = 0;
     char status[256];   /* larger than any MPI_Status */
     int rc = ((test_fn)fn[FN_TEST])(req, &flag, status);
@@ -470,15 +525,10 @@ static int wait_for(Handle *req, int op, FastComm *fc, int64_t number) {
         /* A yield can take a scheduler tick: look at the clock more often then. */
         if (spins & (yield ? 7 : 255)) continue;
         double t = now();
-        if (t > deadline) {
-            PyObject *r = PyObject_CallFunction(expired, "OOLd", s_ops[op], fc->ctx,
-                                                (long long)number, t - start);
-            Py_XDECREF(r);
-            if (!PyErr_Occurred())
-                PyErr_SetString(PyExc_RuntimeError, "spmd: a timed-out wait raised nothing");
-            return -1;
-        }
-        if (PyErr_CheckSignals() < 0) return -1;
+        if (t > deadline) return give_up(req, op, c, number, t - start, GAVE_UP_TIMEOUT);
+        if (!fc->alive) return give_up(req, op, c, number, t - start, GAVE_UP_ENDED);
+        if (PyErr_CheckSignals() < 0)
+            return give_up(req, op, c, number, t - start, GAVE_UP_SIGNAL);
         if (!yield && t - start > 1e-3)
             released = 1;
     }
@@ -486,12 +536,12 @@ static int wait_for(Handle *req, int op, FastComm *fc, int64_t number) {
 
 /* Start (rc from the MPI call), record, wait, finish: the blocking op's life.  first:
  * the view of its first array (NULL: none) and that array's dtype. */
-static PyObject *complete(int rc, Handle *req, int op, int record_on, FastComm *fc,
-                          Py_buffer *first, PyObject *dtype) {
+static PyObject *complete(int rc, Handle *req, int op, Call *c, Py_buffer *first,
+                          PyObject *dtype) {
     if (rc) { raise_mpi_error(rc); return NULL; }
-    int64_t n = record(record_on, op, fc, first, dtype);
+    int64_t n = record(c->rec, op, c->fc, first, dtype);
     if (n == -2) return NULL;
-    if (wait_for(req, op, fc, n) || finish(n)) return NULL;
+    if (wait_for(req, op, c, n) || finish(n)) return NULL;
     Py_RETURN_TRUE;
 }
 
@@ -507,15 +557,6 @@ static int check_bound(void) {
     PyErr_SetString(PyExc_RuntimeError, "spmd.backends.mpi._fastcall: bind() has not been called");
     return 0;
 }
-
-/* One call's state: its group's FastComm, whether the recorder is on, the buffers it
- * holds. */
-typedef struct {
-    FastComm *fc;
-    int rec;
-    int nviews;
-    Py_buffer view[2];
-} Call;
 
 /* The checks every op starts with: the argument count, bind() done, no observer but the
  * recorder, the group not broken or destroyed.  1: go on (release with end_call); 0:
@@ -565,7 +606,7 @@ static PyObject *fc_all_reduce(FastComm *self, PyObject *const *a, Py_ssize_t n)
     Handle req;
     int rc = c_reduction(FN_IALLREDUCE, in_place, v->buf, (int)COUNT(*v), type, mop, self->comm,
                          &req);
-    return end_call(&c, complete(rc, &req, O_ALL_REDUCE, c.rec, self, v, dtype));
+    return end_call(&c, complete(rc, &req, O_ALL_REDUCE, &c, v, dtype));
 }
 
 /* reduce(tensor, root, op): root a group rank */
@@ -582,7 +623,7 @@ static PyObject *fc_reduce(FastComm *self, PyObject *const *a, Py_ssize_t n) {
     Handle req;
     int rc = c_ireduce(is_root ? in_place : v->buf, is_root ? v->buf : NULL, (int)COUNT(*v),
                        type, mop, root, self->comm, &req);
-    return end_call(&c, complete(rc, &req, O_REDUCE, c.rec, self, v, dtype));
+    return end_call(&c, complete(rc, &req, O_REDUCE, &c, v, dtype));
 }
 
 /* broadcast(tensor, root): root a group rank */
@@ -596,7 +637,7 @@ static PyObject *fc_broadcast(FastComm *self, PyObject *const *a, Py_ssize_t n) 
     if (!type || !FITS(*v) || v->len >= self->from[O_BROADCAST]) DECLINE;
     Handle req;
     int rc = c_ibcast(v->buf, (int)COUNT(*v), type, root, self->comm, &req);
-    return end_call(&c, complete(rc, &req, O_BROADCAST, c.rec, self, v, dtype));
+    return end_call(&c, complete(rc, &req, O_BROADCAST, &c, v, dtype));
 }
 
 /* The output and input of a gather, scatter or exchange: both held, one dtype. */
@@ -617,7 +658,7 @@ static PyObject *fc_all_gather(FastComm *self, PyObject *const *a, Py_ssize_t n)
     Handle req;
     int rc = c_exchange(FN_IALLGATHER, vi->buf, vo->buf, (int)COUNT(*vi), type, self->comm,
                         &req);
-    return end_call(&c, complete(rc, &req, O_ALL_GATHER, c.rec, self, vo, dtype));
+    return end_call(&c, complete(rc, &req, O_ALL_GATHER, &c, vo, dtype));
 }
 
 /* reduce_scatter_tensor(output, tensor, op) */
@@ -632,7 +673,7 @@ static PyObject *fc_reduce_scatter(FastComm *self, PyObject *const *a, Py_ssize_
     Handle req;
     int rc = c_reduction(FN_IREDUCE_SCATTER_BLOCK, vi->buf, vo->buf, (int)COUNT(*vo), type, mop,
                          self->comm, &req);
-    return end_call(&c, complete(rc, &req, O_REDUCE_SCATTER, c.rec, self, vo, dtype));
+    return end_call(&c, complete(rc, &req, O_REDUCE_SCATTER, &c, vo, dtype));
 }
 
 /* all_to_all_single(output, tensor, output_counts, input_counts): equal splits only (no
@@ -649,7 +690,7 @@ static PyObject *fc_all_to_all(FastComm *self, PyObject *const *a, Py_ssize_t n)
     Handle req;
     int rc = c_exchange(FN_IALLTOALL, vi->buf, vo->buf, (int)(COUNT(*vi) / self->size), type,
                         self->comm, &req);
-    return end_call(&c, complete(rc, &req, O_ALL_TO_ALL, c.rec, self, vo, dtype));
+    return end_call(&c, complete(rc, &req, O_ALL_TO_ALL, &c, vo, dtype));
 }
 
 /* barrier() */
@@ -657,7 +698,7 @@ static PyObject *fc_barrier(FastComm *self, PyObject *const *a, Py_ssize_t n) {
     START("barrier", 0);
     Handle req;
     int rc = c_ibarrier(self->comm, &req);
-    return end_call(&c, complete(rc, &req, O_BARRIER, c.rec, self, NULL, NULL));
+    return end_call(&c, complete(rc, &req, O_BARRIER, &c, NULL, NULL));
 }
 
 /* send(tensor, peer, tag) and recv(tensor, peer, tag): to or from another group rank,
@@ -676,7 +717,7 @@ static PyObject *p2p(FastComm *self, int op, PyObject *const *a, Py_ssize_t n) {
     Handle req;
     int rc = c_p2p(op == O_SEND ? FN_ISEND : FN_IRECV, v->buf, (int)COUNT(*v), type, peer,
                    (int)tag, self->comm, &req);
-    return end_call(&c, complete(rc, &req, op, c.rec, self, v, dtype));
+    return end_call(&c, complete(rc, &req, op, &c, v, dtype));
 }
 
 static PyObject *fc_send(FastComm *self, PyObject *const *a, Py_ssize_t n) {
@@ -1071,7 +1112,7 @@ static PyObject *fc_all_reduce_coalesced(FastComm *self, PyObject *const *a, Py_
     Handle req;
     int rc = c_reduction(FN_IALLREDUCE, in_place, buf, (int)(total / itemsize), type, mop,
                          self->comm, &req);
-    res = complete(rc, &req, O_COALESCED, c.rec, c.fc, &c.view[0], dtype);
+    res = complete(rc, &req, O_COALESCED, &c, &c.view[0], dtype);
     if (res == NULL) {
         /* A failed or timed-out op may still write into the buffer later: never reuse
          * or free it. */
@@ -1159,7 +1200,7 @@ static void set_ref(PyObject **slot, PyObject *v) {
 }
 
 /* bind(functions, handle_size, in_place, moved, reduced, ndarray, observers, recorder,
- *      push_out, end, expired, mpi_error, tag_ub, bucket_bytes, shm_all_reduce)
+ *      push_out, end, given_up, mpi_error, tag_ub, bucket_bytes, shm_all_reduce)
  *
  * functions: {MPI function name: address}; moved: [(dtype, type handle)]; reduced:
  * [(op, [(dtype, type handle, op handle)])].  Called once, by spmd.backends.mpi.fastcall. */
@@ -1239,7 +1280,7 @@ static PyObject *fc_bind(PyObject *m, PyObject *args) {
     set_ref(&recorder, rec);
     set_ref(&push_out, po);
     set_ref(&end_op, eo);
-    set_ref(&expired, exp);
+    set_ref(&given_up, exp);
     set_ref(&mpi_error, me);
     set_ref(&bucket_bytes, bb);
     set_ref(&shm_all_reduce, sa);

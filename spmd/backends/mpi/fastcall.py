@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 from mpi4py import MPI
 
-from spmd.backends.mpi import packing
+from spmd.backends.mpi import orphans, packing
 from spmd.backends.reduction import MPI_OPS, PLANS, simple_plan
 from spmd.core import wait as _wait
 from spmd.core.context import GroupContext
@@ -148,15 +148,45 @@ def _summed() -> dict[np.dtype, int]:
     return kernels
 
 
-def _expired(op: str, group: GroupContext, number: int, waited: float) -> None:
-    """A compiled wait passed the group's timeout: the Python path's error (``number``:
-    the op's in the flight recorder, -1 when it is off)."""
-    limit = min(waited, group.timeout)   # as the Python path's wait says it
+# Why a compiled wait ended without its op (_fastcall.c's GAVE_UP_*).
+_TIMEOUT, _ENDED, _INTERRUPTED = 0, 1, 2
+
+
+def _given_up(op: str, group: GroupContext, number: int, waited: float, handle: int,
+              buffers: tuple, receive: bool, why: int) -> bool:
+    """A compiled wait ended without its op (past the group's timeout, the group broken
+    or destroyed meanwhile, or a signal's exception pending): give the op's request up
+    as the Python path does (:mod:`spmd.backends.mpi.orphans`: a receive cancelled,
+    anything else held with ``buffers``, the call's arrays), then raise that path's error.
+    True if the op completed after all (the caller goes on as if the wait had passed);
+    False for a signal, whose exception the caller raises.  ``number``: the op's
+    in the flight recorder, -1 when it is off."""
+    request = MPI.Request.fromhandle(handle)   # does not own the handle: C's stack does
+    if orphans.give_up([request], buffers, receive=receive):
+        return True
     entry = recorder.entry(number) if number >= 0 else None
-    if entry is None:
-        raise _wait.timeout_error(op, group, limit)
-    recorder.mark_timed_out(number)
-    raise _wait.timeout_error(op, group, limit, seq=entry.seq, kind=entry.kind)
+    if why == _TIMEOUT:
+        limit = min(waited, group.timeout)   # as the Python path's wait says it
+        if entry is None:
+            error: BaseException = _wait.timeout_error(op, group, limit)
+        else:
+            recorder.mark_timed_out(number)
+            error = _wait.timeout_error(op, group, limit, seq=entry.seq, kind=entry.kind)
+    else:
+        if entry is not None:
+            recorder.end(number, True)
+        error = RuntimeError(f"{op}: the wait was interrupted")
+        if why == _ENDED:
+            try:
+                group.check_alive(op)
+            except Exception as exc:  # noqa: BLE001 - the group's own error is the one raised
+                error = exc
+    if not receive:   # left running: the group is out of step (a timeout broke it already)
+        group.mark_broken(f"{op} was given up on rank {group.rank} ({type(error).__name__}) "
+                          "with its MPI operation still running")
+    if why == _INTERRUPTED:
+        return False
+    raise error
 
 
 def _mpi_error(code: int) -> None:
@@ -194,7 +224,7 @@ def bind() -> None:
     try:
         _module.bind(functions, sizes.pop(), int(MPI.IN_PLACE), _moved(), _reduced(),
                      np.ndarray, observers, recorder, recorder.push_out, recorder.end,
-                     _expired, _mpi_error, tag_ub, packing.get_bucket_bytes, _shm_all_reduce,
+                     _given_up, _mpi_error, tag_ub, packing.get_bucket_bytes, _shm_all_reduce,
                      _summed())
     except TypeError as err:  # an extension built from another version of this module
         reason = f"the built extension does not match spmd ({err}); reinstall spmd"

@@ -18,6 +18,7 @@ import time
 import weakref
 
 from spmd.backends.nccl.uniqueid import host_identity, uid_for_cupy, uid_to_bytes
+from spmd.backends.setup import set_up
 from spmd.core import cuda as _gpu
 from spmd.core.bootstrap import broadcast_value, check_distinct_gpus
 from spmd.core.context import GroupContext
@@ -100,14 +101,18 @@ class Communicator:
     def _from_unique_id(self, op: str, device: int):
         nccl, ctx = self.nccl, self.group
         bus = self.cp.cuda.Device(device).pci_bus_id
-        check_distinct_gpus(ctx, ctx.store, host_identity(), bus, op)
         value = None
         if ctx.rank == 0:
             try:
                 value = uid_to_bytes(nccl.get_unique_id())
             except Exception as exc:  # noqa: BLE001 - the others must hear about it too
                 value = b"error:" + f"{type(exc).__name__}: {exc}".encode()
-        raw = broadcast_value(ctx, ctx.store, "nccl-unique-id", value)
+
+        def exchange() -> bytes:   # blocking MPI (or store) calls: under the group's deadline
+            check_distinct_gpus(ctx, ctx.store, host_identity(), bus, op)
+            return broadcast_value(ctx, ctx.store, "nccl-unique-id", value)
+
+        raw = set_up(ctx, op, "the NCCL communicator", exchange)
         if raw.startswith(b"error:"):
             raise located(DistBackendError, op, f"ncclGetUniqueId failed on group rank 0: "
                           f"{raw[6:].decode()}", ctx)

@@ -42,6 +42,7 @@ from collections.abc import Callable
 import numpy as np
 from mpi4py import MPI
 
+from spmd.backends.setup import set_up
 from spmd.backends.shm.reduce import Reduction, accumulate, finalize
 from spmd.backends.shm.scheduler import Scheduler
 from spmd.backends.shm.thresholds import (
@@ -62,10 +63,9 @@ from spmd.backends.shm.thresholds import (
     shm_mode,
     status,
 )
-from spmd.backends.shm.window import NodeWindow, nap, open_window
+from spmd.backends.shm.window import NodeWindow, open_window
 from spmd.core import wait as _wait
 from spmd.core.arrays import contiguous
-from spmd.core.wait import wait_until
 from spmd.core.work import Work
 
 __all__ = ["SHM_ENV", "ShmEngine", "engine_for", "shm_mode", "status"]
@@ -197,22 +197,24 @@ class ShmEngine:
 
         Like NCCL's lazily made communicators, that op waits for every rank of the group
         to reach it, even when started with ``async_op=True``.  The window is made over a
-        duplicate of the group's communicator, started without blocking and waited for
-        under the group's timeout, so a rank whose peers never come gets DistTimeoutError
-        instead of a hang; the blocking calls that follow run once every rank is there.
-        Doing it when the op is called, not later in its steps, keeps an op the window
-        turns out not to take in its place among the group's MPI ops.
+        duplicate of the group's communicator, under the group's timeout
+        (:func:`spmd.backends.setup.set_up`), so a rank whose peers never come, or gave
+        up before it came, gets an error instead of a hang.  Doing it when the op is
+        called, not later in its steps, keeps an op the window turns out not to take in
+        its place among the group's MPI ops.
         """
         if self.nslots < 3:  # see the release marks of the algorithms
             raise ValueError(f"the engine needs 3 or more slots, got {self.nslots}")
         group = self._group
-        comm, req = group.comm.Idup()
-        wait_until(req.Test, group.timeout, op, group, nap=nap,
-                   source="setting up the shared-memory engine")
-        try:
-            win, reason = open_window(comm, self.slot_bytes, self.nslots)
-        finally:
-            comm.Free()
+
+        def make_window() -> tuple[NodeWindow | None, str]:
+            comm = group.comm.Dup()
+            try:
+                return open_window(comm, self.slot_bytes, self.nslots)
+            finally:
+                comm.Free()
+
+        win, reason = set_up(group, op, "the shared-memory engine", make_window)
         if win is None:
             self._reason = reason
             self._take(NOTHING)
