@@ -1,13 +1,22 @@
-"""Helpers for tests/unit/test_store.py that run in other processes.
+"""Helpers for the store tests that run in other processes.
 
 The worker functions are started by multiprocessing (spawn), so they must live in
-an importable module.  Run as a script, ``python _store_helpers.py master HOST``
-starts a TCPStore master, prints its port, and sleeps until killed.
+an importable module.  Run as a script:
+
+* ``python _store_helpers.py master HOST`` starts a TCPStore master, prints its
+  port, and sleeps until killed;
+* ``python _store_helpers.py serve HOST [--token T] [--nofile N]
+  [--handshake-timeout S]`` starts a master (after lowering its soft
+  RLIMIT_NOFILE to N), prints its port, then answers one line on stdout for each
+  command line on stdin (see ``serve``) and exits at end of input.
 """
 
 from __future__ import annotations
 
+import argparse
+import json
 import os
+import resource
 import sys
 import time
 
@@ -59,10 +68,63 @@ def cas_worker(spec, rank: int, n: int) -> None:
     store.close()
 
 
+def serve(argv: list) -> None:
+    """A TCPStore master driven from stdin, for tests that watch it from outside.
+
+    Commands, one per line, each answered by one line: ``rss`` (peak resident set
+    in KiB), ``stats`` (JSON: handshakes pending, clients joined, descriptors open),
+    ``ping`` (the master's own client adds 1 to a counter; prints the count),
+    ``hog`` (opens /dev/null until descriptors run out; prints how many) and
+    ``free`` (closes them again).
+    """
+    parser = argparse.ArgumentParser(prog="_store_helpers.py serve")
+    parser.add_argument("host")
+    parser.add_argument("--token")
+    parser.add_argument("--nofile", type=int)
+    parser.add_argument("--handshake-timeout", type=float)
+    args = parser.parse_args(argv)
+    if args.nofile is not None:
+        _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (args.nofile, hard))
+    master = TCPStore(args.host, 0, is_master=True, wait_for_workers=False, timeout=30,
+                      token=args.token, handshake_timeout=args.handshake_timeout)
+    print(master.port, flush=True)
+    hogged: list = []
+    for line in sys.stdin:
+        cmd = line.strip()
+        if cmd == "rss":
+            out = str(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
+        elif cmd == "stats":
+            server = master._server  # the test looks inside on purpose
+            assert server is not None
+            out = json.dumps({"pending": server.handshakes_pending(), "joined": server.joined,
+                              "fds": len(os.listdir("/proc/self/fd"))})
+        elif cmd == "ping":
+            out = str(master.add("ping", 1))
+        elif cmd == "hog":
+            try:
+                while True:
+                    hogged.append(os.open(os.devnull, os.O_RDONLY))
+            except OSError:
+                pass
+            out = str(len(hogged))
+        elif cmd == "free":
+            for fd in hogged:
+                os.close(fd)
+            out, hogged = str(len(hogged)), []
+        else:
+            out = f"unknown command {cmd!r}"
+        print(out, flush=True)
+    master.close()
+
+
 if __name__ == "__main__":
     if len(sys.argv) == 3 and sys.argv[1] == "master":
         master = TCPStore(sys.argv[2], 0, is_master=True, wait_for_workers=False, timeout=30)
         print(master.port, flush=True)
         while True:
             time.sleep(1)
-    sys.exit(f"usage: {sys.argv[0]} master HOST")
+    if len(sys.argv) >= 3 and sys.argv[1] == "serve":
+        serve(sys.argv[2:])
+        sys.exit(0)
+    sys.exit(f"usage: {sys.argv[0]} master HOST | serve HOST [options]")

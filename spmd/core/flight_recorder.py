@@ -21,6 +21,7 @@ import json
 import os
 import socket
 import sys
+import tempfile
 import time
 from array import array
 from collections.abc import Callable
@@ -436,17 +437,17 @@ def write_private(path: str, text: str) -> None:
     """Write ``text`` to ``path``, readable and writable by the user only (0600).
 
     The text goes to a temporary file first, renamed over ``path`` when complete, so a
-    reader never sees half a file (a job being aborted may kill the writer)."""
+    reader never sees half a file (a job being aborted may kill the writer).  The
+    temporary file gets an unguessable name and is created by ``mkstemp`` (``O_CREAT |
+    O_EXCL | O_NOFOLLOW``, mode 0600): in a directory others can write, a file or link
+    planted at a name we would use is never opened, truncated or followed."""
     directory, name = os.path.split(os.path.abspath(path))
-    tmp = os.path.join(directory, f".{name}.{os.getpid()}.tmp")
-    flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_NOFOLLOW", 0)
-    fd = os.open(tmp, flags, 0o600)
+    fd, tmp = tempfile.mkstemp(prefix=f".{name}.", suffix=".tmp", dir=directory)
     try:
-        os.fchmod(fd, 0o600)  # also when a stale file existed with other bits
         with os.fdopen(fd, "w") as f:
             fd = -1
             f.write(text)
-        os.replace(tmp, path)
+        os.replace(tmp, path)  # replaces a link at `path` itself, never its target
     except BaseException:
         if fd >= 0:
             os.close(fd)
