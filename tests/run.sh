@@ -134,11 +134,13 @@ for venv in ${OTHER_MPIS:-}; do
         mpi_run "$library: mpi n=$n shm=force" "$n" SPMD_SHM=force
     done
     # The jobs whose outcome depends on the MPI: spawn (its launcher), the launch variables,
-    # a rank that raises, is killed or never comes (error classes, how the launcher ends
-    # the job), a stalled test kept to itself.
+    # a rank that raises, is killed, never comes, comes late or exits early (error
+    # classes, cancelling a receive, how the launcher ends the job), a stalled test kept
+    # to itself.
     # (A Hydra ends a job as MPICH's does: the reliability jobs run on Open MPI's launcher.)
     # Tests marked same_on_every_mpi run on the first MPI only (with the job tests below).
-    jobs=(tests/unit/test_launch.py tests/jobs/test_spawn.py tests/jobs/test_stall_isolation.py)
+    jobs=(tests/unit/test_launch.py tests/jobs/test_spawn.py tests/jobs/test_stall_isolation.py
+          tests/jobs/test_late_peer_jobs.py tests/jobs/test_exit_jobs.py)
     [ "${#MPIFLAGS[@]}" -gt 0 ] && jobs+=(tests/jobs/test_reliability_jobs.py)
     echo "=== ${MPI_LABEL}jobs ==="
     start=$SECONDS

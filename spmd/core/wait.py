@@ -66,6 +66,22 @@ def timeout_error(op: str, group: GroupContext, waited: float, *, seq: int | Non
         return DistTimeoutError(f"{plain} (diagnosis failed: {type(err).__name__}: {err})")
 
 
+# How long a wait whose group broke meanwhile still tests its op: a peer that broke it by
+# leaving (its exit) or giving up may have done so just after the op completed for it.
+BROKEN_GRACE = 0.25
+
+
+def _last_look(test: Callable[[], Any], group: GroupContext, op: str) -> None:
+    """The group broke during a wait: return if the op completes within the grace,
+    else raise the group's error."""
+    end = _monotonic() + BROKEN_GRACE
+    while _monotonic() < end:
+        if test():
+            return
+        _yield()
+    group.check_alive(op)
+
+
 def wait_until(test: Callable[[], Any], seconds: float, op: str, group: GroupContext, *,
                seq: int | None = None, kind: str = "collective", source: str = "wait",
                work: Any = None, nap: Callable[[], None] | None = None,
@@ -105,7 +121,8 @@ def wait_until(test: Callable[[], Any], seconds: float, op: str, group: GroupCon
             if failed is not None:
                 raise failed
         if group.error is not None:   # broken meanwhile: the op can never complete in step
-            group.check_alive(op)
+            _last_look(test, group, op)
+            return
         if _monotonic() > deadline:
             if on_timeout is not None and on_timeout():
                 return

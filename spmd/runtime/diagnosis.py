@@ -11,6 +11,7 @@ from spmd.backends.checked import checking
 from spmd.core import flight_recorder
 from spmd.core.context import GroupContext
 from spmd.core.optable import is_p2p
+from spmd.runtime import exits
 from spmd.runtime.abort import after_device_timeout
 from spmd.runtime.group import world_state
 from spmd.runtime.locations import where
@@ -53,6 +54,9 @@ def tell_broken(g: GroupContext, reason: str) -> None:
 def answer(request: dict) -> dict | None:
     """A peer asks where this rank is, or tells it that a group broke (runs on the
     control thread; a notice gets no answer)."""
+    if request.get("q") == "exited":
+        exits.heard(int(request["from"]), str(request.get("text", "")))
+        return None
     if request.get("q") == "broken":
         g = find_group(request["group"])
         if g is not None and g.error is None:
@@ -108,6 +112,8 @@ def _op_text(b: dict | None, here: str) -> str:
 def peer_text(g: GroupContext, rank: int, rep: dict | None, target: int | None, op: str,
                kind: str = "collective") -> str:
     name = who(g, rank)
+    if rank in exits.exited:
+        return f"{name}: exited the program ({exits.exited[rank]})"
     if rep is None:
         return f"{name}: not responding (no answer on the control channel within " \
                f"{state.config.query_timeout:g} s: dead, or stuck without releasing the GIL)"

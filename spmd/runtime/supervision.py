@@ -33,7 +33,7 @@ from spmd.core import wait as _wait
 from spmd.core import work as _work
 from spmd.core.context import set_broken_notice
 from spmd.core.lines import write_lines
-from spmd.runtime import debug, failures
+from spmd.runtime import debug, exits, failures
 from spmd.runtime.abort import excepthook
 from spmd.runtime.control import Channel
 from spmd.runtime.diagnosis import answer, diagnose_timeout, tell_broken
@@ -75,6 +75,9 @@ def start(world: ProcessGroup, cfg: Config) -> None:
         # Runs before mpi4py's MPI_Finalize (registered earlier): threads must not be in
         # an MPI call when MPI goes away.
         atexit.register(stop)
+        # Runs first (atexit is last in, first out): the peers hear of the exit while
+        # the control channel is still up.
+        atexit.register(exits.announce)
         _atexit_registered = True
     if cfg.debug != "OFF" and world.context.rank == 0:
         write_lines(f"[rank 0] spmd reliability settings: {dataclasses.asdict(cfg)}; MPI thread "

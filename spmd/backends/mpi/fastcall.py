@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import time
 from typing import Any
 
 import numpy as np
@@ -162,6 +163,11 @@ def _given_up(op: str, group: GroupContext, number: int, waited: float, handle: 
     False for a signal, whose exception the caller raises.  ``number``: the op's
     in the flight recorder, -1 when it is off."""
     request = MPI.Request.fromhandle(handle)   # does not own the handle: C's stack does
+    if why == _ENDED:   # as the Python path's wait: a last look before giving up
+        end = time.monotonic() + _wait.BROKEN_GRACE
+        while time.monotonic() < end:
+            if request.Test():
+                return True
     if orphans.give_up([request], buffers, receive=receive):
         return True
     entry = recorder.entry(number) if number >= 0 else None

@@ -1,0 +1,73 @@
+"""A rank that exits while its peers may still wait for it: they hear it at once.
+
+A rank whose program ends (``sys.exit``, the end of the script) while another still waits
+in a collective with it would leave that one waiting for the group's timeout, and its
+diagnosis could only say the rank does not answer.  At exit each rank tells the others
+over the control channel (:func:`announce`, an ``atexit`` handler); a peer that hears it
+(:func:`heard`) breaks every group it shares with the exited rank, so a wait on one of
+them raises GroupBrokenError naming the rank and what it did last, within moments.
+
+Under ULFM (a job that survives a dead rank) the exit is a failure like any other: the
+exiting rank leaves without ``MPI_Finalize``, so MPI reports it failed, the survivors
+agree on it and ``shrink_group`` (and healing) go on as for a killed rank; the peers
+only keep the exit's words for the failure's message.
+
+A rank that ends normally tells the others the same; what they wait for then has
+completed already (every rank reached it), and a wait that sees its group break tests
+its op once more before it raises (``spmd.core.wait.wait_until``).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+from spmd.backends.mpi import faults
+from spmd.core import flight_recorder, mpi_exit
+from spmd.runtime.group import world_state
+from spmd.runtime.reliability import state
+
+__all__ = ["announce", "exited", "heard"]
+
+# Global rank -> what it said when it exited (the words of the errors naming it).
+exited: dict[int, str] = {}
+_lock = threading.Lock()
+
+
+def _last_op() -> str:
+    now = time.monotonic()
+    entries = flight_recorder.recorder.entries()
+    if not entries:
+        return "before any op"
+    b = flight_recorder.brief(entries[-1], now)
+    state_ = "finished" if b["took"] is not None else "still in flight"
+    return f"after {b['op']} #{b['seq']} on group {b['group']} ({state_})"
+
+
+def announce() -> None:
+    """At exit: tell every other rank of WORLD that this one is going (an ``atexit``
+    handler; it runs before the control channel closes)."""
+    ch, world = state.channel, world_state.world
+    if ch is None or world is None or world.context.comm is None or world.context.size < 2:
+        return
+    me = world.context.ranks[world.context.rank]
+    text = f"pid {os.getpid()}, {_last_op()}"
+    if faults.ulfm():
+        mpi_exit.note_failure()   # leave without MPI_Finalize: MPI reports it failed
+    ch.notify([r for r in world.context.ranks if r != me],
+              {"q": "exited", "from": me, "text": text})
+
+
+def heard(rank: int, text: str) -> None:
+    """A peer said it exits (runs on the control thread): break this rank's groups that
+    hold it, unless MPI will report it failed (ULFM)."""
+    with _lock:
+        exited[rank] = text
+    if faults.ulfm():
+        return
+    for pg in list(world_state.groups):
+        ctx = pg.context
+        if ctx.comm is not None and rank in ctx.index and ctx.error is None:
+            ctx.mark_broken(f"rank {rank} exited the program ({text}) while this group "
+                            "still held it", tell_peers=False)
