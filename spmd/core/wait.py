@@ -15,7 +15,7 @@ from collections.abc import Callable
 from typing import Any
 
 from spmd.core.context import GroupContext
-from spmd.core.errors import DistTimeoutError
+from spmd.core.errors import DistError, DistTimeoutError
 
 __all__ = ["wait_until", "timeout_error", "set_oversubscribed", "set_diagnosis",
            "set_failure_check"]
@@ -27,8 +27,9 @@ _yield = os.sched_yield
 # away between polls instead of spinning on it.
 oversubscribed = False
 
-# diagnose(op, group, seq, kind, waited, source, work) -> message; set at init.
-_diagnose: Callable[..., str] | None = None
+# diagnose(op, group, seq, kind, waited, source, work) -> message, or the error that
+# replaces the timeout (a hung rank ended, the job healing); set at init.
+_diagnose: Callable[..., str | BaseException] | None = None
 
 
 # failure_check(op, group) -> the error of a dead member of group, or None; set by the
@@ -46,7 +47,7 @@ def set_oversubscribed(flag: bool) -> None:
     oversubscribed = bool(flag)
 
 
-def set_diagnosis(fn: Callable[..., str] | None) -> None:
+def set_diagnosis(fn: Callable[..., str | BaseException] | None) -> None:
     """Install the function that turns a timeout into its diagnosis (None removes it)."""
     global _diagnose
     _diagnose = fn
@@ -54,14 +55,19 @@ def set_diagnosis(fn: Callable[..., str] | None) -> None:
 
 def timeout_error(op: str, group: GroupContext, waited: float, *, seq: int | None = None,
                   kind: str = "collective", source: str = "wait",
-                  work: Any = None) -> DistTimeoutError:
-    """The DistTimeoutError for ``op`` on ``group`` after ``waited`` seconds."""
+                  work: Any = None) -> DistError:
+    """The DistTimeoutError for ``op`` on ``group`` after ``waited`` seconds; or the
+    error the diagnosis turned it into (where the job survives hung ranks, their
+    failure: ProcessFailedError)."""
     plain = (f"{op}: did not complete within {waited:.1f} s "
              f"[rank {group.rank}, group {group.name}]")
     if _diagnose is None:
         return DistTimeoutError(plain)
     try:
-        return DistTimeoutError(_diagnose(op, group, seq, kind, waited, source, work))
+        found = _diagnose(op, group, seq, kind, waited, source, work)
+        if isinstance(found, DistError):
+            return found
+        return DistTimeoutError(found)
     except Exception as err:  # noqa: BLE001 - a failed diagnosis must not hide the timeout
         return DistTimeoutError(f"{plain} (diagnosis failed: {type(err).__name__}: {err})")
 

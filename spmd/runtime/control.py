@@ -128,15 +128,23 @@ class Channel:
             return {}
         qid = next(self._qids)
         tag = _TAG_REPLY + qid % _REPLY_TAGS
+        pending = set()
         for r in ranks:
-            self.send({**request, "qid": qid, "tag": tag}, r, TAG_QUERY)
+            try:
+                self.send({**request, "qid": qid, "tag": tag}, r, TAG_QUERY)
+                pending.add(r)
+            except MPI.Exception:   # a dead rank (ULFM): it answers nothing
+                pass
         replies: dict[int, dict] = {}
-        pending = set(ranks)
         status = MPI.Status()
         deadline = time.monotonic() + timeout
         while pending:
             for r in list(pending):
-                msg = self.comm.Improbe(r, tag, status)
+                try:
+                    msg = self.comm.Improbe(r, tag, status)
+                except MPI.Exception:   # died meanwhile (ULFM)
+                    pending.discard(r)
+                    continue
                 if msg is None:
                     continue
                 buf = bytearray(status.Get_count(MPI.BYTE))
@@ -148,7 +156,8 @@ class Channel:
             if not pending or time.monotonic() > deadline:
                 break
             time.sleep(0.002)
-        self._reap()
+        with contextlib.suppress(MPI.Exception):   # a reply to a rank that died
+            self._reap()
         return replies
 
     def receive(self, source: int, tag: int):

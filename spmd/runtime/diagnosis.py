@@ -8,14 +8,15 @@ from __future__ import annotations
 import time
 
 from spmd.backends.checked import checking
+from spmd.backends.mpi import faults
 from spmd.core import flight_recorder
 from spmd.core.context import GroupContext
 from spmd.core.optable import is_p2p
-from spmd.runtime import exits
+from spmd.runtime import exits, failures, hangs
 from spmd.runtime.abort import after_device_timeout
 from spmd.runtime.group import world_state
 from spmd.runtime.locations import where
-from spmd.runtime.reliability import state
+from spmd.runtime.reliability import report, state
 
 __all__ = ["answer", "diagnose", "diagnose_timeout", "group_key", "handle_timeout",
            "peer_text", "tell_broken", "who"]
@@ -42,18 +43,28 @@ def find_group(key: dict) -> GroupContext | None:
 
 def tell_broken(g: GroupContext, reason: str) -> None:
     """Tell ``g``'s other members that it broke on this rank (``GroupContext``'s notice:
-    an op they are in, or reach later, then raises GroupBrokenError)."""
+    an op they are in, or reach later, then raises GroupBrokenError).
+
+    Each member that answers has marked the group when this returns, so an op it starts
+    afterwards raises, and can no longer complete against this rank's given-up one; one
+    that does not answer within a second (stopped, or holding the GIL) marks it when its
+    control thread next runs."""
     ch = state.channel
     if ch is None:
         return
     me = g.ranks[g.rank]
-    ch.notify([r for r in g.ranks if r != me],
-              {"q": "broken", "group": group_key(g), "reason": reason, "from": me})
+    ch.query([r for r in g.ranks if r != me],
+             {"q": "broken", "group": group_key(g), "reason": reason, "from": me},
+             min(state.config.query_timeout, hangs.QUERY_SECONDS))
 
 
 def answer(request: dict) -> dict | None:
-    """A peer asks where this rank is, or tells it that a group broke (runs on the
-    control thread; a notice gets no answer)."""
+    """A peer asks where this rank is, or tells it something: a group broke (answered
+    once marked), it exits, or this rank was excluded as hung (runs on the control
+    thread; a notice gets no answer)."""
+    if request.get("q") == "excluded":
+        hangs.excluded(request)
+        return None
     if request.get("q") == "exited":
         exits.heard(int(request["from"]), str(request.get("text", "")))
         return None
@@ -62,11 +73,13 @@ def answer(request: dict) -> dict | None:
         if g is not None and g.error is None:
             g.mark_broken(f"{request['reason']} (told by rank {request['from']})",
                           tell_peers=False)
-        return None
+        return {}   # the sender waits for this: the group is marked here
     if request.get("q") != "state":
         return {"error": f"unknown query {request.get('q')!r}"}
     g = find_group(request["group"])
-    out: dict = {"where": where()}
+    # busy: in an spmd op on any group (a rank blocked there is a victim of a hang, not
+    # its cause; see spmd.runtime.hangs).
+    out: dict = {"where": where(), "busy": bool(flight_recorder.recorder.in_flight())}
     if g is None:
         out["no_group"] = True
         now = _monotonic()
@@ -169,7 +182,24 @@ def diagnose(op: str, g: GroupContext, seq: int | None, kind: str, waited: float
              engine: str = flight_recorder.MPI_ENGINE) -> str:
     """The text of a timeout: what this rank waited for on which engine, and where every
     other member is."""
+    return _diagnosis(op, g, seq, kind, waited, engine)[0]
+
+
+class _Found:
+    """What a diagnosis found besides its text: the members holding a collective up
+    (spmd.runtime.hangs.culprits) and their answers."""
+
+    __slots__ = ("culprits", "replies")
+
+    def __init__(self, culprits: list[int], replies: dict[int, dict]) -> None:
+        self.culprits = culprits
+        self.replies = replies
+
+
+def _diagnosis(op: str, g: GroupContext, seq: int | None, kind: str, waited: float,
+               engine: str) -> tuple[str, _Found]:
     me = g.ranks[g.rank]
+    found = _Found([], {})
     what = "" if seq is None else \
         f"collective #{seq} " if kind == "collective" else f"point-to-point op #{seq} "
     lines = [(f"{op}: did not complete within {waited:.1f} s ({what}on group {g.name}, "
@@ -179,15 +209,20 @@ def diagnose(op: str, g: GroupContext, seq: int | None, kind: str, waited: float
     if not peers:
         lines.append("  " + _ALONE.get(engine, "this rank is the only member; the operation "
                                                "can never complete"))
-        return "\n".join(lines)
+        return "\n".join(lines), found
     if ch is None or not ch.threaded:
         lines.append("  where the other ranks are is unknown: the control channel needs "
                      "MPI_THREAD_MULTIPLE")
-        return "\n".join(lines)
+        return "\n".join(lines), found
     request = {"q": "state", "group": group_key(g), "seq": seq, "from": me,
                "dump": bool(state.config.dump_dir), "reason": f"{op} #{seq} timed out on rank {me}"}
-    replies = ch.query(peers, request, state.config.query_timeout)
+    wait = state.config.query_timeout
+    if faults.ulfm():   # the job can heal: a stopped rank's silence costs time to heal
+        wait = min(wait, hangs.QUERY_SECONDS)
+    replies = ch.query(peers, request, wait)
+    found.replies = replies
     if kind == "collective" and seq is not None:
+        found.culprits = hangs.culprits(peers, replies, seq)
         behind = [r for r in peers if r in replies and "error" not in replies[r]
                   and (replies[r].get("no_group") or replies[r].get("seq", 0) < seq)]
         silent = [r for r in peers if r not in replies or "error" in replies[r]]
@@ -212,18 +247,31 @@ def diagnose(op: str, g: GroupContext, seq: int | None, kind: str, waited: float
         lines.append("  the other ranks:")
         for r in peers:
             lines.append("    " + peer_text(g, r, replies.get(r), None, op, kind))
-    return "\n".join(lines)
+    return "\n".join(lines), found
 
 
 def handle_timeout(op: str, g: GroupContext, seq: int | None, kind: str, waited: float, source: str,
                    engine: str = flight_recorder.MPI_ENGINE) -> str:
     """Diagnose, break the group (collectives), dump the flight recorder; the message."""
-    text = diagnose(op, g, seq, kind, waited, source, engine)
+    return _handle(op, g, seq, kind, waited, source, engine)[0]
+
+
+def _handle(op: str, g: GroupContext, seq: int | None, kind: str, waited: float, source: str,
+            engine: str) -> tuple[str, list[int]]:
+    """handle_timeout's work; also the hung members it ended (where the job can survive
+    them: spmd.runtime.hangs)."""
+    text, found = _diagnosis(op, g, seq, kind, waited, engine)
+    ended: list[int] = []
+    if found.culprits and faults.ulfm() and engine == flight_recorder.MPI_ENGINE:
+        done = hangs.end(g, found.culprits, found.replies, f"{op} #{seq} on {g.name} timed out")
+        ended = found.culprits
+        text += (f"\n  this job survives failed ranks (ULFM): the hung rank(s) {ended} are "
+                 f"ended so that MPI reports them failed: {done}")
     if kind == "collective" and g.error is None:
         g.mark_broken(f"{op} #{seq} timed out on rank {state.rank} after {waited:.1f} s")
         text += f"\n  group {g.name} is now broken: later calls on it raise GroupBrokenError"
     if kind != "collective" and source == "wait":
-        return text  # a receive can still complete: no dump for a polling wait(timeout)
+        return text, ended  # a receive can still complete: no dump for a polling wait(timeout)
     try:
         path = flight_recorder.dump(state.config.dump_dir, f"{op} #{seq} on {g.name} timed out")
     except OSError as exc:
@@ -232,12 +280,14 @@ def handle_timeout(op: str, g: GroupContext, seq: int | None, kind: str, waited:
         if path is not None:
             text += (f"\n  flight recorder dumps in {state.config.dump_dir}; merge them with "
                      f"python -m spmd.tools.fr_trace {state.config.dump_dir}")
-    return text
+    return text, ended
 
 
 def diagnose_timeout(op: str, g: GroupContext, seq: int | None, kind: str, waited: float, source: str,
-                      work) -> str:
-    """The one wait helper's hook: the diagnosis of any wait that timed out."""
+                      work) -> str | BaseException:
+    """The one wait helper's hook: the diagnosis of any wait that timed out; or, where
+    the hung members it found were ended and MPI reports them dead, the failure error
+    the survivors agreed on (ProcessFailedError naming them)."""
     engine = flight_recorder.MPI_ENGINE
     if work is not None:
         engine = work.engine
@@ -250,8 +300,11 @@ def diagnose_timeout(op: str, g: GroupContext, seq: int | None, kind: str, waite
             kind = "p2p" if is_p2p(op) else "collective"
     elif seq is None and kind == "collective":  # a wait before the op's Work exists
         seq = flight_recorder.next_seq(g)
-    text = handle_timeout(op, g, seq, kind, waited, source, engine)
+    text, ended = _handle(op, g, seq, kind, waited, source, engine)
     if source != "wait":
         text += f"\n  (timed out {source})"
+    if ended and hangs.await_failure(ended):
+        report(text)
+        return failures.on_failure(op, g)
     after_device_timeout(engine, op, seq, f"{op}: {text}")
     return text

@@ -33,7 +33,7 @@ from spmd.core import wait as _wait
 from spmd.core import work as _work
 from spmd.core.context import set_broken_notice
 from spmd.core.lines import write_lines
-from spmd.runtime import debug, exits, failures
+from spmd.runtime import debug, exits, failures, hangs
 from spmd.runtime.abort import excepthook
 from spmd.runtime.control import Channel
 from spmd.runtime.diagnosis import answer, diagnose_timeout, tell_broken
@@ -65,6 +65,7 @@ def start(world: ProcessGroup, cfg: Config) -> None:
         [pg.context for pg in list(world_state.groups)])
     flight_recorder.recorder.dump_dir = cfg.dump_dir
     debug.set_debug_level(cfg.debug)
+    hangs.learn_peers(world.context.comm)
     state.channel = Channel(world.context.comm, answer, heartbeat_check)
     if cfg.watchdog:
         state.watchdog = Watchdog(cfg.watchdog_interval)

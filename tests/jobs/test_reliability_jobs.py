@@ -222,3 +222,18 @@ def test_idle_nccl_job_keeps_its_groups(n):
     assert proc.returncode == 0, out
     assert out.count("nccl_idle OK") == n, out
     assert "spmd watchdog" not in out, out
+
+
+@pytest.mark.timeout(90)
+def test_a_hung_rank_without_ulfm_ends_the_job_with_the_diagnosis():
+    """Without ULFM nothing is ended: the survivors get the diagnosis naming the stopped
+    rank, and the job ends (the stopped rank with it)."""
+    proc, took = job(3, "hang_one_rank.py", "stop", "2", timeout=60)
+    out = proc.stdout
+    assert proc.returncode != 0, out
+    results = [json.loads(line.split("RESULT ", 1)[1]) for line in out.splitlines()
+               if line.startswith("RESULT ")]
+    assert sorted(r["rank"] for r in results) == [0, 1], out
+    assert all(r["error"] == "DistTimeoutError" for r in results), out
+    assert "rank 2: not responding" in out, out
+    assert "are ended so that MPI reports them failed" not in out, out

@@ -108,3 +108,32 @@ def test_torch_ddp_example_rebuilds_on_the_shrunk_world():
         assert f"[rank {r}/3] step 7: rank(s) [3] died" in out, out
     assert "[rank 0/3] trained 20 steps on 3 ranks with DDP; final weights equal the " \
            "one-process reference" in out, out
+
+
+# -- a hung rank becomes a failed rank ------------------------------------------------
+
+HANG_TIMEOUT = 3.0   # the group timeout hang_one_rank.py sets
+HANG_SLACK = 2.0     # the issue's bound past the timeout: query, end, MPI's report, agree
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("n", [3, 4])
+@pytest.mark.parametrize("how", ["stop", "loop"])
+def test_a_hung_rank_is_ended_and_the_survivors_go_on(how, n):
+    """The last rank stops (SIGSTOP) or loops forever while the others wait in an
+    all_reduce: the survivors end it, every one of them gets ProcessFailedError naming
+    it within the timeout plus 2 s, shrinks WORLD and reduces right on it."""
+    exe, *flags = mpiexec_prefix()
+    cmd = [exe, "--with-ft", "ulfm", *flags, "-n", str(n), sys.executable,
+           "tests/programs/hang_one_rank.py", how, str(HANG_TIMEOUT)]
+    proc = run(cmd, timeout=90)
+    out = proc.stdout
+    assert proc.returncode == 0, out
+    results = sorted((json.loads(line.split("RESULT ", 1)[1]) for line in out.splitlines()
+                      if line.startswith("RESULT ")), key=lambda r: r["rank"])
+    assert [r["rank"] for r in results] == list(range(n - 1)), out
+    for r in results:
+        assert r["error"] == "ProcessFailedError" and r["failed"] == [n - 1], out
+        assert HANG_TIMEOUT <= r["seconds"] < HANG_TIMEOUT + HANG_SLACK, out
+        assert r["shrunk_size"] == n - 1 and r["after"] is True, out
+    assert f"the hung rank(s) [{n - 1}] are ended so that MPI reports them failed" in out, out

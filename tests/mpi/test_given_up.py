@@ -55,6 +55,7 @@ def test_interrupted_receive_is_cancelled(dist, fresh, shape):
 
     src, dst = _ring(dist)
     g = fresh()
+    held_before = orphans.held()   # what earlier tests' given-up ops still hold
     first = np.zeros(shape)[..., 0] if len(shape) > 1 else np.zeros(shape)
     old = _interrupt_after(0.2)
     try:
@@ -62,7 +63,7 @@ def test_interrupted_receive_is_cancelled(dist, fresh, shape):
             dist.recv(first, src=src, tag=77, group=g)   # nobody has sent it yet
     finally:
         _restore(old)
-    assert orphans.held() == 0 and g.context.error is None
+    assert orphans.held() == held_before and g.context.error is None
     dist.barrier()
     g.comm.Send(np.full(4, 5.0), dest=g.context.group_rank(dst), tag=77)
     second = np.zeros(4)
@@ -97,10 +98,7 @@ def test_interrupted_collective_is_held_and_breaks_the_group(dist, fresh, shape)
         gc.collect()
         dist.barrier()
     else:
-        dist.barrier()   # rank 0 gave up and told the others before it got here
-        deadline = time.monotonic() + 5
-        while g.context.error is None and time.monotonic() < deadline:
-            time.sleep(0.01)
+        dist.barrier()   # rank 0 gave up and told the others (they answered) before this
         with pytest.raises(dist.GroupBrokenError, match=r"told by rank 0"):
             dist.all_reduce(x, group=g)
         np.testing.assert_array_equal(x, np.ones(x.shape))

@@ -113,10 +113,17 @@ def test_timeout_names_the_missing_rank_and_breaks_the_group(dist, fresh):
             broken = exc
         refused_in = time.monotonic() - t0
         dist.barrier()
-        work.wait()  # the late rank joined: the old operation can finish
+        # The op was given up: its Work keeps its error (its request is held until MPI
+        # is done with it; nothing more lands in x).
+        with pytest.raises(dist.DistTimeoutError):
+            work.wait()
     else:
         dist.barrier()  # the straggler: it is here while the others time out
-        dist.all_reduce(x, group=g)
+        # Told that the others gave the op up, its late call raises instead of
+        # completing against them.
+        with pytest.raises(dist.GroupBrokenError, match=r"timed out on rank \d+ .*\(told by "
+                           r"rank \d+\)"):
+            dist.all_reduce(x, group=g)
         return
     assert isinstance(timed_out, dist.DistTimeoutError), repr(timed_out)
     assert isinstance(timed_out, dist.DistError)
@@ -170,7 +177,9 @@ def test_watchdog_reports_work_nobody_waits_for(dist, fresh):
             found = [r for r in list(reliability.reports)[seen:] if "nobody waits" in r]
             time.sleep(0.05)
         dist.barrier()
-        work.wait()
+        # The group broke under the Work: waiting for it gives it up and raises.
+        with pytest.raises(dist.GroupBrokenError):
+            work.wait()
         assert found, "the watchdog did not report the stuck all_reduce"
         text = found[0]
         assert "spmd watchdog: all_reduce #2 on group" in text
@@ -179,7 +188,9 @@ def test_watchdog_reports_work_nobody_waits_for(dist, fresh):
         assert g.context.error is not None
     else:
         dist.barrier()
-        dist.all_reduce(np.ones(1), group=g)
+        # Told by rank 0's watchdog, the late all_reduce raises instead of completing.
+        with pytest.raises(dist.GroupBrokenError, match=r"\(told by rank 0\)"):
+            dist.all_reduce(np.ones(1), group=g)
 
 
 def test_heartbeat_monitor_reports_a_stuck_watchdog(dist, monkeypatch):

@@ -1,0 +1,115 @@
+"""A hung rank becomes a failed rank, where the job can survive one (ULFM).
+
+A rank that stops answering (stopped, looping, stuck in a driver) is alive to MPI, so
+ULFM never reports it: only the group's timeout sees it.  When a collective times out in
+a job that survives dead ranks, the diagnosis names the members that hold it up
+(:func:`culprits`): those that did not answer the control channel at all, and those that
+answered but have not reached the op and wait for nothing of spmd's (their main thread
+is elsewhere: computing, looping).  A member that is itself blocked in another spmd op
+is a victim, not a culprit.  Each survivor that timed out then ends them (:func:`end`):
+
+- a culprit that answered is told it was excluded; its control thread ends its process;
+- a culprit on this rank's node is killed by its pid (a stopped process cannot act),
+  the pids and hosts having been gathered at start-up (:func:`learn_peers`);
+- one on another node, silent, is left to the survivors on its node (each survivor that
+  timed out does the same), or, failing those, to the launcher.
+
+MPI then reports them dead (:func:`await_failure`), and from there it is the dead-rank
+path: the survivors agree, every survivor raises ProcessFailedError naming them, and
+``shrink_group`` and healing work as for a killed rank.  Without ULFM nothing is ended:
+the diagnosis stands and the job ends, as a hung job always did.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import time
+
+from spmd.backends.mpi import faults
+from spmd.core.context import GroupContext
+from spmd.runtime.group import world_state
+from spmd.runtime.reliability import report, state
+
+__all__ = ["QUERY_SECONDS", "await_failure", "culprits", "end", "excluded", "learn_peers"]
+
+# How long the diagnosis of a job that survives hangs waits for a member's answer: a
+# stopped one never answers, and the time to heal counts from the timeout.
+QUERY_SECONDS = 1.0
+
+# Global rank -> (host, pid) of every rank of WORLD (under ULFM), gathered at start-up.
+_peers: list[tuple[str, int]] = []
+
+
+def learn_peers(world_comm) -> None:
+    """At start-up (every rank of WORLD calls it): where each rank runs, so that a hung
+    one can be ended from its node."""
+    global _peers
+    if faults.ulfm():
+        _peers = [tuple(p) for p in world_comm.allgather((socket.gethostname(), os.getpid()))]
+    else:
+        _peers = []
+
+
+def culprits(peers: list[int], replies: dict[int, dict], seq: int) -> list[int]:
+    """The members holding collective ``seq`` up: silent, or behind it and in no spmd op."""
+    out = []
+    for r in peers:
+        rep = replies.get(r)
+        if rep is None or "error" in rep:
+            out.append(r)
+        elif (rep.get("no_group") or rep.get("seq", 0) < seq) and not rep.get("busy"):
+            out.append(r)
+    return out
+
+
+def end(g: GroupContext, ranks: list[int], replies: dict[int, dict], reason: str) -> str:
+    """End the hung members ``ranks`` (global) of ``g``; the words of what was done."""
+    me = g.ranks[g.rank]
+    host = socket.gethostname()
+    ch = state.channel
+    told, killed, left = [], [], []
+    answered = [r for r in ranks if r in replies and "error" not in replies[r]]
+    if ch is not None and answered:
+        ch.notify(answered, {"q": "excluded", "from": me, "reason": reason})
+        told = answered
+    for r in ranks:
+        if r < len(_peers) and _peers[r][0] == host:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(_peers[r][1], signal.SIGKILL)
+            killed.append(r)
+        elif r not in told:
+            left.append(r)
+    parts = []
+    if told:
+        parts.append(f"told rank(s) {told} to end (they answered, and wait for nothing of "
+                     "spmd's)")
+    if killed:
+        parts.append(f"killed rank(s) {killed} on this node ({host})")
+    if left:
+        parts.append(f"rank(s) {left} run on other nodes and did not answer: left to the "
+                     "survivors there")
+    return "; ".join(parts)
+
+
+def await_failure(ranks: list[int], seconds: float = 2.0) -> bool:
+    """Wait until MPI reports ``ranks`` (global) dead; False if it has not in time."""
+    world = world_state.world
+    if world is None:
+        return False
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if set(ranks) <= set(faults.known_failed(world.context)):
+            return True
+        time.sleep(0.005)
+    return False
+
+
+def excluded(request: dict) -> None:
+    """The survivors excluded this rank as hung (runs on the control thread): end the
+    process, as a killed rank, so MPI reports it failed."""
+    report(f"spmd: the survivors excluded this rank as hung ({request.get('reason', '')}, "
+           f"said by rank {request.get('from')}); ending this process")
+    os.kill(os.getpid(), signal.SIGKILL)
