@@ -4,10 +4,16 @@ The MPI library's launcher starts it (``mpiexec -n N python -m spmd.spawn.child`
 the environment the caller chose: the caller's, its ``env=`` and the address and token
 of the caller's socket (:mod:`spmd.spawn.protocol`).  Importing this module initialises
 MPI (the ranks' ``MPI.COMM_WORLD`` is the spawned job); :func:`main` then connects to
-the caller, reports the rank and its pid (HELLO), receives the job (the caller's
-``sys.path``, its main script, the pickled ``fn`` and ``args``), runs ``fn(rank,
-*args)`` with spmd initialised, and reports the return value or the exception with its
-traceback text (RESULT).
+the caller, has it prove it knows the token, proves it in turn and reports the rank and
+its pid (HELLO), receives the job (the caller's ``sys.path``, its main script, the
+pickled ``fn`` and ``args``), runs ``fn(rank, *args)`` with spmd initialised, and reports
+the return value or the exception with its traceback text (RESULT).
+
+Whatever listens at the address and cannot prove it knows the token gets a challenge and
+nothing else, and nothing it sends is unpickled: the rank says so on stderr and exits
+(status 4).  A connection the caller closes before the job came (it sheds connections
+it has no room for) is made again, after a pause that doubles up to a second, for up to
+``protocol.HANDSHAKE_TIMEOUT`` seconds in all; nobody listening means the caller is gone.
 
 A listener thread reads the connection while ``fn`` runs.  STOP (another rank failed,
 the job timed out) becomes a SIGINT to the main thread: a KeyboardInterrupt that spmd's
@@ -20,36 +26,41 @@ linger with nobody to report to.
 
 from __future__ import annotations
 
-import json
 import os
 import pickle
+import random
 import runpy
 import signal
 import socket
 import sys
 import threading
+import time
 import traceback
 import types
-from typing import Any
+from typing import Any, NoReturn
 
 from mpi4py import MPI
 
 from spmd.runtime.world import destroy_process_group, init_process_group
 from spmd.spawn.protocol import (
     ADDRESS_VAR,
-    HELLO,
+    HANDSHAKE_TIMEOUT,
     JOB,
     RESULT,
     STOP,
     TOKEN_VAR,
+    HandshakeError,
     frame,
+    rank_handshake,
     recv_frame,
 )
 
 __all__ = ["main"]
 
-# Exit statuses: started by hand rather than by spawn; the caller went away.
-_NOT_SPAWNED, _CALLER_GONE = 2, 3
+# Exit statuses: started by hand rather than by spawn; the caller went away; what listens
+# at the address did not prove it is the caller, or never answered.
+_NOT_SPAWNED, _CALLER_GONE, _REFUSED = 2, 3, 4
+_RETRY_FIRST, _RETRY_MAX = 0.05, 1.0   # seconds between connections the caller closed
 
 
 def _dumps(obj) -> bytes:
@@ -155,39 +166,79 @@ def _run(rank: int, job: dict, listener: _Listener) -> tuple:
     return ("ok", _dumps(value))
 
 
-def _connect() -> socket.socket:
-    """The connection to the caller, from the address and token in the environment (taken
-    out of it: fn and what it starts are no part of this job's plumbing)."""
+def _leave(status: int) -> NoReturn:
+    """End this rank before it has a job: no exit handlers, as MPI_Finalize would wait
+    for the other ranks."""
+    os._exit(status)   # the documented way to skip them
+
+
+def _give_up(message: str) -> NoReturn:
+    sys.stderr.write(f"spmd.spawn.child: rank {MPI.COMM_WORLD.Get_rank()} {message}\n")
+    sys.stderr.flush()
+    _leave(_REFUSED)
+
+
+def _join_caller() -> tuple[socket.socket, bytes]:
+    """The connection to the caller and the JOB's body, once each end has proved it knows
+    the token (from the environment, taken out of it with the address: fn and what it
+    starts are no part of this job's plumbing)."""
     address, token = os.environ.pop(ADDRESS_VAR, None), os.environ.pop(TOKEN_VAR, None)
     if not address or not token:
         sys.stderr.write(f"spmd.spawn.child: {ADDRESS_VAR} and {TOKEN_VAR} are not set; this "
                          "module is what spmd.spawn's ranks run, not a program of its own\n")
         raise SystemExit(_NOT_SPAWNED)
     host, _, port = address.rpartition(":")
-    conn = socket.create_connection((host, int(port)), timeout=60)
-    conn.settimeout(None)
-    conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     world = MPI.COMM_WORLD
-    hello = {"token": token, "rank": world.Get_rank(), "size": world.Get_size(),
-             "pid": os.getpid(), "host": socket.gethostname()}
+    hello = {"rank": world.Get_rank(), "size": world.Get_size(), "pid": os.getpid(),
+             "host": socket.gethostname()}
     step = os.environ.get("SLURM_STEP_ID") or os.environ.get("SLURM_STEPID")
     if os.environ.get("SLURM_JOB_ID") and step:  # srun's: the caller cancels it to end the job
         hello["step"] = f"{os.environ['SLURM_JOB_ID']}.{step}"
-    conn.sendall(frame(HELLO, json.dumps(hello).encode()))
-    return conn
+    deadline = time.monotonic() + HANDSHAKE_TIMEOUT
+    pause = _RETRY_FIRST
+    while True:
+        try:
+            conn = socket.create_connection(
+                (host, int(port)), timeout=max(deadline - time.monotonic(), 1e-3))
+        except ConnectionRefusedError:
+            _leave(_CALLER_GONE)   # nobody listens: the caller has ended the job
+        except OSError as exc:
+            sys.stderr.write(f"spmd.spawn.child: cannot connect to the caller at {address}: "
+                             f"{exc}\n")
+            _leave(_CALLER_GONE)
+        try:
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            if rank_handshake(conn, token, hello, deadline):
+                message = recv_frame(conn, deadline=deadline)
+                if message is not None:
+                    if message[0] != JOB:
+                        _leave(_CALLER_GONE)   # not the job: the caller is ending it
+                    conn.settimeout(None)
+                    return conn, message[1]
+        except HandshakeError as exc:
+            _give_up(f"refuses the listener at {address}: {exc}; it was sent nothing but a "
+                     "challenge, and nothing it sent was unpickled")
+        except TimeoutError:
+            _give_up(f"gives up on the caller at {address}: no proof and job from it within "
+                     f"{HANDSHAKE_TIMEOUT:.0f} s (with spawn(join=False), join() sends them)")
+        except OSError:
+            pass   # reset before the job came: as closed
+        conn.close()
+        if time.monotonic() + pause >= deadline:
+            _give_up(f"gives up on the caller at {address}: it closed every connection "
+                     f"before sending the job, for {HANDSHAKE_TIMEOUT:.0f} s")
+        time.sleep(pause * random.uniform(0.5, 1.0))   # spread out many ranks' retries
+        pause = min(2 * pause, _RETRY_MAX)
 
 
 def main() -> None:
     """Run one spawned rank; every outcome goes back to the caller."""
     signal.signal(signal.SIGINT, signal.default_int_handler)  # STOP arrives as SIGINT
-    conn = _connect()
-    message = recv_frame(conn)
-    if message is None or message[0] != JOB:
-        os._exit(_CALLER_GONE)  # the caller ended the job before it began
+    conn, job = _join_caller()
     listener = _Listener(conn)
     listener.start()
     try:
-        reply = _run(MPI.COMM_WORLD.Get_rank(), pickle.loads(message[1]), listener)
+        reply = _run(MPI.COMM_WORLD.Get_rank(), pickle.loads(job), listener)
     except BaseException as exc:  # noqa: BLE001 - everything goes back to the caller
         if listener.stopped.is_set() and isinstance(exc, KeyboardInterrupt):
             reply = ("stopped", "KeyboardInterrupt", "stopped by the caller", "")

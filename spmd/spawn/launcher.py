@@ -15,15 +15,19 @@
 ``mpiexec --version`` says which one it is: Hydra (MPICH, and Intel MPI's) or Open MPI's,
 which needs ``--oversubscribe`` to run more ranks than cores, as a notebook's test job
 often does, and ``--allow-run-as-root`` in containers.  :func:`launcher_environment` is
-the environment it runs in.
+the environment it runs in, and :func:`caller_host` the address at which its ranks reach
+the caller.
 """
 
 from __future__ import annotations
 
 import functools
+import ipaddress
 import os
+import re
 import shutil
 import site
+import socket
 import subprocess
 import sys
 from collections.abc import Mapping, Sequence
@@ -31,9 +35,13 @@ from dataclasses import dataclass
 
 from spmd.core.launch import HYDRA, OPENMPI, SINGLETON, launch_info
 
-__all__ = ["SRUN", "Launcher", "find_launcher", "launcher_environment"]
+__all__ = ["HOST_VAR", "SRUN", "Launcher", "caller_host", "find_launcher", "first_node",
+           "launcher_environment"]
 
 MPIEXEC_VAR = "SPMD_MPIEXEC"
+# The address of this host (IPv4, or a name that resolves to one) at which ranks that srun
+# places on other nodes reach the caller, where the one caller_host finds is not it.
+HOST_VAR = "SPMD_SPAWN_HOST"
 SRUN = "srun"   # Launcher.kind of SLURM's srun
 # srun's PMI plugin for each kind of MPI library (an mpiexec's kind says which library
 # the ranks load): Hydra's PMI-2 for MPICH and Intel MPI, PMIx for Open MPI 5.
@@ -188,3 +196,86 @@ def _site_directories() -> frozenset[str]:
     dirs = set(site.getsitepackages())
     dirs.add(site.getusersitepackages())
     return frozenset(os.path.abspath(d) for d in dirs)
+
+
+def caller_host(launcher: Launcher) -> str:
+    """The IPv4 address the caller listens on, and the ranks connect to.
+
+    127.0.0.1 when the launcher runs the ranks on this host.  Under srun, where they may
+    run on other nodes, this host's address on the network those nodes reach it on:
+    ``$SPMD_SPAWN_HOST`` when set; else the source address of this host's route to the
+    allocation's nodes (the first that is not this host); else the address this host's
+    name resolves to; never every interface (0.0.0.0).
+
+    Raises:
+        RuntimeError: ``$SPMD_SPAWN_HOST`` does not resolve, or no address of this host
+            that other nodes could reach was found (the message says to set it).
+    """
+    if not launcher.spans_nodes:
+        return "127.0.0.1"
+    chosen = os.environ.get(HOST_VAR)
+    if chosen:
+        try:
+            return socket.gethostbyname(chosen)
+        except OSError as exc:
+            raise RuntimeError(f"spawn: {HOST_VAR}={chosen} is not an IPv4 address or a host "
+                               f"name that resolves to one: {exc}") from exc
+    nodes = _allocation_nodes()
+    for node in nodes[:8]:
+        source = _route_source(node)
+        if source is not None and not _loopback(source):
+            return source
+    try:
+        own = socket.gethostbyname(socket.gethostname())
+    except OSError:
+        own = None
+    if own is not None and not _loopback(own):
+        return own
+    if len(nodes) == 1 and _route_source(nodes[0]) is not None:
+        return "127.0.0.1"   # the allocation is this host alone
+    raise RuntimeError(
+        f"spawn: found no address of this host ({socket.gethostname()}) that the nodes srun "
+        f"runs the ranks on can reach (its name resolves to {own or 'nothing'}); set "
+        f"{HOST_VAR} to this host's address on the cluster's network")
+
+
+def _allocation_nodes() -> list[str]:
+    """The host names of the SLURM allocation this process is in, in order ([] outside
+    one): ``scontrol show hostnames``, or the first name of the node list without it."""
+    nodelist = os.environ.get("SLURM_JOB_NODELIST") or os.environ.get("SLURM_NODELIST")
+    if not nodelist:
+        return []
+    try:
+        out = subprocess.run(["scontrol", "show", "hostnames", nodelist], check=True,
+                             capture_output=True, text=True, timeout=10,
+                             stdin=subprocess.DEVNULL).stdout.split()
+    except (OSError, subprocess.SubprocessError):
+        out = []
+    first = first_node(nodelist)
+    return out or ([first] if first else [])
+
+
+_HOSTLIST_HEAD = re.compile(r"([^,\[]+)(?:\[([^\]\-,]+))?")
+
+
+def first_node(nodelist: str) -> str | None:
+    """The first host name of a SLURM node list (``"node[03-05,9],gpu1"``: ``"node03"``)."""
+    match = _HOSTLIST_HEAD.match(nodelist.strip())
+    if match is None:
+        return None
+    return match.group(1) + (match.group(2) or "")
+
+
+def _route_source(host: str) -> str | None:
+    """This host's source address on its route to ``host`` (no packet is sent)."""
+    try:
+        address = socket.gethostbyname(host)
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+            probe.connect((address, 9))
+            return probe.getsockname()[0]
+    except OSError:
+        return None
+
+
+def _loopback(address: str) -> bool:
+    return ipaddress.ip_address(address).is_loopback

@@ -25,12 +25,14 @@ Choices, and why:
   terminal does not reach it (the caller stops the ranks itself), and ending it cannot
   signal the caller.
 - **Channel**: a TCP socket the caller listens on, at 127.0.0.1 when the ranks run on
-  this host, on every interface (the ranks are given the caller's host name) when srun
-  may place them on other nodes; an ephemeral port; its address and a random token in
-  the ranks' environment (:mod:`spmd.spawn.protocol`).  A rank shows the token before the
-  caller reads anything else from its connection, so nothing anybody else sends is
-  unpickled.  Not MPI (the caller has none) and not
-  a TCPStore (a store answers requests; it cannot tell the caller a rank is gone): a
+  this host, at the caller's own address on the network the allocation's nodes reach it
+  on when srun may place them on other nodes (:func:`~spmd.spawn.launcher.caller_host`);
+  an ephemeral port; its address and a random 128-bit token in the ranks' environment.
+  Each end proves it knows the token before the other sends it anything but a challenge
+  or unpickles anything from it (:mod:`spmd.spawn.protocol`); a connection that has not
+  proved it within seconds is dropped, and so are the oldest such when too many wait or
+  descriptors run out (:mod:`spmd.spawn.listener`).  Not MPI (the caller has none) and
+  not a TCPStore (a store answers requests; it cannot tell the caller a rank is gone): a
   rank's connection ends the moment its process does, which is how the caller learns of
   a killed rank at once, on any host, without polling process ids.
 - **Pickling**: cloudpickle when it is installed (lambdas, closures, functions defined in
@@ -62,38 +64,31 @@ Choices, and why:
 from __future__ import annotations
 
 import atexit
-import hmac
-import json
 import os
 import pickle
 import re
 import secrets
-import selectors
 import signal
 import socket
 import subprocess
 import sys
 import time
 import weakref
-from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from spmd.core.errors import DistError, DistTimeoutError
+from spmd.core.errors import DistError, DistNetworkError, DistTimeoutError
 from spmd.core.launch import launch_info
 from spmd.core.timeouts import to_seconds
-from spmd.spawn.launcher import SRUN, Launcher, find_launcher, launcher_environment
-from spmd.spawn.protocol import (
-    ADDRESS_VAR,
-    HELLO,
-    JOB,
-    MAX_HELLO,
-    RESULT,
-    STOP,
-    TOKEN_VAR,
-    FrameReader,
-    frame,
+from spmd.spawn.launcher import (
+    SRUN,
+    Launcher,
+    caller_host,
+    find_launcher,
+    launcher_environment,
 )
+from spmd.spawn.listener import MAX_PENDING, Connection, Listener
+from spmd.spawn.protocol import ADDRESS_VAR, HELLO, JOB, RESULT, STOP, TOKEN_VAR, frame
 
 __all__ = [
     "ProcessContext",
@@ -114,6 +109,10 @@ _SETTLE = 0.5
 _CHILD = [sys.executable, "-m", "spmd.spawn.child"]
 _SRUN_GRACE = 10.0   # seconds srun gets to end a cancelled step before it is killed
 _STEP = re.compile(r"[0-9]+(_[0-9]+)?\.[0-9]+")   # a SLURM job step, "123.4"
+# With ranks still to connect, the caller gives up once accepting connections has failed
+# (out of descriptors, with none of its own to free) this long.
+_ACCEPT_GIVE_UP = 30.0
+_DRAIN = 1.0         # seconds at most reading what the ranks sent, once the launcher exits
 
 
 class ProcessException(DistError):
@@ -186,41 +185,6 @@ def _kill(pid: int) -> None:
         pass
 
 
-class _Connection:
-    """A rank's connection, nonblocking: frames in, bytes queued out.  ``rank`` is None
-    until the HELLO with the token has come."""
-
-    def __init__(self, sock: socket.socket):
-        self.sock = sock
-        self.reader = FrameReader()
-        self.outbox: deque[memoryview] = deque()
-        self.rank: int | None = None
-
-    def receive(self) -> list[tuple[int, bytes]] | None:
-        """The frames that arrived; None once the rank's end is closed."""
-        try:
-            data = self.sock.recv(1 << 20)
-        except (BlockingIOError, InterruptedError):
-            return []
-        except OSError:
-            return None
-        return self.reader.feed(data) if data else None
-
-    def flush(self) -> None:
-        """Send what the socket takes now; a rank gone drops the rest (its end says so)."""
-        try:
-            while self.outbox:
-                sent = self.sock.send(self.outbox[0])
-                if sent < len(self.outbox[0]):
-                    self.outbox[0] = self.outbox[0][sent:]
-                    return
-                self.outbox.popleft()
-        except (BlockingIOError, InterruptedError):
-            return
-        except OSError:
-            self.outbox.clear()
-
-
 # Jobs not joined when the interpreter exits are ended then, not left running.
 _running: weakref.WeakSet[ProcessContext] = weakref.WeakSet()
 
@@ -237,17 +201,13 @@ class ProcessContext:
     Returned by ``spawn(..., join=False)``; ``spawn(..., join=True)`` joins it for you.
     """
 
-    def __init__(self, launcher: subprocess.Popen, kind: Launcher,
-                 listener: socket.socket, token: str, job: bytes, nprocs: int,
-                 deadline: float | None):
+    def __init__(self, launcher: subprocess.Popen, kind: Launcher, listener: Listener,
+                 job: bytes, nprocs: int, deadline: float | None):
         self.nprocs = nprocs
         self._launcher, self._launcher_path, self._kind = launcher, kind.path, kind
-        self._listener, self._token, self._job = listener, token, job
+        self._listener, self._job = listener, job
         self._deadline = deadline
-        self._selector = selectors.DefaultSelector()
-        self._selector.register(listener, selectors.EVENT_READ)
-        self._connections: set[_Connection] = set()
-        self._ranks: dict[int, _Connection] = {}
+        self._ranks: dict[int, Connection] = {}
         self._pids: dict[int, int] = {}
         self._starts: dict[int, int] = {}   # local ranks' process start times
         self._steps: set[str] = set()       # srun's job step ("job.step"), from the ranks
@@ -289,6 +249,8 @@ class ProcessContext:
                 named, with its traceback); every rank has been ended.
             ProcessExitedException: a rank's process died, or the launcher ended first.
             spmd.DistTimeoutError: the job's ``timeout`` (given to spawn) passed.
+            spmd.DistNetworkError: ranks could not connect: accepting their connections
+                failed (this process out of descriptors) for 30 s on end.
             RuntimeError: the launcher's processes are not one MPI job (it is not the
                 launcher of the MPI library mpi4py uses).
             KeyboardInterrupt: it came while waiting; the job has been ended.
@@ -323,17 +285,27 @@ class ProcessContext:
                 missing = [r for r in range(self.nprocs) if r not in self._replied]
                 self._end(DistTimeoutError(
                     f"spawn: the job did not finish within its timeout; ranks {missing} were "
-                    "still running and were ended"))
+                    f"still running and were ended{self._connect_trouble()}"))
                 return True
             if self._launcher.poll() is not None:
                 # Whatever the ranks sent before they ended has arrived: read it first.
-                while self._serve(0):
+                drain = now + _DRAIN
+                while self._serve(0) and time.monotonic() < drain:
                     pass
                 if self._failure is None and len(self._replied) < self.nprocs:
                     self._fail(self._died() if self._dead else self._launcher_ended())
                 continue
             if self._dead and now >= self._dead_since + _SETTLE:
                 self._fail(self._died())
+                continue
+            trouble = self._listener.trouble()
+            if trouble is not None and now - trouble[0] >= _ACCEPT_GIVE_UP \
+                    and len(self._ranks) < self.nprocs:
+                missing = [r for r in range(self.nprocs) if r not in self._ranks]
+                self._fail(DistNetworkError(
+                    f"spawn: ranks {missing} of {self.nprocs} could not connect to this "
+                    f"process: accepting connections has failed for {now - trouble[0]:.0f} s: "
+                    f"{trouble[1]}; the launcher ({self._launcher_path}) was ended"))
                 continue
             if until is not None and now >= until:
                 return False
@@ -345,64 +317,30 @@ class ProcessContext:
 
     def _serve(self, wait: float) -> int:
         """Accept, read and write what is ready within ``wait`` seconds; the events."""
-        events = self._selector.select(wait)
-        for key, mask in events:
-            if key.fileobj is self._listener:
-                self._accept()
+        events, arrivals = self._listener.serve(wait, admit=self._failure is None)
+        for conn, frames in arrivals:
+            if frames is None:
+                self._lost(conn)
                 continue
-            conn: _Connection = key.data
-            if mask & selectors.EVENT_WRITE:
-                conn.flush()
-                if not conn.outbox:
-                    self._selector.modify(conn.sock, selectors.EVENT_READ, conn)
-            if mask & selectors.EVENT_READ:
-                frames = conn.receive()
-                if frames is None:
-                    self._lost(conn)
-                    continue
-                for kind, body in frames:
-                    self._handle(conn, kind, body)
-                if conn.rank is None and conn.reader.pending() > MAX_HELLO:
-                    self._close(conn)   # not a rank of this job
-        return len(events)
+            for kind, body in frames:
+                self._handle(conn, kind, body)
+        return events
 
-    def _accept(self) -> None:
-        while True:
-            try:
-                sock, _ = self._listener.accept()
-            except (BlockingIOError, InterruptedError):
-                return
-            sock.setblocking(False)
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            conn = _Connection(sock)
-            self._connections.add(conn)
-            self._selector.register(sock, selectors.EVENT_READ, conn)
-
-    def _send(self, conn: _Connection, data: bytes) -> None:
-        conn.outbox.append(memoryview(data))
-        conn.flush()
-        if conn.outbox:
-            self._selector.modify(conn.sock, selectors.EVENT_READ | selectors.EVENT_WRITE, conn)
-
-    def _handle(self, conn: _Connection, kind: int, body: bytes) -> None:
+    def _handle(self, conn: Connection, kind: int, body: bytes) -> None:
         if conn.rank is None:
-            self._hello(conn, kind, body)
+            if kind == HELLO and conn.hello is not None:
+                self._hello(conn, conn.hello)
+            else:
+                self._listener.close(conn)
         elif kind == RESULT and conn.rank not in self._replied:
             self._replied.add(conn.rank)
             self._reply(conn.rank, body)
 
-    def _hello(self, conn: _Connection, kind: int, body: bytes) -> None:
-        """A new connection's first frame: a rank of this job, or a stranger to drop."""
+    def _hello(self, conn: Connection, hello: dict) -> None:
+        """A connection that proved it knows the token says which rank it is: the job's
+        rank, or one to drop (a rank already taken, or the job is ending)."""
         if self._failure is not None:
-            self._close(conn)   # the job is ending: a rank that comes late gets no job
-            return
-        try:
-            hello = json.loads(body) if kind == HELLO else {}
-            token_ok = hmac.compare_digest(str(hello.get("token", "")), self._token)
-        except (ValueError, TypeError, AttributeError):
-            token_ok = False
-        if not token_ok:
-            self._close(conn)
+            self._listener.close(conn)   # the job is ending: a rank that comes late gets no job
             return
         step = hello.get("step")
         if self._kind.kind == SRUN and isinstance(step, str) and _STEP.fullmatch(step):
@@ -421,21 +359,21 @@ class ProcessContext:
             self._fail(RuntimeError(
                 f"spawn: {self._launcher_path} started processes that MPI made ranks of a "
                 f"world of {hello.get('size')}, not {self.nprocs}: {why}"))
-            self._close(conn)
+            self._listener.close(conn)
             return
-        rank = hello.get("rank")
-        if not isinstance(rank, int) or not 0 <= rank < self.nprocs or rank in self._ranks:
-            self._close(conn)
+        rank, pid, host = hello.get("rank"), hello.get("pid"), hello.get("host")
+        if not isinstance(rank, int) or not 0 <= rank < self.nprocs or rank in self._ranks \
+                or not isinstance(pid, int):
+            self._listener.close(conn)
             return
         conn.rank = rank
         self._ranks[rank] = conn
-        pid, host = int(hello["pid"]), hello.get("host")
         self._pids[rank] = pid
         if host == self._host:
             start = _process_start(pid)
             if start is not None:
                 self._starts[rank] = start
-        self._send(conn, self._job)
+        self._listener.send(conn, self._job)
 
     def _reply(self, rank: int, body: bytes) -> None:
         try:
@@ -455,19 +393,12 @@ class ProcessContext:
                 f"{type_name}: {message}\n\n-- traceback of rank {rank} --\n{text}",
                 rank, self._pids.get(rank), type_name))
 
-    def _lost(self, conn: _Connection) -> None:
+    def _lost(self, conn: Connection) -> None:
         """A connection ended: a rank without a result died."""
-        self._close(conn)
         if conn.rank is not None and conn.rank not in self._replied:
             if not self._dead:
                 self._dead_since = time.monotonic()
             self._dead.append(conn.rank)
-
-    def _close(self, conn: _Connection) -> None:
-        if conn in self._connections:
-            self._connections.discard(conn)
-            self._selector.unregister(conn.sock)
-            conn.sock.close()
 
     def _fail(self, exc: BaseException) -> None:
         # The first failure is the cause; ranks that fail after it were usually its victims.
@@ -498,8 +429,16 @@ class ProcessContext:
                     "SPMD_MPIEXEC set to the MPI library's mpiexec runs them on this host instead")
         return ProcessExitedException(
             f"spawn: the launcher ({self._launcher_path}) {how} before ranks {missing} of "
-            f"{self.nprocs} reported (its messages, if any, are on this process's stderr){hint}",
-            missing[0], self._pids.get(missing[0]))
+            f"{self.nprocs} reported (its messages, if any, are on this process's stderr)"
+            f"{hint}{self._connect_trouble()}", missing[0], self._pids.get(missing[0]))
+
+    def _connect_trouble(self) -> str:
+        """Why ranks may not have connected, for an error message: '' when nothing says."""
+        trouble = self._listener.trouble()
+        if trouble is None or len(self._ranks) == self.nprocs:
+            return ""
+        return (f"; accepting the ranks' connections has failed for the last "
+                f"{time.monotonic() - trouble[0]:.0f} s: {trouble[1]}")
 
     def _end(self, failure: BaseException | None) -> None:
         """Finish: STOP the ranks still running, give the launcher its grace, then make
@@ -517,11 +456,10 @@ class ProcessContext:
             while self._launcher.poll() is None and time.monotonic() < limit:
                 self._serve(0.02)   # keeps reading, so no rank blocks on a full socket
         finally:
+            # Connections first: a rank still waiting for its job then leaves by itself,
+            # and their descriptors are free for what ending the rest needs (/proc, scancel).
+            self._listener.close_all()
             self._kill_leftovers()
-            for conn in list(self._connections):
-                self._close(conn)
-            self._selector.close()
-            self._listener.close()
             self._finished = True
             _running.discard(self)
 
@@ -530,7 +468,7 @@ class ProcessContext:
         is cut off instead (it exits when its connection ends)."""
         stop = frame(STOP)
         for rank, conn in self._ranks.items():
-            if rank in self._replied or conn not in self._connections:
+            if rank in self._replied or conn.closed:
                 continue
             if not conn.outbox:
                 try:
@@ -538,7 +476,7 @@ class ProcessContext:
                         continue
                 except OSError:
                     pass
-            self._close(conn)
+            self._listener.close(conn)
 
     def _kill_leftovers(self) -> None:
         """Kill the launcher and every process below it, and any rank of this host that
@@ -546,10 +484,15 @@ class ProcessContext:
         cancelled first (SIGKILL to every rank, by SLURM), or, where no rank said which
         step it is, srun is asked to end it (SIGTERM, which it passes to every rank)."""
         if self._kind.kind == SRUN and self._launcher.poll() is None:
+            cancelled = False
             if self._steps:
-                subprocess.run(["scancel", "--quiet", *sorted(self._steps)], check=False,
-                               stdin=subprocess.DEVNULL, timeout=30)
-            else:
+                try:
+                    subprocess.run(["scancel", "--quiet", *sorted(self._steps)], check=False,
+                                   stdin=subprocess.DEVNULL, timeout=30)
+                    cancelled = True
+                except (OSError, subprocess.SubprocessError):
+                    pass   # no scancel to run (or no descriptor to run it): srun ends it
+            if not cancelled:
                 self._launcher.terminate()
             try:
                 self._launcher.wait(_SRUN_GRACE)   # srun exits once its step has ended
@@ -614,7 +557,9 @@ def spawn(fn: Callable[..., Any], args: Sequence = (), nprocs: int = 1, join: bo
         args: extra positional arguments (pickled).
         nprocs: number of ranks.
         join: wait for the job and return the results (True) or return a
-            :class:`ProcessContext` at once (False).
+            :class:`ProcessContext` at once (False).  The ranks get their job while
+            ``join`` runs: they wait for it up to ``protocol.HANDSHAKE_TIMEOUT`` (5
+            minutes), then give up.
         timeout: seconds (or a timedelta) the whole job may take, start-up included.
         env: extra environment variables for the ranks, set before MPI starts in them.
 
@@ -624,7 +569,8 @@ def spawn(fn: Callable[..., Any], args: Sequence = (), nprocs: int = 1, join: bo
     Raises:
         TypeError, ValueError: bad arguments, or ``fn`` cannot be pickled (before any
             process starts).
-        RuntimeError: called inside a multi-rank MPI job, or no MPI launcher found.
+        RuntimeError: called inside a multi-rank MPI job, no MPI launcher found, or no
+            address to listen at (see :func:`~spmd.spawn.launcher.caller_host`).
         ProcessRaisedException, ProcessExitedException, spmd.DistTimeoutError: see
             :meth:`ProcessContext.join`.
     """
@@ -654,23 +600,24 @@ def spawn(fn: Callable[..., Any], args: Sequence = (), nprocs: int = 1, join: bo
     job = frame(JOB, pickle.dumps({"path": list(sys.path), "main": main_file,
                                    "main_file": script and os.path.abspath(script),
                                    "payload": payload}, protocol=pickle.HIGHEST_PROTOCOL))
-    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    host = caller_host(launcher)
+    token = secrets.token_hex(16)   # 128 bits
     try:
-        listener.bind(("0.0.0.0" if launcher.spans_nodes else "127.0.0.1", 0))
-        listener.listen(nprocs)
-        listener.setblocking(False)
-        port = listener.getsockname()[1]
-        host = socket.gethostname() if launcher.spans_nodes else "127.0.0.1"
-        token = secrets.token_hex(16)
-        rank_env.update({ADDRESS_VAR: f"{host}:{port}", TOKEN_VAR: token})
+        # Room for every rank at once, in the backlog and among those not yet proved.
+        listener = Listener(host, token, backlog=max(nprocs, 128),
+                            max_pending=max(MAX_PENDING, nprocs))
+    except OSError as exc:
+        raise RuntimeError(f"spawn: cannot listen for the ranks at {host}: {exc}") from exc
+    rank_env.update({ADDRESS_VAR: listener.address, TOKEN_VAR: token})
+    try:
         process = subprocess.Popen(launcher.command(nprocs, _CHILD),
                                    env=launcher_environment(rank_env, launcher),
                                    cwd=os.getcwd(), stdin=subprocess.DEVNULL,
                                    start_new_session=True)
     except OSError as exc:
-        listener.close()
+        listener.close_all()
         raise RuntimeError(f"spawn: cannot start {launcher.path}: {exc}") from exc
-    ctx = ProcessContext(process, launcher, listener, token, job, nprocs,
+    ctx = ProcessContext(process, launcher, listener, job, nprocs,
                          None if seconds is None else start + seconds)
     if not join:
         return ctx
