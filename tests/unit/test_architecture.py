@@ -147,6 +147,8 @@ MPI_MODULES = {
     "spmd.backends.mpi.work", "spmd.backends.mpi.persistent", "spmd.backends.mpi.objects",
     "spmd.backends.mpi.link",                           # MPMD links: intercommunicators
     "spmd.backends.mpi.faults",                         # ULFM: revoke, shrink, failed ranks
+    "spmd.backends.mpi.orphans",                        # given-up requests: cancel, hold
+    "spmd.backends.setup",                              # first-use set-up: its Ibarrier gate
     "spmd.backends.reduction",                          # the MPI ops of each reduction
     "spmd.backends.shm.engine", "spmd.backends.shm.reduce", "spmd.backends.shm.window",
     "spmd.backends.cuda_mpi", "spmd.backends.gpu_aware_mpi",
