@@ -17,6 +17,14 @@ Local arrays need not be contiguous: a strided one is described to MPI by a memo
 datatype that follows its strides (nested ``hvector`` types at its absolute address), so no
 copy is made.
 
+Every access checks the count MPI reports (``MPI_Get_elements`` of its status: bytes,
+every datatype here being built from ``MPI_BYTE``): a read past the end of a truncated
+file returns fewer bytes without an error, and a short write must not pass for a whole
+one.  (Not every MPI counts a collective read that runs into the end of a file: Open MPI's
+OMPIO at 3 ranks reports it whole; ``load`` checks file sizes before and after reading.)
+A failed access raises OSError naming the file, on the ranks where it failed,
+after the collective steps every rank takes (sync, close), so no rank is left waiting.
+
 ``create_npy`` makes the file beforehand with its header and the data's blocks
 allocated, much as ``numpy.save`` does for large arrays: buffered writes into blocks
 allocated up front fill the page cache faster than writes that allocate as they go,
@@ -36,6 +44,8 @@ from typing import Any, NamedTuple
 
 import numpy as np
 from mpi4py import MPI
+
+from spmd.checkpoint.directory import write_all
 
 __all__: list[str] = []
 
@@ -103,7 +113,7 @@ def create_npy(path: str, dtype: np.dtype, shape: tuple[int, ...], mode: int) ->
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
     try:
         os.fchmod(fd, mode)  # the umask does not narrow what the caller asked for
-        os.write(fd, header)
+        write_all(fd, header, path)
         preallocate(fd, len(header), math.prod(shape) * dtype.itemsize, path)
     finally:
         os.close(fd)
@@ -199,19 +209,42 @@ def _transfer(comm: MPI.Intracomm, path: str, amode: int, access: str, offset: i
     """Open ``path`` on every rank of ``comm``, set each rank's view to its block and
     run the collective ``access`` (``Write_at_all``/``Read_at_all``) on ``buf``."""
     types = _Types()
+    failure: OSError | None = None
     fh = MPI.File.Open(comm, path, amode)
     try:
         shape = None if buf is None else buf.shape
         etype = _view(fh, offset, itemsize, gshape, start, shape, types)
         if buf is None or buf.size == 0:
-            getattr(fh, access)(0, [_NOTHING, 0, etype])
+            spec, nbytes = [_NOTHING, 0, etype], 0
         else:
-            getattr(fh, access)(0, _memory(buf, etype, types))
+            spec, nbytes = _memory(buf, etype, types), buf.size * itemsize
+        failure = _checked(getattr(fh, access), 0, spec, nbytes, path)
         if sync:
             fh.Sync()
     finally:
         fh.Close()
         types.free()
+    if failure is not None:
+        raise failure
+
+
+def _checked(access: Callable, at: int, spec: list, nbytes: int, path: str) -> OSError | None:
+    """Run one MPI-IO ``access`` of ``nbytes`` at ``at``; what went wrong, or None.  Not
+    raised here: the caller's collective steps come first."""
+    status = MPI.Status()
+    try:
+        access(at, spec, status)
+    except MPI.Exception as exc:
+        why = " ".join(exc.Get_error_string().split())  # MPI's error stack, on one line
+        return OSError(errno.EIO, f"{access.__name__} of {nbytes} bytes of {path!r} failed: "
+                       f"{why}")
+    moved = status.Get_elements(spec[2]) if nbytes else 0
+    if moved != nbytes:
+        what = "read" if access.__name__.startswith("Read") else "wrote"
+        return OSError(errno.EIO, f"{what} {moved} of the {nbytes} bytes of this rank's "
+                       f"block of {path!r}" + (" (the file is shorter than its header says)"
+                                               if what == "read" else ""))
+    return None
 
 
 def write_block(comm: MPI.Intracomm, path: str, offset: int, gshape: tuple[int, ...],
@@ -228,7 +261,9 @@ def write_block(comm: MPI.Intracomm, path: str, offset: int, gshape: tuple[int, 
 def read_block(comm: MPI.Intracomm, path: str, offset: int, gshape: tuple[int, ...],
                itemsize: int, start: tuple[int, ...] | None, out: np.ndarray | None) -> None:
     """Collectively read each rank's block at ``start`` into ``out`` (its shape is the
-    block's); every rank of ``comm`` must call it, ``out=None`` reads nothing."""
+    block's); every rank of ``comm`` must call it, ``out=None`` reads nothing.  Raises
+    OSError (on the ranks it concerns, after every rank's collective steps) where fewer
+    bytes than the block's came back: the file is shorter than its header says."""
     _transfer(comm, path, MPI.MODE_RDONLY, "Read_at_all", offset, gshape, itemsize, start, out)
 
 
@@ -254,19 +289,29 @@ def write_blocks(comm: MPI.Intracomm, writes: list[BlockWrite], sync: bool = Fal
     side by side 0.12 s, one file per rank 0.09 s).  The others go through the collective
     write, whose two-phase I/O merges strided blocks.  ``sync`` flushes every file to
     stable storage (``MPI_File_sync``) before it is closed.  An error on one rank is
-    raised there after the collective steps every rank takes (open, sync, close)."""
+    raised there (the first one) after every file's collective steps."""
+    failure: OSError | None = None
     for w in writes:
         if not w.ranges:
-            write_block(comm, w.path, w.offset, w.gshape, w.itemsize, w.start, w.block, sync)
+            try:
+                write_block(comm, w.path, w.offset, w.gshape, w.itemsize, w.start, w.block,
+                            sync)
+            except OSError as exc:  # the other ranks go on to the next file's collectives
+                failure = failure or exc
     side = [w for w in writes if w.ranges]
     for lo in range(0, len(side), OPEN_AT_ONCE):
-        _write_side_by_side(comm, side[lo:lo + OPEN_AT_ONCE], sync)
+        try:
+            _write_side_by_side(comm, side[lo:lo + OPEN_AT_ONCE], sync)
+        except OSError as exc:
+            failure = failure or exc
+    if failure is not None:
+        raise failure
 
 
 def _write_side_by_side(comm: MPI.Intracomm, writes: list[BlockWrite], sync: bool) -> None:
     types = _Types()
     handles: list[MPI.File] = []
-    failure: BaseException | None = None
+    failure: OSError | None = None
     try:
         for w in writes:
             handles.append(MPI.File.Open(comm, w.path, MPI.MODE_WRONLY))
@@ -279,11 +324,10 @@ def _write_side_by_side(comm: MPI.Intracomm, writes: list[BlockWrite], sync: boo
             assert w.start is not None  # a rank with a block has its start
             first = int(np.ravel_multi_index(w.start, w.gshape)) if w.gshape else 0
             etype = types.keep(MPI.BYTE.Create_contiguous(w.itemsize)).Commit()
-            try:
-                handles[i].Write_at(w.offset + first * w.itemsize,
-                                    _memory(w.block, etype, types))
-            except (MPI.Exception, OSError) as exc:
-                failure = failure or exc  # the others wait in the collective sync
+            failed = _checked(handles[i].Write_at, w.offset + first * w.itemsize,
+                              _memory(w.block, etype, types), w.block.size * w.itemsize,
+                              w.path)
+            failure = failure or failed  # the others wait in the collective sync
         if sync:
             for fh in handles:
                 fh.Sync()

@@ -26,9 +26,14 @@ Each array is then written with MPI-IO: strided blocks collectively
 (``MPI_File_write_at_all`` through subarray file views: blocks of any shape), blocks
 that are byte ranges of the file (row splits) with independent writes, ranks spread
 over the files (see ``spmd.checkpoint.mpiio.write_blocks``); strided local arrays without a copy.
-The files go to a temporary directory next to the target, which is renamed to the
-target only after every rank has finished writing and the data is synced: a crash
-leaves at most a ``<path>.tmp-*`` directory, never a complete-looking checkpoint.
+The files go to a temporary directory next to the target, which takes the target's
+place only after every rank has finished writing, every write's count has been checked,
+each file's size matches its header and the data is synced: a crash leaves at most a
+``<path>.tmp-*`` directory, never a complete-looking checkpoint.  An existing checkpoint
+is replaced atomically (``renameat2(RENAME_EXCHANGE)`` on Linux; elsewhere two renames,
+the first undone if the second fails), and removed only once the new one is in place;
+leftovers of crashed saves of the same path are removed by the next save (see
+``spmd.checkpoint.directory``).
 :func:`~spmd.checkpoint.load` reads any block layout at any world size (resharding), whatever layout
 and world size saved it.
 
@@ -38,8 +43,9 @@ Rules worth knowing:
   that are *identical* in extent (replicas along a mesh dimension), of which the
   lowest rank's is written.  Replicated plain arrays are written once, split over the
   ranks.  Their contents are not compared across ranks.
-- Values (non-array leaves) are taken from group rank 0.  ``values.pkl`` is a pickle:
-  load checkpoints only from sources you trust.
+- Values (non-array leaves) are taken from group rank 0.  ``values.pkl`` is a pickle,
+  which :func:`~spmd.checkpoint.load` unpickles: as ``torch.load`` warns, unpickling runs
+  arbitrary code, so load checkpoints only from sources you trust.
 - bfloat16 (ml_dtypes) arrays are stored as ``numpy.save`` stores them, descr ``<V2``:
   plain ``numpy.load`` returns 2-byte voids, ``.view(ml_dtypes.bfloat16)`` gives the
   values back; ``load`` does that itself from the dtype in the index.
@@ -50,11 +56,12 @@ Rules worth knowing:
 
 from __future__ import annotations
 
+import hashlib
 import json
+import math
 import os
 import pickle
-import secrets
-import shutil
+import warnings
 from collections.abc import Callable, Mapping, MutableMapping
 from typing import Any, cast
 
@@ -62,6 +69,16 @@ import numpy as np
 from mpi4py import MPI
 
 from spmd.api.objects import all_gather_object
+from spmd.checkpoint.directory import (
+    OLD_TAG,
+    check_size,
+    clean_stale,
+    commit,
+    discard,
+    make_tmp,
+    tmp_name,
+    write_file,
+)
 from spmd.checkpoint.mpiio import (
     BlockWrite,
     byte_range,
@@ -83,6 +100,7 @@ INDEX_FILE = "index.json"
 VALUES_FILE = "values.pkl"
 _FORMAT = "spmd.checkpoint"
 _VERSION = 1
+_PICKLE_KEY = "values_pkl"  # the index's record of values.pkl: {"bytes", "sha256"}
 
 # Tests set this to simulate a crash at a stage of save ("written", "renaming").
 _fault_hook: Callable[[str], None] | None = None
@@ -191,7 +209,7 @@ def _local_save_plan(state: Any, path: str, mode: int, overwrite: bool, pg: Proc
             raise Reject(TypeError, f"a value of state cannot be pickled or stored as JSON: "
                           f"{exc}") from None
         plan["values"] = encoded
-        plan["tmp"] = f"{os.path.abspath(path)}.tmp-{secrets.token_hex(6)}"
+        plan["tmp"] = tmp_name(path)
     return plan
 
 
@@ -254,11 +272,23 @@ def save(state: Mapping[str, Any], path: str | os.PathLike, group: Any = None, *
             leave gaps, overlap or stick out of their global array; bad entry names.
         FileExistsError: ``path`` exists and ``overwrite`` is False.
         FileNotFoundError: the parent directory of ``path`` does not exist.
-        OSError: the files cannot be created (no room for the data: before any is
-            written, and the temporary directory is removed), written or renamed.
+        OSError: a file cannot be created (no room for the data: before any array data
+            is written), written in full (ENOSPC, EDQUOT, EFBIG, a short count from
+            MPI-IO), comes out at another size than its header says, or cannot be
+            renamed into place.  The message names the file.
 
     Every error is raised on every rank alike; those above OSError before any file is
-    created.
+    created.  After any error, ``path`` holds what it held before the call (the
+    previous checkpoint, whole and loadable, or nothing) and the temporary directory is
+    removed; the one exception, a failure to put the previous checkpoint back after a
+    failed rename where the OS cannot exchange two directories, says in its message
+    where each checkpoint is.  A crash (a rank killed) leaves ``path`` the same and a
+    ``<path>.tmp-*`` (or, in that rename window, ``<path>.old-*``) directory, which the
+    next save of ``path`` removes (rank 0 warns about any it keeps: one a running save
+    holds, the only copy of a previous checkpoint, one of another user's).
+
+    Values that JSON cannot hold go to ``values.pkl``, a pickle that :func:`load`
+    unpickles: only load checkpoints from sources you trust.
     """
     op = "checkpoint.save"
     pg = resolve(group, op)
@@ -279,25 +309,61 @@ def save(state: Mapping[str, Any], path: str | os.PathLike, group: Any = None, *
     tmp = plans[0]["tmp"]
     leaves = {name: leaf for name, _, _, leaf in flatten(state, "state")}
 
-    # Rank 0 makes the directory and every file with its header and its data's blocks
-    # allocated (where the file system preallocates, a full disk fails here, before any
+    # Rank 0 clears what crashed saves of this path left, then makes the directory,
+    # values.pkl, and every .npy file with its header and its data's blocks allocated
+    # (where the file system preallocates, a full disk fails here, before any array
     # data moves); then all ranks write.
     status = None
+    lock = None
     if pg.rank() == 0:
-        made = False
+        for note in clean_stale(path):
+            warnings.warn(f"{op}: {note}", RuntimeWarning, stacklevel=2)
         try:
-            os.mkdir(tmp, _dir_mode(mode))
-            made = True
-            os.chmod(tmp, _dir_mode(mode))
+            lock = make_tmp(tmp, _dir_mode(mode))
+            if plans[0]["pickle"] is not None:
+                write_file(os.path.join(tmp, VALUES_FILE), plans[0]["pickle"], mode, sync)
             for entry in entries.values():
                 create_npy(os.path.join(tmp, entry["file"]), _dtype_of(entry["dtype"]),
-                                  tuple(entry["shape"]), mode)
+                           tuple(entry["shape"]), mode)
         except OSError as exc:
             status = ("OSError", f"cannot create {tmp!r}: {exc}")
-            if made:  # nothing written yet; the blocks allocated would keep a full disk full
-                shutil.rmtree(tmp, ignore_errors=True)
-    _barrier_raise(op, status, pg)
+    try:
+        _after_failure_remove(tmp, op, status, pg)
+        _write_arrays(op, tmp, entries, leaves, sync, pg)
+        _fault("written")
 
+        status = None
+        if pg.rank() == 0:
+            try:
+                _check_sizes(tmp, entries)
+            except OSError as exc:
+                status = ("OSError", f"a file in {tmp!r} came out wrong: {exc}")
+            else:
+                try:
+                    _write_index(tmp, entries, plans[0], mode, sync)
+                except OSError as exc:
+                    status = ("OSError", f"cannot write the index in {tmp!r}: {exc}")
+        # Every rank is still there once the data and the index are written: a rank lost
+        # before this point leaves no checkpoint, whichever rank it was.
+        _after_failure_remove(tmp, op, status, pg)
+        _fault("renaming")
+        status = None
+        if pg.rank() == 0:
+            try:
+                for note in commit(tmp, path, overwrite, sync):
+                    warnings.warn(f"{op}: {note}", RuntimeWarning, stacklevel=2)
+            except OSError as exc:
+                kind = "FileExistsError" if isinstance(exc, FileExistsError) else "OSError"
+                status = (kind, str(exc))
+        _barrier_raise(op, status, pg)
+    finally:
+        if lock is not None:
+            os.close(lock)
+
+
+def _write_arrays(op: str, tmp: str, entries: dict, leaves: dict, sync: bool,
+                  pg: ProcessGroup) -> None:
+    """Every rank writes its blocks of the arrays into the files rank 0 made."""
     writes = []
     for name in sorted(entries):
         entry = entries[name]
@@ -324,26 +390,7 @@ def save(state: Mapping[str, Any], path: str | os.PathLike, group: Any = None, *
         write_blocks(pg.comm, writes, sync=sync)
     except (OSError, MPI.Exception) as exc:
         status = ("OSError", f"cannot write into {tmp!r}: {exc}")
-    _barrier_raise(op, status, pg)
-    _fault("written")
-
-    status = None
-    if pg.rank() == 0:
-        try:
-            _write_index(tmp, entries, plans[0], mode, sync)
-        except OSError as exc:
-            status = ("OSError", f"cannot write the index in {tmp!r}: {exc}")
-    # Every rank is still there once the data and the index are written: a rank lost
-    # before this point leaves no checkpoint, whichever rank it was.
-    _barrier_raise(op, status, pg)
-    _fault("renaming")
-    status = None
-    if pg.rank() == 0:
-        try:
-            _commit(tmp, path, overwrite, sync)
-        except OSError as exc:
-            status = ("OSError", f"cannot rename {tmp!r} to {path!r}: {exc}")
-    _barrier_raise(op, status, pg)
+    _after_failure_remove(tmp, op, status, pg)
 
 
 def _barrier_raise(op: str, status: tuple | None, pg: ProcessGroup) -> None:
@@ -354,15 +401,25 @@ def _barrier_raise(op: str, status: tuple | None, pg: ProcessGroup) -> None:
     _raise_first(op, statuses, pg)
 
 
-def _write_file(path: str, data: bytes, mode: int, sync: bool) -> None:
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
-    try:
-        os.fchmod(fd, mode)
-        os.write(fd, data)
-        if sync:
-            os.fsync(fd)
-    finally:
-        os.close(fd)
+def _after_failure_remove(tmp: str, op: str, status: tuple | None, pg: ProcessGroup) -> None:
+    """``_barrier_raise``; where some rank failed, rank 0 first removes the temporary
+    directory (no rank writes into it any more: all have reported)."""
+    statuses: list = [None] * pg.size()
+    all_gather_object(statuses, status, group=pg)
+    if pg.rank() == 0 and any(s is not None for s in statuses):
+        discard(tmp)  # its allocated blocks would keep a full disk full
+    _raise_first(op, statuses, pg)
+
+
+def _check_sizes(tmp: str, entries: dict) -> None:
+    """Each .npy file is as long as its header and data: a write that came up short
+    fails here, before the index makes the directory a checkpoint."""
+    for entry in entries.values():
+        dt, shape = _dtype_of(entry["dtype"]), tuple(entry["shape"])
+        header = len(npy_header(dt, shape))
+        data = math.prod(shape) * dt.itemsize
+        check_size(os.path.join(tmp, entry["file"]), header + data,
+                   f"header {header} + data {data}")
 
 
 def _write_index(tmp: str, entries: dict, plan0: dict, mode: int, sync: bool) -> None:
@@ -371,72 +428,175 @@ def _write_index(tmp: str, entries: dict, plan0: dict, mode: int, sync: bool) ->
         index["entries"][name] = {k: v for k, v in entry.items() if k != "writers"}
     index["entries"].update(plan0["values"])
     if plan0["pickle"] is not None:
-        _write_file(os.path.join(tmp, VALUES_FILE), plan0["pickle"], mode, sync)
-    _write_file(os.path.join(tmp, INDEX_FILE),
-                json.dumps(index, indent=1, sort_keys=True).encode(), mode, sync)
-
-
-def _commit(tmp: str, path: str, overwrite: bool, sync: bool) -> None:
-    old = None
-    if overwrite and os.path.lexists(path):
-        old = f"{os.path.abspath(path)}.old-{secrets.token_hex(6)}"
-        os.rename(path, old)
-    os.rename(tmp, path)
-    if sync:
-        fd = os.open(os.path.dirname(os.path.abspath(path)), os.O_RDONLY)
-        try:
-            os.fsync(fd)  # the rename itself reaches the disk
-        finally:
-            os.close(fd)
-    if old is not None:
-        shutil.rmtree(old) if os.path.isdir(old) else os.remove(old)
+        # load checks values.pkl against these before unpickling it
+        index[_PICKLE_KEY] = {"bytes": len(plan0["pickle"]),
+                              "sha256": hashlib.sha256(plan0["pickle"]).hexdigest()}
+    write_file(os.path.join(tmp, INDEX_FILE),
+               json.dumps(index, indent=1, sort_keys=True).encode(), mode, sync)
 
 
 # -- load --------------------------------------------------------------------------------
 
 
 def _read_index(path: str) -> dict:
-    """Rank 0's reading of the checkpoint: the index, the headers, the pickled values."""
+    """Rank 0's reading of the checkpoint: the index, checked entry by entry before any
+    other file is opened; the headers and sizes of the .npy files; the pickled values."""
     index_path = os.path.join(path, INDEX_FILE)
     try:
         with open(index_path, "rb") as f:
             index = json.loads(f.read())
     except FileNotFoundError:
         raise Reject(FileNotFoundError, f"no checkpoint at {path!r} ({INDEX_FILE} is "
-                      "missing; an interrupted save leaves only a '.tmp-*' directory)") from None
+                      "missing; an interrupted save leaves only a '.tmp-*' directory)"
+                      + _previous_note(path)) from None
     except (OSError, ValueError) as exc:
         raise Reject(ValueError, f"cannot read {index_path!r}: {exc}") from None
     if not isinstance(index, dict) or index.get("format") != _FORMAT:
         raise Reject(ValueError, f"{index_path!r} is not an spmd checkpoint index")
-    if index.get("version", 0) > _VERSION:
-        raise Reject(ValueError, f"{index_path!r} has format version {index['version']}; "
+    version = index.get("version", 0)
+    if not isinstance(version, int) or version > _VERSION:
+        raise Reject(ValueError, f"{index_path!r} has format version {version!r}; "
                       f"this spmd reads up to {_VERSION}")
-    entries = index["entries"]
+    entries = index.get("entries")
+    if not isinstance(entries, dict):
+        raise Reject(ValueError, f"{index_path!r} has no table of entries")
+    for name, entry in entries.items():
+        _check_entry(path, f"{index_path!r}: entry {name!r}", entry)
     for entry in entries.values():
-        if entry["kind"] != "array":
-            continue
-        fname = os.path.join(path, entry["file"])
-        try:
-            descr, fortran, shape, offset = read_npy_header(fname)
-        except (OSError, ValueError) as exc:
-            raise Reject(ValueError, f"cannot read the header of {fname!r}: {exc}") from None
-        want = np.lib.format.dtype_to_descr(_dtype_of(entry["dtype"]))
-        # Compared as dtypes: numpy reads '<V2' (bfloat16) back as '|V2'.
-        if fortran or shape != tuple(entry["shape"]) or np.dtype(descr) != np.dtype(want):
-            raise Reject(ValueError, f"{fname!r} holds a {'Fortran' if fortran else 'C'}-order "
-                          f"{descr} array of shape {shape}; the index says C-order {want} "
-                          f"{tuple(entry['shape'])}")
-        entry["offset"] = offset
+        if entry["kind"] == "array":
+            entry["offset"] = _check_npy(os.path.join(path, entry["file"]), entry)
     if any(e.get("pickle") for e in entries.values()):
-        try:
-            with open(os.path.join(path, VALUES_FILE), "rb") as f:
-                values = pickle.load(f)
-        except (OSError, pickle.UnpicklingError, EOFError) as exc:
-            raise Reject(ValueError, f"cannot read {VALUES_FILE} in {path!r}: {exc}") from None
+        values = _unpickle_values(path, index.get(_PICKLE_KEY))
         for name, entry in entries.items():
             if entry.get("pickle"):
+                if name not in values:
+                    raise Reject(ValueError, f"{VALUES_FILE} in {path!r} lacks the value "
+                                  f"{name!r} the index names")
                 entry["value"] = values[name]
     return entries
+
+
+def _previous_note(path: str) -> str:
+    """Where an interrupted replacement left the previous checkpoint, if it did."""
+    parent, base = os.path.split(os.path.abspath(path))
+    try:
+        olds = sorted(n for n in os.listdir(parent) if n.startswith(base + OLD_TAG))
+    except OSError:
+        return ""
+    return (f"; a save interrupted while replacing it left the previous checkpoint at "
+            f"{os.path.join(parent, olds[-1])!r}" if olds else "")
+
+
+# The dtypes an index may name: those save writes (bfloat16 needs ml_dtypes to load).
+_INDEX_DTYPES = frozenset(d.name for d in SUPPORTED_DTYPES) | {"bfloat16"}
+
+
+def _check_entry(path: str, where: str, entry: Any) -> None:
+    """Refuse an index entry save would not have written, before any file is read: a
+    file name that leaves the checkpoint directory, a dtype that is not an array of
+    numbers (``object`` would mean unpickling), a shape that is not one."""
+    if not isinstance(entry, dict) or entry.get("kind") not in ("array", "value"):
+        raise Reject(ValueError, f"{where} is neither an array nor a value entry")
+    if entry["kind"] == "value":
+        if "json" not in entry and entry.get("pickle") is not True:
+            raise Reject(ValueError, f"{where} holds neither a JSON value nor a pickled one")
+        return
+    dtype = entry.get("dtype")
+    if not isinstance(dtype, str) or dtype not in _INDEX_DTYPES:
+        raise Reject(ValueError, f"{where} has dtype {dtype!r}; a checkpoint holds arrays of "
+                      f"{', '.join(sorted(_INDEX_DTYPES))} only")
+    shape = entry.get("shape")
+    if not isinstance(shape, list) or not all(
+            isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in shape):
+        raise Reject(ValueError, f"{where} has shape {shape!r}; expected a list of "
+                      "non-negative ints")
+    fname = entry.get("file")
+    if (not isinstance(fname, str) or not fname or fname.startswith(".")
+            or any(c in fname for c in "/\\\0") or os.path.isabs(fname)):
+        raise Reject(ValueError, f"{where} names the file {fname!r}; expected a plain file "
+                      "name inside the checkpoint directory (no separator, not '..', not "
+                      "absolute)")
+    inside = os.path.realpath(path)
+    resolved = os.path.realpath(os.path.join(path, fname))
+    if os.path.dirname(resolved) != inside:
+        raise Reject(ValueError, f"{where} names the file {fname!r}, which resolves to "
+                      f"{resolved!r}, outside the checkpoint directory {inside!r}")
+
+
+def _check_npy(fname: str, entry: dict) -> int:
+    """The data offset of the .npy file ``fname``, once its header matches the index
+    entry and its size matches its header."""
+    try:
+        descr, fortran, shape, offset = read_npy_header(fname)
+        size = os.stat(fname).st_size
+    except Exception as exc:  # noqa: BLE001 - numpy's parser of a damaged header fails many ways
+        raise Reject(ValueError, f"cannot read the header of {fname!r}: "
+                      f"{type(exc).__name__}: {exc}") from None
+    dt = _dtype_of(entry["dtype"])
+    want = np.lib.format.dtype_to_descr(dt)
+    # Compared as dtypes: numpy reads '<V2' (bfloat16) back as '|V2'.
+    if fortran or shape != tuple(entry["shape"]) or np.dtype(descr) != np.dtype(want):
+        raise Reject(ValueError, f"{fname!r} holds a {'Fortran' if fortran else 'C'}-order "
+                      f"{descr} array of shape {shape}; the index says C-order {want} "
+                      f"{tuple(entry['shape'])}")
+    problem = _size_problem(fname, offset, math.prod(shape) * dt.itemsize, size)
+    if problem is not None:
+        raise Reject(ValueError, problem)
+    return offset
+
+
+def _size_problem(fname: str, offset: int, data: int, size: int) -> str | None:
+    """What is wrong with a .npy file of ``size`` bytes whose header says ``offset`` +
+    ``data``, or None."""
+    if size == offset + data:
+        return None
+    what = "truncated" if size < offset + data else "longer than its header says"
+    return (f"{fname!r} is {what}: expected {offset + data} bytes (header {offset} + data "
+            f"{data}), got {size} bytes")
+
+
+def _shrunk_while_read(path: str, read: list[dict]) -> tuple | None:
+    """The failure status of load when a file it read is no longer its checked size."""
+    for entry in read:
+        fname = os.path.join(path, entry["file"])
+        data = math.prod(entry["shape"]) * _dtype_of(entry["dtype"]).itemsize
+        try:
+            size = os.stat(fname).st_size
+        except OSError as exc:
+            return ("OSError", f"cannot read {fname!r}: {exc}")
+        problem = _size_problem(fname, entry["offset"], data, size)
+        if problem is not None:
+            return ("OSError", f"cannot read {fname!r}: it changed while it was read: {problem}")
+    return None
+
+
+def _unpickle_values(path: str, record: Any) -> dict:
+    """The values of values.pkl, once it matches the index's record of it (indexes
+    written before the record existed have none: unpickled as they are)."""
+    vpath = os.path.join(path, VALUES_FILE)
+    try:
+        with open(vpath, "rb") as f:
+            blob = f.read()
+    except OSError as exc:
+        raise Reject(ValueError, f"cannot read {vpath!r}: {exc}") from None
+    if record is not None:
+        want = record.get("bytes") if isinstance(record, dict) else None
+        if len(blob) != want:
+            what = "truncated" if isinstance(want, int) and len(blob) < want else "damaged"
+            raise Reject(ValueError, f"{vpath!r} is {what}: expected {want} bytes (the "
+                          f"index's record), got {len(blob)} bytes")
+        if hashlib.sha256(blob).hexdigest() != record.get("sha256"):
+            raise Reject(ValueError, f"{vpath!r} is damaged: its sha256 differs from the "
+                          "index's record; not unpickled")
+    try:
+        values = pickle.loads(blob)
+    except Exception as exc:  # noqa: BLE001 - a damaged pickle fails in many ways
+        raise Reject(ValueError, f"cannot unpickle {vpath!r} ({len(blob)} bytes): "
+                      f"{type(exc).__name__}: {exc}") from None
+    if not isinstance(values, dict):
+        raise Reject(ValueError, f"{vpath!r} holds a {type(values).__name__}, expected the "
+                      "dict save writes")
+    return values
 
 
 def _check_target(name: str, leaf: Any, entry: dict | None) -> str | None:
@@ -480,6 +640,19 @@ def load(target: dict[str, Any], path: str | os.PathLike, group: Any = None) -> 
     an array leaf with the whole array, a ``None`` leaf is replaced by the saved value
     (a new numpy array for an array entry), and any other leaf by the saved value.
 
+    .. warning::
+        Values that JSON cannot hold are stored in ``values.pkl``, and ``load``
+        unpickles it (with :mod:`pickle`, as ``torch.load`` and torch's object
+        collectives do): unpickling runs arbitrary code.  Only load checkpoints from
+        sources you trust.  The index's record of ``values.pkl`` (size, SHA-256)
+        catches a damaged file, not a forged one.
+
+    Before any array is read, rank 0 checks the index: every file it names must be a
+    plain name inside ``path`` (a crafted ``../x`` or ``/etc/passwd`` is refused), every
+    dtype one save writes (``object`` is refused), and every ``.npy`` file's header must
+    match the index and its size match the header (a truncated file is refused, naming
+    it, the bytes expected and the bytes found).
+
     Args:
         target: dict laid out like the saved state (nested dicts flattened the same way).
         path: the checkpoint directory.
@@ -489,12 +662,19 @@ def load(target: dict[str, Any], path: str | os.PathLike, group: Any = None) -> 
         ``target``, its value leaves replaced by the saved values.
 
     Raises:
-        FileNotFoundError: no checkpoint at ``path``.
+        FileNotFoundError: no checkpoint at ``path`` (the message names the previous
+            checkpoint where a save interrupted while replacing it left one beside it).
         ValueError: an entry the checkpoint lacks, a global shape that differs, a block
-            outside the array, a damaged checkpoint.
+            outside the array, a damaged or crafted checkpoint (an index entry that
+            names a file outside ``path`` or an unsupported dtype, a truncated or
+            damaged ``.npy`` file or ``values.pkl``).
         TypeError: a dtype that differs, an array where a value was saved or back.
+        OSError: an array read that fails or comes back short (the file changed while
+            it was read).
 
-    Every error is raised on every rank alike, before any array is read.
+    Every error is raised on every rank alike: those above OSError before any array is
+    read.  After an OSError the arrays of ``target`` may be partly filled and its value
+    leaves are as they were; the checkpoint itself is never modified.
     """
     op = "checkpoint.load"
     pg = resolve(group, op)
@@ -529,6 +709,7 @@ def load(target: dict[str, Any], path: str | os.PathLike, group: Any = None) -> 
     my_reads = set(reads)
 
     by_name = {name: (parent, key, leaf) for name, parent, key, leaf in leaves}
+    failure = None
     for name in wanted:
         entry = entries[name]
         dt = _dtype_of(entry["dtype"])
@@ -543,9 +724,18 @@ def load(target: dict[str, Any], path: str | os.PathLike, group: Any = None) -> 
             data = leaf.data if isinstance(leaf, Shard) else leaf
             start = leaf.offset if isinstance(leaf, Shard) else (0,) * len(gshape)
             out = data if isinstance(data, np.ndarray) else np.empty(data.shape, dt)
-        read_block(pg.comm, fname, entry["offset"], gshape, dt.itemsize, start, out)
+        try:
+            read_block(pg.comm, fname, entry["offset"], gshape, dt.itemsize, start, out)
+        except (OSError, MPI.Exception) as exc:  # the next arrays' reads are collective
+            failure = failure or ("OSError", f"cannot read {fname!r}: {exc}")
+            continue
         if out is not None and out is not data:
             data[...] = _device_like(data, out)
+    if failure is None and pg.rank() == 0:
+        # Some MPIs report a collective read that ran into the end of a file as whole
+        # (Open MPI's OMPIO at 3 ranks): a file that shrank while it was read shows here.
+        failure = _shrunk_while_read(path, [entries[name] for name in wanted])
+    _barrier_raise(op, failure, pg)
     for name, parent, key, _leaf in leaves:
         entry = entries[name]
         if entry["kind"] == "value":

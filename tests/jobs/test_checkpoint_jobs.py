@@ -63,7 +63,30 @@ def test_killed_rank_leaves_no_checkpoint(tmp_path, n, stage):
     assert "FileNotFoundError: checkpoint.load: no checkpoint at" in loaded.stdout, loaded.stdout
     saved = job(n, "save", path, "rows")
     assert saved.returncode == 0 and ok_lines(saved, n), saved.stdout
+    assert os.listdir(tmp_path) == ["ckpt"]  # the crashed save's directory removed
     assert ok_lines(job(n, "load", path, "cols"), n)
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("n, stage", [(3, "written"), (2, "renaming")])
+def test_killed_rank_keeps_the_previous_checkpoint(tmp_path, n, stage):
+    """SIGKILL on one rank of a save that replaces a checkpoint: the previous one stays
+    at the path (the same directory) and loads; the next save removes the leftover."""
+    path = str(tmp_path / "ckpt")
+    saved = job(n, "save", path, "rows")
+    assert saved.returncode == 0 and ok_lines(saved, n), saved.stdout
+    before = os.stat(path).st_ino
+    crashed = job(n, "crash", path, stage)
+    assert crashed.returncode != 0, crashed.stdout
+    assert "should not have finished" not in crashed.stdout
+    assert os.stat(path).st_ino == before
+    left = sorted(os.listdir(tmp_path))
+    assert left[0] == "ckpt" and len(left) == 2 and left[1].startswith("ckpt.tmp-"), left
+    assert ok_lines(job(n, "load", path, "cols"), n)
+    resaved = job(n, "save", path, "rows")
+    assert resaved.returncode == 0 and ok_lines(resaved, n), resaved.stdout
+    assert os.listdir(tmp_path) == ["ckpt"] and os.stat(path).st_ino != before
+    assert ok_lines(job(n, "load", path, "blocks"), n)
 
 
 def can_mount_privately(where):

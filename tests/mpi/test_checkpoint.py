@@ -242,10 +242,12 @@ def test_failure_before_rename_leaves_nothing_complete(dist, where):
         ckpt.load({"a": None}, path)
     ckpt.save({"a": np.ones(5)}, path)  # the leftover does not block the next save
     assert ckpt.load({"a": None}, path)["a"].tolist() == [1.0] * 5
+    assert os.listdir(where) == ["c"]  # and the next save removed it
 
 
 def test_index_failure_renames_nothing(dist, where, monkeypatch):
-    """Rank 0 cannot write the index: every rank raises it, nothing is renamed."""
+    """Rank 0 cannot write the index: every rank raises it, nothing is renamed, and the
+    temporary directory is removed."""
     def no_index(tmp, *args):
         raise OSError(f"simulated: no room for the index in {tmp}")
 
@@ -255,13 +257,12 @@ def test_index_failure_renames_nothing(dist, where, monkeypatch):
                        rf".*\[rank {dist.get_rank()}, group WORLD\]"):
         ckpt.save({"a": np.ones(4)}, path)
     dist.barrier()
-    assert not os.path.exists(path)
-    assert [name.startswith("c.tmp-") for name in os.listdir(where)] == [True]
+    assert os.listdir(where) == []
 
 
 def test_write_failure_on_the_last_rank_reaches_every_rank(dist, where, monkeypatch):
     """A write that fails on the last rank only: every rank raises it, naming that rank;
-    nothing is renamed."""
+    nothing is renamed, and the temporary directory is removed."""
     rank, n = dist.get_rank(), dist.get_world_size()
     real = _mpiio.write_blocks
 
@@ -277,7 +278,7 @@ def test_write_failure_on_the_last_rank_reaches_every_rank(dist, where, monkeypa
                        rf"disk went away{where_found} \[rank {rank}, group WORLD\]"):
         ckpt.save({"a": ckpt.Shard.split(np.ones(3))}, path)
     dist.barrier()
-    assert not os.path.exists(path)
+    assert os.listdir(where) == []
 
 
 def test_group_without_a_host_backend(dist, where):

@@ -8,7 +8,7 @@ and the value ``step``.  Layouts: ``rows`` (w and e split along dim 0), ``cols``
 dim 1), ``blocks`` (w in 2-D blocks from ``Shard.from_mesh`` where the size allows).
 ``crash STAGE`` kills one rank with SIGKILL at that stage of save: rank 1 (0 alone)
 after its arrays are written ("written"), rank 0, which renames, just before the
-rename ("renaming").
+rename ("renaming").  ``save`` and ``crash`` replace a checkpoint already at PATH.
 ``fill MIB`` saves two float32 arrays of MIB MiB each (rows split), expects a full disk
 to refuse the save on every rank, then saves one of them to ``PATH-after``, which fits
 only if the refused save left nothing behind.
@@ -70,7 +70,7 @@ def main():
     spmd.init_process_group()
     rank, size = spmd.get_rank(), spmd.get_world_size()
     if mode == "save":
-        ckpt.save(layout(arg, True), path)
+        ckpt.save(layout(arg, True), path, overwrite=os.path.exists(path))
     elif mode == "crash":
         victim = 1 if size > 1 and arg == "written" else 0
 
@@ -79,7 +79,7 @@ def main():
                 os.kill(os.getpid(), signal.SIGKILL)
 
         save_load._fault_hook = die
-        ckpt.save(layout("rows", True), path)
+        ckpt.save(layout("rows", True), path, overwrite=os.path.exists(path))
         raise SystemExit("the save should not have finished")
     elif mode == "fill":
         rows = int(arg) * (1 << 20) // (4 * 256)
