@@ -19,6 +19,11 @@
 #                              virtual environment with spmd and that MPI's wheel in it
 #                              (OTHER_MPI_SIZES, OTHER_MPI_SHM_SIZES: where it runs); on
 #                              Open MPI also the jobs that lose a rank (ULFM)
+#   TORCH_VENVS="VENV..." tests/run.sh
+#                              the torch-facing tests at 2 ranks again with other torch
+#                              releases, each from a virtual environment with spmd[mpich,
+#                              test,trainers] and that torch (TORCH_VENV_SUITE_RUNS: its
+#                              runs of torch's suite, NAME:RANKS)
 #
 # Uses python and mpiexec from PATH (or $PYTHON / $SPMD_MPIEXEC).
 set -uo pipefail
@@ -160,6 +165,53 @@ for venv in ${OTHER_MPIS:-}; do
         [ $rc -ne 0 ] && failed+=("$library: ULFM jobs (exit $rc)")
         summary+=("$library: ULFM jobs: exit $rc ($((SECONDS - start)) s)")
     fi
+    PYTHON=${saved[0]} MPIEXEC=${saved[1]} MPI_LABEL=""
+    mpi_flags
+done
+
+# Other torch releases (CI: 2.14 beside the 2.13 above), each from a virtual environment
+# with spmd, MPICH, that torch and the trainers: the torch-facing tests at 2 ranks, a
+# subset chosen to take about two minutes (the backend's MPI tests; torch's suite told
+# "gloo", whose passes include all of the run as spmd's but test_get_backend; FSDP1/2,
+# DTensor; what import torch makes of the "mpi" name, and a job under it; Lightning and
+# Accelerate, which with that job train with DDP).
+TORCH_VENV_JOBS=(
+    tests/jobs/test_torch_backend_jobs.py::test_import_torch_registers_without_starting_mpi
+    "tests/jobs/test_torch_training_jobs.py::test_fsdp1_matches_single_process[2]"
+    "tests/jobs/test_torch_training_jobs.py::test_fsdp2_matches_single_process[2]"
+    "tests/jobs/test_torch_training_jobs.py::test_dtensor_redistribute[2]"
+    "tests/jobs/test_torch_mpi_name.py::test_off_by_default_torch_is_untouched[None]"
+    tests/jobs/test_torch_mpi_name.py::test_on_answers_without_starting_mpi
+    tests/jobs/test_torch_mpi_name.py::test_a_torch_built_with_mpi_keeps_its_own
+    "tests/jobs/test_torch_mpi_name.py::test_a_script_for_torchs_mpi_backend_runs_on_spmd[2]"
+    "tests/jobs/test_trainers_jobs.py::test_lightning_ddp_strategy_on_spmd_trains_as_gloo[2]"
+    "tests/jobs/test_trainers_jobs.py::test_accelerate_multi_cpu_on_spmd_as_mpi_trains_as_gloo[2]"
+)
+for venv in ${TORCH_VENVS:-}; do
+    saved=("$PYTHON" "$MPIEXEC")
+    PYTHON="$venv/bin/python" MPIEXEC="$venv/bin/mpiexec"
+    mpi_flags
+    MPI_LABEL="torch $("$PYTHON" -c "import torch; print(torch.__version__)"): "
+    PATHS=(tests/mpi/test_torch_backend.py tests/mpi/test_torch_tensors.py)
+    mpi_run "${MPI_LABEL}mpi n=2" 2
+    for run in ${TORCH_VENV_SUITE_RUNS:-gloo:2}; do
+        name=${run%:*} n=${run#*:}
+        as=(); [ "$name" != spmd ] && as=(--as "$name")
+        echo "=== ${MPI_LABEL}torch distributed_test on the spmd backend (as $name), $n ranks ==="
+        start=$SECONDS
+        timeout -k 10 "$LIMIT" "$MPIEXEC" "${MPIFLAGS[@]}" -n "$n" "$PYTHON" \
+            tests/torch_backend/run_torch_suite.py "${as[@]}"
+        rc=$?
+        [ $rc -ne 0 ] && failed+=("${MPI_LABEL}torch suite as $name n=$n (exit $rc)")
+        summary+=("${MPI_LABEL}torch suite as $name n=$n: exit $rc ($((SECONDS - start)) s)")
+    done
+    echo "=== ${MPI_LABEL}torch jobs ==="
+    start=$SECONDS
+    PATH="$venv/bin:$PATH" timeout -k 10 "$LIMIT" "$PYTHON" -m pytest -q -p no:cacheprovider \
+        -rs "${TORCH_VENV_JOBS[@]}"
+    rc=$?
+    [ $rc -ne 0 ] && failed+=("${MPI_LABEL}torch jobs (exit $rc)")
+    summary+=("${MPI_LABEL}torch jobs: exit $rc ($((SECONDS - start)) s)")
     PYTHON=${saved[0]} MPIEXEC=${saved[1]} MPI_LABEL=""
     mpi_flags
 done

@@ -9,7 +9,7 @@ import warnings
 
 from spmd.core.flight_recorder import DEFAULT_SIZE
 
-__all__ = ["Config", "parse_options"]
+__all__ = ["TORCH_MPI", "Config", "parse_options", "torch_mpi_name"]
 
 
 @dataclasses.dataclass
@@ -38,6 +38,23 @@ _ENV = {
     "device_timeout": "SPMD_DEVICE_TIMEOUT",
 }
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
+
+# Read when torch loads spmd's backend (at ``import torch``), before any process group:
+# the environment only, no pg_options key.
+TORCH_MPI = "SPMD_TORCH_MPI"  # 1: spmd answers to torch.distributed's "mpi" name; default off
+
+
+def torch_mpi_name() -> bool:
+    """Whether spmd stands in for torch.distributed's ``"mpi"`` backend [SPMD_TORCH_MPI].
+
+    Raises:
+        ValueError: the variable is set to something other than 1/0, true/false, yes/no, on/off.
+    """
+    text = os.environ.get(TORCH_MPI, "").strip().lower()
+    if text in _TRUE or text in _FALSE or text == "":
+        return text in _TRUE
+    raise ValueError(f"{TORCH_MPI}={os.environ[TORCH_MPI]!r} is not a valid setting: "
+                     "expected 1 (on) or 0 (off)")
 
 
 def _convert(key: str, value, where: str):

@@ -3,10 +3,11 @@
 torch calls :func:`register` for the ``torch.backends`` entry point while it imports
 (``TORCH_DEVICE_BACKEND_AUTOLOAD=0`` turns that off; ``import spmd.torch`` registers
 explicitly).  A plain ``import torch`` must not start MPI or change torch, and it does
-not: importing ``spmd`` and ``spmd.torch`` starts nothing, nothing here imports the rest
-of spmd or mpi4py until a process group with the spmd backend is made (or an spmd job's
-env:// rendezvous runs), and torch's env:// rendezvous is left as it is until a process
-names the backend (:class:`_BackendName`).
+not: importing ``spmd`` and ``spmd.torch`` starts nothing, nothing here imports more of
+spmd than its settings, nor mpi4py, until a process group with the spmd backend is made
+(or an spmd job's env:// rendezvous runs), and torch's env:// rendezvous is left as it
+is until a process names the backend (:class:`_BackendName`).  Only ``SPMD_TORCH_MPI=1``
+changes torch at import: its "mpi" backend becomes spmd's (spmd.torch._mpi_name).
 """
 
 from __future__ import annotations
@@ -106,7 +107,8 @@ def register() -> None:
     """Register the ``"spmd"`` backend with torch.distributed (idempotent, never raises).
 
     Cheap: it starts no MPI (the first process group made with the backend does) and
-    leaves torch's env:// rendezvous alone until the backend is named.
+    leaves torch's env:// rendezvous alone until the backend is named.  With
+    ``SPMD_TORCH_MPI=1`` spmd also answers to torch's ``"mpi"`` name (spmd.torch._mpi_name).
     """
     try:
         import torch.distributed as dist
@@ -127,4 +129,13 @@ def register() -> None:
             setattr(dist.Backend, BACKEND.upper(), _BackendName())
     except Exception as exc:  # noqa: BLE001 - a failure here must not break `import torch`
         warnings.warn(f"spmd: could not register the torch.distributed backend: {exc}",
+                      stacklevel=2)
+    try:
+        # Imported here, inside the guard: spmd's settings (which that reads) must not be
+        # able to break `import torch`.
+        from spmd.torch._mpi_name import answer_to_mpi
+
+        answer_to_mpi()  # torch's "mpi" name too, where SPMD_TORCH_MPI=1 asks for it
+    except Exception as exc:  # noqa: BLE001 - nor here
+        warnings.warn(f"spmd: could not answer to torch's \"mpi\" backend name: {exc}",
                       stacklevel=2)
