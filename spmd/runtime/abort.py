@@ -6,18 +6,21 @@ rank-tagged traceback, a flight-recorder dump, then ``MPI_Abort``, so ``mpiexec`
 from __future__ import annotations
 
 import contextlib
+import os
 import sys
 import time
 import traceback
 
 from mpi4py import MPI
 
+from spmd.backends.nccl import communicator as nccl_communicator
 from spmd.core import flight_recorder
 from spmd.core.errors import DistTimeoutError
 from spmd.core.lines import write_lines
 from spmd.runtime.reliability import state
 
-__all__ = ["ABORT_GRACE", "abort_job", "after_device_timeout", "excepthook"]
+__all__ = ["ABORT_GRACE", "abort_job", "after_device_timeout", "excepthook",
+           "stays_up_after_device_timeout"]
 
 ABORT_GRACE = 0.5  # seconds between an uncaught exception's traceback and MPI_Abort
 
@@ -44,7 +47,8 @@ def excepthook(exc_type, exc, tb) -> None:
 
 
 def abort_job(text: str) -> None:
-    """Print ``text`` (rank-tagged) and end the whole MPI job (``MPI_Abort``)."""
+    """Print ``text`` (rank-tagged) and end the whole MPI job (``MPI_Abort``); never
+    returns."""
     tag = f"[rank {state.rank}] "
     with contextlib.suppress(Exception):
         sys.stdout.flush()
@@ -54,23 +58,45 @@ def abort_job(text: str) -> None:
     # reaches it: give it a moment to pass the text on first.
     time.sleep(ABORT_GRACE)
     MPI.COMM_WORLD.Abort(1)
+    # MPICH's MPI_Abort returns while the launcher tears the job down: this rank must not
+    # go on meanwhile (its program would get the error and run on with it).
+    os._exit(1)
+
+
+def stays_up_after_device_timeout() -> bool:
+    """Whether this process goes on after one of its device ops timed out (the
+    device-timeout policy is "raise")."""
+    return state.config.device_timeout == "raise"
+
+
+# The NCCL engine asks this before it lets a timed-out op's stream go (it cannot import
+# the runtime): a process that ends never lets it go.
+nccl_communicator.set_timeout_policy(stays_up_after_device_timeout)
 
 
 def after_device_timeout(engine: str, op: str, seq: int | None,
                          diagnosis: str | None = None) -> None:
     """An op on ``engine`` timed out (found by the watchdog or by a waiting rank).  On an
     engine whose blocking calls return before the op completes (NCCL), the program may
-    already hold the op's outputs as if they were results; by default the job ends here,
-    after the diagnosis (torch's default does the same).  With ``SPMD_DEVICE_TIMEOUT=
-    raise`` the process stays up: the op's Work, the group's next op and its next wait
-    raise instead, so a fault-tolerant program can go on without that data.
+    already hold the op's outputs and be reading them (``asnumpy``, ``.item()``, a
+    synchronize); those reads wait for the op's stream, which spmd leaves blocked (the
+    communicator is held, not aborted).  By default the job ends here, after the
+    diagnosis, with the stream still blocked: nothing the op wrote reaches the program,
+    not even during ``ABORT_GRACE``; the device is let go only as the process goes.
+
+    With ``SPMD_DEVICE_TIMEOUT=raise`` the process stays up: the op's Work, the group's
+    next op and its next wait raise, and the stream stays blocked until the program
+    destroys the group (``destroy_process_group`` then aborts the NCCL communicator,
+    and the op's outputs hold whatever it had written).  A read that bypasses spmd
+    cannot be made to raise on CUDA: it waits until then.
 
     ``diagnosis``: the timeout's text where nobody has printed it yet (a waiting rank's,
     which would otherwise only be raised)."""
-    if engine != flight_recorder.NCCL_ENGINE or state.config.device_timeout != "abort":
+    if engine != flight_recorder.NCCL_ENGINE or stays_up_after_device_timeout():
         return
     text = "" if diagnosis is None else diagnosis + "\n"
     abort_job(text + f"spmd: {op} #{seq} timed out on the GPU ({engine}); its outputs are not "
-              "results, so the job ends here (SPMD_DEVICE_TIMEOUT=raise, or pg_options="
-              "{'device_timeout': 'raise'}, keeps this process up: the op's Work and the "
-              "group's next op then raise)")
+              "results, so the job ends here, with its stream still blocked so that no read "
+              "of them returns (SPMD_DEVICE_TIMEOUT=raise, or pg_options={'device_timeout': "
+              "'raise'}, keeps this process up: the op's Work and the group's next op then "
+              "raise)")

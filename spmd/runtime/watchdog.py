@@ -1,8 +1,9 @@
 """The watchdog thread: it checks in-flight operations against their group's timeout
-even when nobody waits on them, and reports them as a waiting rank would (aborting a
-GPU communicator, so kernels end); on an MPI with ULFM it asks which ranks died
-(``failures.watch``); it beats a heartbeat that the control thread watches
-(``heartbeat_check``), which reports a watchdog that is itself stuck."""
+even when nobody waits on them, and reports them as a waiting rank would (holding a GPU
+communicator, so the op's stream stays blocked: ``spmd.runtime.abort``); on an MPI with
+ULFM it asks which ranks died (``failures.watch``); it beats a heartbeat that the
+control thread watches (``heartbeat_check``), which reports a watchdog that is itself
+stuck."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import traceback
 from spmd.backends.mpi import orphans
 from spmd.core import flight_recorder
 from spmd.runtime import failures
-from spmd.runtime.abort import after_device_timeout
+from spmd.runtime.abort import after_device_timeout, stays_up_after_device_timeout
 from spmd.runtime.diagnosis import handle_timeout
 from spmd.runtime.locations import frame_of
 from spmd.runtime.reliability import report, state
@@ -69,8 +70,13 @@ class Watchdog:
                 text = handle_timeout(op, g, seq, e.kind, age, "watchdog", engine)
                 where = "in flight" if device is None else f"running on the GPU ({engine})"
                 if device is not None:
-                    device[0].abort_timed_out(op, seq)
-                    text += f"\n  the group's {engine} communicator was aborted"
+                    # Held, never aborted here: aborting lets the stream the program's
+                    # reads wait on go on, and hand them the op's outputs.
+                    device[0].hold(f"{op} #{seq} timed out (found by the watchdog)")
+                    text += (f"\n  the group's {engine} communicator is held, not aborted: "
+                             "the op's stream stays blocked until "
+                             + ("the group is destroyed" if stays_up_after_device_timeout()
+                                else "the process ends"))
                 report(f"spmd watchdog: {op} #{seq} on group {g.name} is still {where} "
                        f"{age:.1f} s after it started and nobody waits for it:\n{text}")
                 after_device_timeout(engine, op, seq)

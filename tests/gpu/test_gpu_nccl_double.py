@@ -3,8 +3,11 @@ SPMD_TEST_DEVICE=double) at every world size, where there is no GPU, and
 deterministically (the double can hold its device): a Work's stream semantics, reaping,
 asynchronous errors, host timeouts; the watchdog, the flight recorder and the
 diagnoses: an NCCL job that idles past its timeout keeps its groups, a real NCCL hang
-is reported naming NCCL, the op, the group and the ranks, and its communicator aborted."""
+is reported naming NCCL, the op, the group and the ranks, and its communicator held:
+reads of the op's outputs wait until the program gives the group up, and only a process
+that stays up after device timeouts ever lets them go."""
 
+import threading
 import time
 from datetime import timedelta
 
@@ -31,12 +34,14 @@ def double(dist):
 
 
 @pytest.fixture
-def nccl_group(fresh, double, monkeypatch):
+def nccl_group(monkeypatch, fresh, double):
     """Makes a new group of every rank whose GPU arrays go to NCCL, with a 1 s timeout.
 
     These tests time NCCL ops out on purpose and look at what follows in the process, so
     the device-timeout policy is "raise" here; the default ("abort": the job ends) is
-    tested on whole jobs (tests/jobs/test_reliability_jobs.py)."""
+    tested on whole jobs (tests/jobs/test_gpu_timeout_jobs.py).  ``monkeypatch`` comes
+    first so that it undoes the policy after ``fresh`` has destroyed the groups: a held
+    communicator is then let go, not abandoned with its stream blocked."""
     from spmd.runtime.reliability import state
 
     monkeypatch.setattr(state.config, "device_timeout", "raise")
@@ -104,9 +109,18 @@ def test_finished_ops_leave_the_in_flight_list_without_a_poll(dist, double, nccl
     assert not [e for e in fr.recorder.in_flight() if e.group is g.context]
 
 
-def test_nccl_hang_is_reported_and_aborted(dist, double, nccl_group):
+def _reader(x) -> tuple[threading.Thread, list]:
+    """A thread that reads ``x`` (``x.get()``) at once; the list gets what it read."""
+    got: list = []
+    t = threading.Thread(target=lambda: got.append(x.get()), daemon=True)
+    t.start()
+    return t, got
+
+
+def test_nccl_hang_is_reported_and_held(dist, double, nccl_group):
     """Every rank calls; the device never finishes (held): the watchdog reports the op as
-    stuck in NCCL on the GPU, breaks the group and aborts its communicator."""
+    stuck in NCCL on the GPU, breaks the group and holds its communicator (not aborted:
+    that would let the streams waiting for the op go on)."""
     from spmd.runtime import reliability
 
     cp, n = double, dist.get_world_size()
@@ -136,18 +150,22 @@ def test_nccl_hang_is_reported_and_aborted(dist, double, nccl_group):
         assert "every rank reached all_reduce #2; it is stuck inside NCCL on the GPU" in text
         assert "reached it: rank" in text
     assert "stuck inside MPI" not in text
-    assert "the group's NCCL communicator was aborted" in text
+    assert "the group's NCCL communicator is held, not aborted: the op's stream stays " \
+           "blocked until the group is destroyed" in text, text
     communicator = backend.communicator
     assert g.context.error is not None and communicator.broken is not None
-    assert communicator.nccl_comm._aborted
-    with pytest.raises(dist.GroupBrokenError):
+    assert communicator.held and not communicator.nccl_comm._aborted
+    with pytest.raises(dist.GroupBrokenError, match="the group's NCCL communicator is held "
+                       "after all_reduce #2 timed out"):
         work.synchronize()
     with pytest.raises(dist.GroupBrokenError):
         dist.all_reduce(cp.ones(1, cp.float32), group=g)
 
 
 def test_nccl_op_a_peer_never_joins(dist, double, nccl_group):
-    """Rank 0 alone calls: the others are named as not having reached the op."""
+    """Rank 0 alone calls, and reads the output at once: the others are named as not
+    having reached the op, and the read waits past the report until the group is
+    destroyed (the policy here is "raise": only then is the communicator aborted)."""
     from spmd.runtime import reliability
 
     n, me = dist.get_world_size(), dist.get_rank()
@@ -160,47 +178,121 @@ def test_nccl_op_a_peer_never_joins(dist, double, nccl_group):
     seen = len(reliability.reports)
     found = []
     if me == 0:
-        dist.all_reduce(cp.ones(2, cp.float32), group=g, async_op=True)
+        x = cp.full(2, 7, cp.float32)
+        dist.all_reduce(x, group=g)          # returns once enqueued
+        reader, got = _reader(x)
         found = _wait_for_report(seen, "alone-nccl")
+        blocked = reader.is_alive()
+        communicator = g.engine_for("cuda").communicator
+        assert communicator.held and not communicator.nccl_comm._aborted
     dist.barrier()
+    dist.destroy_process_group(g)           # gives it up: the held stream is let go
     if me == 0:
         assert found, "the watchdog did not report the NCCL op no peer joined"
         text = found[0]
         assert "all_reduce #2 on group alone-nccl is still running on the GPU (NCCL)" in text
         assert "ranks that have not reached all_reduce #2:" in text, text
         assert "rank 1" in text
-        assert g.engine_for("cuda").communicator.nccl_comm._aborted
+        assert blocked, f"the read returned {got} before the group was given up"
+        reader.join(timeout=30)
+        assert communicator.aborted and not reader.is_alive()
+        np.testing.assert_array_equal(got[0], np.full(2, 7, np.float32))  # not results
 
 
 def test_host_wait_timeout_names_nccl(dist, double, nccl_group):
-    cp = double
+    """Rank 0's host wait times out (its device held; the others do not wait, so none of
+    them breaks the group first): the diagnosis names NCCL, and the communicator is held,
+    not aborted."""
+    cp, me = double, dist.get_rank()
     g = nccl_group("wait-nccl")
     dist.all_reduce(cp.ones(1, cp.float32), group=g)
     dd.runtime.deviceSynchronize()
-    dd.hold()
+    info = None
+    if me == 0:
+        dd.hold()
     try:
         work = dist.all_reduce(cp.ones(1, cp.float32), group=g, async_op=True)
-        with pytest.raises(dist.DistTimeoutError) as info:
-            work.synchronize(timeout=0.3)
+        if me == 0:
+            with pytest.raises(dist.DistTimeoutError) as info:
+                work.synchronize(timeout=0.3)
     finally:
         dd.release()
-    text = str(info.value)
-    assert "(collective #2 on group wait-nccl, NCCL, group timeout 1 s)" in text, text
-    assert "the NCCL communicator was aborted" in text and "is now broken" in text, text
-    assert g.engine_for("cuda").communicator.nccl_comm._aborted
-    with pytest.raises(dist.GroupBrokenError, match=r"broadcast: the group's NCCL communicator "
-                       "was aborted after all_reduce timed out"):
-        g.engine_for("cuda").communicator.check("broadcast")
+    dd.runtime.deviceSynchronize()   # the device catches up (held, not aborted: it can)
+    if me == 0:
+        assert info is not None
+        text = str(info.value)
+        assert "(collective #2 on group wait-nccl, NCCL, group timeout 1 s)" in text, text
+        assert "(timed out waiting on the host)" in text and "is now broken" in text, text
+        communicator = g.engine_for("cuda").communicator
+        assert communicator.held and not communicator.nccl_comm._aborted
+        with pytest.raises(dist.GroupBrokenError, match=r"broadcast: the group's NCCL "
+                           "communicator is held after all_reduce timed out: that op's "
+                           "outputs are not results"):
+            communicator.check("broadcast")
+    dist.barrier()
     g2 = nccl_group("barrier-nccl")
     dist.all_reduce(cp.ones(1, cp.float32), group=g2)
     dd.runtime.deviceSynchronize()
-    dd.hold()
+    if me == 0:
+        dd.hold()
     try:  # a barrier's wait blocks the host
         work = dist.barrier(group=g2, async_op=True, device_ids=[0])
-        with pytest.raises(dist.DistTimeoutError, match="barrier: did not complete"):
-            work.wait(timeout=0.2)
+        if me == 0:
+            with pytest.raises(dist.DistTimeoutError, match="barrier: did not complete"):
+                work.wait(timeout=0.2)
     finally:
         dd.release()
+    dd.runtime.deviceSynchronize()
+    dist.barrier()
+
+
+@pytest.mark.parametrize("policy", ["raise", "abort"])
+def test_a_held_group_given_up_lets_its_stream_go_only_where_the_process_stays_up(
+        dist, double, fresh, monkeypatch, policy):
+    """Rank 0's op is held (as a timeout holds it; the group's own timeout is far away):
+    a read of its output waits, and destroying the group aborts the communicator, letting
+    the read return, only under "raise"; under "abort" (the process is ending) the
+    communicator is abandoned with the read still waiting."""
+    from spmd.backends.nccl import communicator as nccl_communicator
+    from spmd.runtime.reliability import state
+
+    if dist.get_world_size() == 1:
+        pytest.skip("needs a peer that does not call")
+    monkeypatch.setattr(state.config, "device_timeout", policy)
+    cp, me = double, dist.get_rank()
+    g = fresh(backend=SPEC, timeout=timedelta(seconds=60), group_desc=f"held-{policy}")
+    dist.all_reduce(cp.ones(1, cp.float32), group=g)
+    dd.runtime.deviceSynchronize()
+    dist.barrier()
+    if me != 0:
+        dist.barrier()
+        dist.destroy_process_group(g)
+        return
+    x = cp.full(3, 5, cp.float32)
+    dist.all_reduce(x, group=g)              # the peers never join it
+    communicator = g.engine_for("cuda").communicator
+    comm = communicator.nccl_comm
+    communicator.hold("all_reduce #2 timed out (in this test)")
+    reader, got = _reader(x)
+    with pytest.raises(dist.GroupBrokenError, match="is held after all_reduce #2 timed out"):
+        dist.all_reduce(cp.ones(1, cp.float32), group=g)
+    dist.barrier()
+    dist.destroy_process_group(g)
+    try:
+        if policy == "raise":
+            reader.join(timeout=30)
+            assert communicator.aborted and comm._aborted and not reader.is_alive()
+            np.testing.assert_array_equal(got[0], np.full(3, 5, np.float32))  # not results
+        else:
+            assert not communicator.aborted and not comm._aborted
+            assert communicator in nccl_communicator.abandoned
+            reader.join(timeout=0.5)
+            assert reader.is_alive(), f"the read returned {got} in a process that ends"
+    finally:  # this process goes on with the next test: let the read go
+        comm.abort()
+        reader.join(timeout=30)
+        if communicator in nccl_communicator.abandoned:
+            nccl_communicator.abandoned.remove(communicator)
 
 
 def test_work_orders_the_stream_not_the_host(dist, double, nccl_group):

@@ -6,6 +6,16 @@ The engine (``engine.py``) says what to enqueue; this module owns when and where
 ``with communicator.launch(op) as (comm, stream_ptr):`` enqueues on the communicator's
 stream after the caller's current stream, and ``communicator.started(...)`` returns the
 operation's Work.
+
+After a timeout the communicator is *held*, never aborted on the spot: ``ncclCommAbort``
+would end the stuck kernel, and the streams waiting for it (the program's, after a
+blocking op) would go on to hand the program the op's outputs, which are not results.
+Held, every later use through spmd raises, and a read that waits for the op (``asnumpy``,
+``.get()``, ``.item()``, a synchronize) keeps waiting.  CUDA has no way to make such a
+read fail instead, so the stream is let go only when the program gives the group up
+(``destroy_process_group``, ``shrink_group``), and only in a process that stays up after
+device timeouts (``SPMD_DEVICE_TIMEOUT=raise``, told by ``set_timeout_policy``); the
+default policy ends the process with the stream still blocked.
 """
 
 from __future__ import annotations
@@ -16,22 +26,45 @@ import os
 import threading
 import time
 import weakref
+from collections.abc import Callable
 
 from spmd.backends.nccl.uniqueid import host_identity, uid_for_cupy, uid_to_bytes
 from spmd.backends.setup import set_up
 from spmd.core import cuda as _gpu
 from spmd.core.bootstrap import broadcast_value, check_distinct_gpus
 from spmd.core.context import GroupContext
-from spmd.core.errors import DistBackendError, GroupBrokenError, located
+from spmd.core.errors import DistBackendError, DistTimeoutError, GroupBrokenError, located
 from spmd.core.flight_recorder import NCCL_ENGINE, recorder
 from spmd.core.timeouts import to_seconds
 from spmd.core.wait import wait_until
 from spmd.core.work import Work
 
-__all__ = ["NOCOLOR", "SPLIT_VERSION", "Communicator", "Launch", "NcclWork", "can_split"]
+__all__ = ["NOCOLOR", "SPLIT_VERSION", "Communicator", "Launch", "NcclWork", "abandoned",
+           "can_split", "set_timeout_policy"]
 
 SPLIT_VERSION = 21800  # ncclCommSplit
 NOCOLOR = -1           # NCCL_SPLIT_NOCOLOR
+
+
+def _ends() -> bool:
+    return False
+
+
+# Whether this process stays up after one of its device ops timed out (the runtime's
+# policy): only then is a held communicator's stream ever let go.  Until the runtime says,
+# it is not.
+_stays_up: Callable[[], bool] = _ends
+
+# Held communicators given up in a process that is ending: kept, with the arrays their
+# ops hold, so that nothing frees memory the blocked GPU may still write.
+abandoned: list[Communicator] = []
+
+
+def set_timeout_policy(stays_up: Callable[[], bool]) -> None:
+    """Install the runtime's answer to "does this process go on after a device op of it
+    timed out?" (asked when a held communicator's group is given up)."""
+    global _stays_up
+    _stays_up = stays_up
 
 
 def can_split(nccl) -> bool:
@@ -61,8 +94,8 @@ class InFlight:
 class Communicator:
     """One group's NCCL communicator, its stream and its operations in flight."""
 
-    __slots__ = ("broken", "cp", "created_by", "device", "group", "inflight", "nccl",
-                 "nccl_comm", "ready", "runtime", "stream")
+    __slots__ = ("aborted", "broken", "cp", "created_by", "device", "group", "held",
+                 "inflight", "nccl", "nccl_comm", "ready", "runtime", "stream")
 
     def __init__(self, group: GroupContext, cp, nccl) -> None:
         self.group = group
@@ -73,7 +106,9 @@ class Communicator:
         self.stream = None         # the stream the operations run on
         self.ready = None          # the event the stream waits on: reused (a wait takes its last record)
         self.device: int | None = None
-        self.broken: str | None = None   # why it was aborted
+        self.broken: str | None = None   # why it can run no more operations
+        self.held = False                # a timeout broke it: see hold()
+        self.aborted = False             # ncclCommAbort ran: its streams went on
         self.inflight: collections.deque[InFlight] = collections.deque()  # oldest first
         self.created_by: str | None = None  # "unique id" or "commSplit", for tests and spmd info
 
@@ -141,38 +176,77 @@ class Communicator:
                               self.group) from exc
 
     def shutdown(self) -> None:
-        comm, self.nccl_comm = self.nccl_comm, None
+        """The group is destroyed or given up: free the communicator once its operations
+        have completed; on a broken group, abort it instead (``let_go``), or abandon it
+        where a timeout holds it in a process that is ending."""
+        comm = self.nccl_comm
         if comm is None:
             return
-        if self.broken is None:
+        if self.broken is None and self.group.error is None:
             try:
                 self.stream.synchronize()
             finally:
+                self.nccl_comm = None
                 comm.destroy()
+            self.inflight.clear()
+            return
+        if self.inflight:
+            self.reap()
+        if self.broken is None and not self.inflight:  # broken elsewhere; nothing pending here
+            self.nccl_comm = None
+            comm.destroy()
+            return
+        if self.broken is None:  # the group broke under operations still pending here
+            self.hold(f"group {self.group.name} broke ({self.group.error})")
+        if not self.let_go():
+            abandoned.append(self)
+        self.nccl_comm = None
         self.inflight.clear()
 
     # -- faults -------------------------------------------------------------------------
 
     def check_broken(self, op: str) -> None:
-        if self.broken is not None:
-            raise located(GroupBrokenError, op, f"the group's NCCL communicator was aborted "
-                          f"after {self.broken}; destroy the group and make a new one",
-                          self.group)
+        if self.broken is None:
+            return
+        if self.held and not self.aborted:
+            raise located(GroupBrokenError, op, f"the group's NCCL communicator is held after "
+                          f"{self.broken}: that op's outputs are not results, and the "
+                          "streams waiting for it stay blocked until the group is destroyed; "
+                          "destroy the group and make a new one", self.group)
+        raise located(GroupBrokenError, op, f"the group's NCCL communicator was aborted "
+                      f"after {self.broken}; destroy the group and make a new one", self.group)
+
+    def hold(self, why: str) -> None:
+        """A timeout broke the communicator (``why``): every later use raises, and nothing
+        is aborted, so the timed-out op's stream, and every stream ordered after it, stays
+        blocked and no read of its outputs returns.  Never blocks (the watchdog calls it)."""
+        if self.broken is None:
+            self.broken = why
+        self.held = True
 
     def abort(self, why: str) -> None:
-        self.broken = why
+        """Break the communicator (``why``) and let its streams go (``let_go``)."""
+        if self.broken is None:
+            self.broken = why
+        self.let_go()
+
+    def let_go(self) -> bool:
+        """``ncclCommAbort``: kernels end and the streams waiting for them go on, with
+        whatever the operations had written.  Refused (False) for a communicator a timeout
+        holds, unless this process stays up after device timeouts: an ending process ends
+        with the stream blocked."""
+        if self.held and not _stays_up():
+            return False
         comm = self.nccl_comm
-        if comm is not None:
+        if comm is not None and not self.aborted:
+            self.aborted = True
             with contextlib.suppress(Exception):
                 comm.abort()
-
-    def abort_timed_out(self, op: str, seq: int | None) -> None:
-        """The watchdog found ``op`` past its timeout on the GPU: abort, so kernels end."""
-        if self.broken is None:
-            self.abort(f"{op} #{seq} timed out (found by the watchdog)")
+        return True
 
     def check(self, op: str) -> None:
-        """Raise if the communicator was aborted or NCCL reports an asynchronous error."""
+        """Raise if the communicator is broken (aborted or held) or NCCL reports an
+        asynchronous error."""
         self.check_broken(op)
         comm = self.nccl_comm
         if comm is None:
@@ -222,9 +296,14 @@ class Communicator:
             else:
                 os.sched_yield()
 
-        wait_until(done, seconds, work.op, self.group, work=work, nap=nap,
-                   source="waiting on the host; the NCCL communicator was aborted",
-                   on_timeout=lambda: self.abort(f"{work.op} timed out"))
+        try:
+            wait_until(done, seconds, work.op, self.group, work=work, nap=nap,
+                       source="waiting on the host")
+        except DistTimeoutError:
+            # The diagnosis ends the job here unless the process stays up; either way the
+            # op's stream stays blocked (hold, never abort).
+            self.hold(f"{work.op} timed out")
+            raise
         self.check(work.op)
 
     def reap(self) -> None:
@@ -344,7 +423,16 @@ class NcclWork(Work):
 
     def _test(self) -> bool:
         self._owner.check(self.op)
-        return bool(self._event.done)
+        if self._event.done:
+            return True
+        self._check_group()
+        return False
+
+    def _check_group(self) -> None:
+        """Raise if the group broke (a timeout here or on a peer) with this op pending:
+        it can no longer complete in step with the other ranks."""
+        if self.group.error is not None and not self._event.done:
+            self.group.check_alive(self.op)
 
     def is_completed(self) -> bool:
         """True once the GPU has passed the operation's end event; never blocks."""
@@ -366,6 +454,7 @@ class NcclWork(Work):
             return True
         if not self._done:
             self._owner.check(self.op)
+            self._check_group()
             self._owner.stream_wait(self._event)
             future = self._future
             # (future._done: its state without polling, as above)

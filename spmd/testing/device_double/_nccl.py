@@ -123,9 +123,11 @@ class _Launch:
         if self.pending:
             return False
         collectives = [op for op in self.ops if isinstance(op, _Collective)]
-        if collectives:
+        if collectives and not collectives[0].comm._aborted:
             # Every member has started these collectives, so each has finished the
             # launches before them (in stream order) and read this rank's parts of them.
+            # (Not so when they ended by an abort: a slower member may still be reading
+            # this rank's part of an earlier one.)
             collectives[0].comm._forget_before(min(op.seq for op in collectives))
         return True
 
