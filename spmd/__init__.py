@@ -97,6 +97,7 @@ if TYPE_CHECKING:
         new_subgroups_by_enumeration,
         split_group,
     )
+    from spmd.runtime.heal import heal, heal_state, is_replacement
     from spmd.runtime.shrink import (
         SHRINK_ABORT,
         SHRINK_DEFAULT,
@@ -273,6 +274,9 @@ __all__ = [
     "get_failed_ranks",
     "fault_tolerant",
     "shrink_group",
+    "heal",
+    "heal_state",
+    "is_replacement",
     "rebuild_device_mesh",
     "get_world_size",
     "init_device_mesh",

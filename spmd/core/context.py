@@ -71,7 +71,8 @@ class GroupContext:
     """
 
     __slots__ = ("comm", "rank", "size", "ranks", "index", "name", "desc", "timeout",
-                 "backend_name", "store", "error", "failed", "op_counters", "inherited",
+                 "backend_name", "store", "error", "failed", "departed", "op_counters",
+                 "inherited",
                  "bootstrap_seq", "bootstrap_count", "engine_for", "on_end",
                  "__weakref__")  # debug mode keeps per-group state in weak dicts
 
@@ -91,6 +92,7 @@ class GroupContext:
         self.store = store
         self.error: str | None = None
         self.failed: tuple[int, ...] | None = None
+        self.departed: str | None = None
         self.op_counters = array("q", [0, 0])
         self.inherited: dict[str, Any] = {}
         self.bootstrap_seq: int | None = None
@@ -109,6 +111,29 @@ class GroupContext:
             self._ended()
             if tell_peers and _tell_peers is not None and self.size > 1:
                 _tell_peers(self, reason)
+
+    def mark_departed(self, reason: str) -> None:
+        """A member's program ended (it exited): the group's collectives can no longer
+        complete, so a wait for one raises (:meth:`wait_error`), while its other calls
+        (``get_rank``, ``destroy``, point-to-point ops between the others) go on."""
+        if self.departed is None:
+            self.departed = reason
+            self._ended()   # the compiled path stops taking its calls
+
+    def wait_error(self, op: str, collective: bool = True) -> Exception | None:
+        """Why a wait for ``op`` on this group cannot complete (it broke, a member died,
+        or, for a collective, one exited), or None."""
+        if self.error is not None or self.comm is None:
+            try:
+                self.check_alive(op)
+            except Exception as exc:  # noqa: BLE001 - returned, the caller raises it
+                return exc
+        if self.departed is not None and collective:
+            return GroupBrokenError(f"{op}: {self.departed}; the group's collectives can no "
+                                    "longer complete: spmd.shrink_group() without the rank "
+                                    "makes a group of the others "
+                                    f"[rank {self.rank}, group {self.name}]")
+        return None
 
     def mark_failed(self, failed: tuple[int, ...]) -> None:
         """Members died (``failed``: their global ranks, agreed by the survivors): every

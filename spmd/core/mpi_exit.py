@@ -21,9 +21,10 @@ import atexit
 import os
 import sys
 
-__all__ = ["prepare", "note_failure"]
+__all__ = ["prepare", "note_failure", "note_replacement"]
 
 _failure_seen = False
+_must_finalize = False
 _prepared = False
 
 
@@ -50,8 +51,19 @@ def note_failure() -> None:
     _failure_seen = True
 
 
+def note_replacement() -> None:
+    """This process was started by healing (spmd.heal), in a job of its own that the
+    launcher did not start fault tolerant: it must end with MPI_Finalize, even after a
+    failure, or the launcher takes its exit for a crash and ends everything.  (Open MPI
+    5.0: a survivor's MPI_Finalize after a failure and a spawn hangs or aborts about
+    one run in five, with mpi4py alone too; the survivors leave without it, as after
+    any failure, and the new processes' finalize then completes.)"""
+    global _must_finalize
+    _must_finalize = True
+
+
 def _finalize() -> None:
-    if _failure_seen:
+    if _failure_seen and not _must_finalize:
         return
     mpi = sys.modules.get("mpi4py.MPI")
     if mpi is not None and mpi.Is_initialized() and not mpi.Is_finalized():

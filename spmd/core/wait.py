@@ -16,6 +16,7 @@ from typing import Any
 
 from spmd.core.context import GroupContext
 from spmd.core.errors import DistError, DistTimeoutError
+from spmd.core.optable import is_p2p
 
 __all__ = ["wait_until", "timeout_error", "set_oversubscribed", "set_diagnosis",
            "set_failure_check"]
@@ -77,15 +78,15 @@ def timeout_error(op: str, group: GroupContext, waited: float, *, seq: int | Non
 BROKEN_GRACE = 0.25
 
 
-def _last_look(test: Callable[[], Any], group: GroupContext, op: str) -> None:
+def _last_look(test: Callable[[], Any], error: Exception) -> None:
     """The group broke during a wait: return if the op completes within the grace,
-    else raise the group's error."""
+    else raise ``error``."""
     end = _monotonic() + BROKEN_GRACE
     while _monotonic() < end:
         if test():
             return
         _yield()
-    group.check_alive(op)
+    raise error
 
 
 def wait_until(test: Callable[[], Any], seconds: float, op: str, group: GroupContext, *,
@@ -126,9 +127,12 @@ def wait_until(test: Callable[[], Any], seconds: float, op: str, group: GroupCon
             failed = _failure_check(op, group)
             if failed is not None:
                 raise failed
-        if group.error is not None:   # broken meanwhile: the op can never complete in step
-            _last_look(test, group, op)
-            return
+        if group.error is not None or group.departed is not None:
+            # Broken meanwhile, or a member exited: the op may never complete.
+            error = group.wait_error(op, collective=not is_p2p(op))
+            if error is not None:
+                _last_look(test, error)
+                return
         if _monotonic() > deadline:
             if on_timeout is not None and on_timeout():
                 return

@@ -53,7 +53,7 @@ def tell_broken(g: GroupContext, reason: str) -> None:
     if ch is None:
         return
     me = g.ranks[g.rank]
-    ch.query([r for r in g.ranks if r != me],
+    ch.query([r for r in g.ranks if r != me and r not in exits.exited],
              {"q": "broken", "group": group_key(g), "reason": reason, "from": me},
              min(state.config.query_timeout, hangs.QUERY_SECONDS))
 
@@ -268,7 +268,10 @@ def _handle(op: str, g: GroupContext, seq: int | None, kind: str, waited: float,
         text += (f"\n  this job survives failed ranks (ULFM): the hung rank(s) {ended} are "
                  f"ended so that MPI reports them failed: {done}")
     if kind == "collective" and g.error is None:
-        g.mark_broken(f"{op} #{seq} timed out on rank {state.rank} after {waited:.1f} s")
+        # Ended hung members make the others' ops fail through MPI, and the survivors
+        # agree on them: nobody to tell (and no answer to wait for from the ended).
+        g.mark_broken(f"{op} #{seq} timed out on rank {state.rank} after {waited:.1f} s",
+                      tell_peers=not ended)
         text += f"\n  group {g.name} is now broken: later calls on it raise GroupBrokenError"
     if kind != "collective" and source == "wait":
         return text, ended  # a receive can still complete: no dump for a polling wait(timeout)

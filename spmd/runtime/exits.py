@@ -4,13 +4,12 @@ A rank whose program ends (``sys.exit``, the end of the script) while another st
 in a collective with it would leave that one waiting for the group's timeout, and its
 diagnosis could only say the rank does not answer.  At exit each rank tells the others
 over the control channel (:func:`announce`, an ``atexit`` handler); a peer that hears it
-(:func:`heard`) breaks every group it shares with the exited rank, so a wait on one of
-them raises GroupBrokenError naming the rank and what it did last, within moments.
-
-Under ULFM (a job that survives a dead rank) the exit is a failure like any other: the
-exiting rank leaves without ``MPI_Finalize``, so MPI reports it failed, the survivors
-agree on it and ``shrink_group`` (and healing) go on as for a killed rank; the peers
-only keep the exit's words for the failure's message.
+(:func:`heard`) marks every group it shares with the exited rank departed, so a wait for
+a collective of one of them raises GroupBrokenError naming the rank and what it did
+last, within moments (a call that waits for nothing, as ``get_rank``, goes on).  On
+every MPI alike: the exited process sits in ``MPI_Finalize`` (alive to MPI, also under
+ULFM), so the survivors go on as after a planned removal: ``shrink_group`` of the exited
+ranks (which only the stayers call), then ``heal`` if the job wants its size back.
 
 A rank that ends normally tells the others the same; what they wait for then has
 completed already (every rank reached it), and a wait that sees its group break tests
@@ -23,12 +22,11 @@ import os
 import threading
 import time
 
-from spmd.backends.mpi import faults
-from spmd.core import flight_recorder, mpi_exit
+from spmd.core import flight_recorder
 from spmd.runtime.group import world_state
 from spmd.runtime.reliability import state
 
-__all__ = ["announce", "exited", "heard"]
+__all__ = ["announce", "exited", "exited_members", "heard", "reset"]
 
 # Global rank -> what it said when it exited (the words of the errors naming it).
 exited: dict[int, str] = {}
@@ -53,21 +51,28 @@ def announce() -> None:
         return
     me = world.context.ranks[world.context.rank]
     text = f"pid {os.getpid()}, {_last_op()}"
-    if faults.ulfm():
-        mpi_exit.note_failure()   # leave without MPI_Finalize: MPI reports it failed
     ch.notify([r for r in world.context.ranks if r != me],
               {"q": "exited", "from": me, "text": text})
 
 
 def heard(rank: int, text: str) -> None:
     """A peer said it exits (runs on the control thread): break this rank's groups that
-    hold it, unless MPI will report it failed (ULFM)."""
+    hold it."""
     with _lock:
         exited[rank] = text
-    if faults.ulfm():
-        return
     for pg in list(world_state.groups):
         ctx = pg.context
-        if ctx.comm is not None and rank in ctx.index and ctx.error is None:
-            ctx.mark_broken(f"rank {rank} exited the program ({text}) while this group "
-                            "still held it", tell_peers=False)
+        if ctx.comm is not None and rank in ctx.index:
+            ctx.mark_departed(f"rank {rank} exited the program ({text})")
+
+
+def exited_members(ctx) -> list[int]:
+    """The group ranks of ``ctx``'s members that exited."""
+    with _lock:
+        return sorted(ctx.index[g] for g in exited if g in ctx.index)
+
+
+def reset() -> None:
+    """Forget the exits (the ranks are renumbered: shrinking or healing WORLD)."""
+    with _lock:
+        exited.clear()

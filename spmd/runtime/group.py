@@ -163,6 +163,13 @@ class WorldState:
         self.store: Store | None = None
         self.node_rank = 0
         self.node_size = 1
+        # What healing needs (spmd.runtime.heal): the world's size when it was made, this
+        # process's rank in it (kept while shrinking renumbers the ranks), the ranks the
+        # last healing gave to new processes, and whether this process is one of them.
+        self.full_size = 1
+        self.home_rank = 0
+        self.replaced: tuple[int, ...] = ()
+        self.is_replacement = False
 
 
 world_state = WorldState()

@@ -37,7 +37,7 @@ __all__ = ["QUERY_SECONDS", "await_failure", "culprits", "end", "excluded", "lea
 
 # How long the diagnosis of a job that survives hangs waits for a member's answer: a
 # stopped one never answers, and the time to heal counts from the timeout.
-QUERY_SECONDS = 1.0
+QUERY_SECONDS = 0.5
 
 # Global rank -> (host, pid) of every rank of WORLD (under ULFM), gathered at start-up.
 _peers: list[tuple[str, int]] = []

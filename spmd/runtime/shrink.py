@@ -32,7 +32,7 @@ from mpi4py import MPI
 
 from spmd.backends.mpi import faults
 from spmd.core.errors import located
-from spmd.runtime import failures, supervision
+from spmd.runtime import exits, failures, supervision
 from spmd.runtime.group import (
     GroupMember,
     ProcessGroup,
@@ -121,6 +121,10 @@ def _stayers_comm(pg: ProcessGroup, excluded: list[int]) -> MPI.Intracomm:
         dead = failures.agree()
         if dead:
             return _from_survivors(pg, excluded, dead)
+    gone = exits.exited_members(ctx)
+    if gone and set(gone) <= set(excluded):
+        # Members that exited sit in MPI_Finalize: a group of the others needs only them.
+        return _create_group(ctx.comm, excluded)
     if ctx.error is not None:
         why = ("" if ulfm else "; if a member died, going on without it needs an MPI with "
                f"ULFM: {faults.ulfm_missing()}")
@@ -215,6 +219,7 @@ def _new_world(old: ProcessGroup, comm: MPI.Intracomm) -> ProcessGroup:
     for pg in reversed(world_state.groups):
         pg.abort()
     failures.reset()   # the dead ranks' numbers mean nothing in the new numbering
+    exits.reset()
     comm.Set_name(f"spmd:{ctx.name}")
     new = ProcessGroup(comm, range(comm.Get_size()), ctx.name, ctx.timeout, ctx.backend_name,
                        desc="default:shrunk", store=world_state.store)

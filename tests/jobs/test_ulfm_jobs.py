@@ -137,3 +137,35 @@ def test_a_hung_rank_is_ended_and_the_survivors_go_on(how, n):
         assert HANG_TIMEOUT <= r["seconds"] < HANG_TIMEOUT + HANG_SLACK, out
         assert r["shrunk_size"] == n - 1 and r["after"] is True, out
     assert f"the hung rank(s) [{n - 1}] are ended so that MPI reports them failed" in out, out
+
+
+# -- healing: back to full size, with the state --------------------------------------
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("faults", ["kill", "kill,stop"])
+def test_the_job_heals_back_to_full_size(faults):
+    """Ranks are lost one after another (a kill, then a hang): each time the survivors
+    shrink, heal() starts a process for the lost rank, heal_state() hands it the state,
+    and the step is redone on 4 ranks; the result equals the fault-free one and the job
+    ends cleanly (rc 0)."""
+    exe, *flags = mpiexec_prefix()
+    cmd = [exe, "--with-ft", "ulfm", *flags, "-n", "4", sys.executable,
+           "tests/programs/heal_job.py", faults]
+    proc = run(cmd, timeout=180)
+    out = proc.stdout
+    assert proc.returncode == 0, out
+    results = sorted((json.loads(line.split("RESULT ", 1)[1]) for line in out.splitlines()
+                      if line.startswith("RESULT ")), key=lambda r: r["rank"])
+    n_faults = len(faults.split(","))
+    steps = 3 + 4 * n_faults + 2
+    assert [r["rank"] for r in results] == [0, 1, 2, 3], out
+    lost = [3 - k for k in range(n_faults)]
+    for r in results:
+        assert r["size"] == 4 and r["step"] == steps, out
+        assert r["w"] == [steps * (steps + 1) / 2] * 4, out     # the fault-free sum
+        assert [h["failed"] for h in r["heals"]] == [[x] for x in lost], out
+        assert [h["new"] for h in r["heals"]] == [[x] for x in lost], out
+        assert r["heals"] == results[0]["heals"], out           # one state, from a peer
+    # The last heal's new process is a replacement; the first one's took part since.
+    assert results[lost[-1]]["replacement"] is True, out
+    assert sum(r["replacement"] for r in results) == 1, out

@@ -23,6 +23,12 @@ import numpy as np
 
 import spmd as dist
 
+
+def say(line: str) -> None:
+    """One write per line (the launcher can split a line written in two)."""
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()
+
 HOW = sys.argv[1]
 TIMEOUT = float(sys.argv[2]) if len(sys.argv) > 2 else 3.0
 faulthandler.dump_traceback_later(60, exit=True)   # a stuck survivor shows where it is
@@ -52,8 +58,8 @@ except dist.ProcessFailedError as exc:
     result["shrunk_size"] = n
     result["after"] = bool(np.all(y == n * (n + 1) / 2))
 except dist.DistError as exc:   # no ULFM: the diagnosis, then the job ends (abort)
-    print("RESULT " + json.dumps({**result, "error": type(exc).__name__,
+    say("RESULT " + json.dumps({**result, "error": type(exc).__name__,
                                   "text": str(exc).splitlines()[0],
-                                  "seconds": round(time.monotonic() - t0, 2)}), flush=True)
+                                  "seconds": round(time.monotonic() - t0, 2)}))
     raise
-print("RESULT " + json.dumps(result), flush=True)
+say("RESULT " + json.dumps(result))

@@ -155,6 +155,7 @@ MPI_MODULES = {
     "spmd.backends.checked",                            # debug mode's own communicator
     "spmd.runtime.world", "spmd.runtime.group", "spmd.layouts.mesh",   # Split, Create_group
     "spmd.runtime.shrink",                              # the survivors' communicator
+    "spmd.runtime.heal", "spmd.runtime.replacement",    # Spawn, Merge, the healed world
     "spmd.layouts.mpmd",                                # programs: APPNUM, Create_intercomm
     "spmd.core.nodes", "spmd.core.bootstrap", "spmd.core.launch",
     "spmd.core.mpi_exit",                               # mpi4py.rc.finalize, before MPI starts

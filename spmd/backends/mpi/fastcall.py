@@ -183,10 +183,7 @@ def _given_up(op: str, group: GroupContext, number: int, waited: float, handle: 
             recorder.end(number, True)
         error = RuntimeError(f"{op}: the wait was interrupted")
         if why == _ENDED:
-            try:
-                group.check_alive(op)
-            except Exception as exc:  # noqa: BLE001 - the group's own error is the one raised
-                error = exc
+            error = group.wait_error(op, collective=not receive and op != "send") or error
     if not receive:   # left running: the group is out of step (a timeout broke it already)
         group.mark_broken(f"{op} was given up on rank {group.rank} ({type(error).__name__}) "
                           "with its MPI operation still running")

@@ -1,0 +1,73 @@
+"""A process started by the survivors of a failure to take a lost rank's place.
+
+:func:`spmd.heal` (``spmd.runtime.heal``) starts new processes running the same program
+with ``MPI_Comm_spawn`` from the survivors' world and merges with them.  This module is
+both ends of what follows the spawn, so the two cannot drift apart:
+
+1. the merged communicator: the survivors first, in their order, then the new processes;
+2. the survivors' rank 0 sends the plan (:class:`Plan`): the world's full size and the
+   ranks the lost processes held, which the new ones take in order;
+3. every process splits the merged communicator by its rank in the full world, so the
+   world has its old numbering again and layouts rebuilt on it are the ones from before.
+
+A new process reaches step 1 from ``init_process_group()``: its MPI parent is the
+survivors' world (:func:`parent`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import cast
+
+from mpi4py import MPI
+
+__all__ = ["Plan", "join", "parent", "regroup", "send_plan"]
+
+_MAGIC = "spmd-heal-1"   # what the plan says first: a parent that is not spmd's healing is refused
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """What the survivors tell the processes they started."""
+
+    full_size: int               # the world's size before the failures
+    lost: tuple[int, ...]        # the ranks the new processes take, in their merged order
+    name: str                    # the world's name
+
+
+def parent() -> MPI.Intercomm | None:
+    """The survivors' world if this process was started to replace a lost rank, else None."""
+    p = MPI.Comm.Get_parent()
+    return None if p == MPI.COMM_NULL else p
+
+
+def regroup(merged: MPI.Intracomm, rank: int) -> MPI.Intracomm:
+    """The world in its old numbering: ``merged`` split by each process's ``rank`` there."""
+    world = cast(MPI.Intracomm, merged.Split(0, rank))
+    world.Set_errhandler(MPI.ERRORS_RETURN)
+    return world
+
+
+def join(inter: MPI.Intercomm) -> tuple[MPI.Intracomm, Plan]:
+    """A new process's end of the healing: merge with the survivors, learn the plan and
+    its rank, and return the world in its old numbering (a communicator of its own)."""
+    # Errors come back as exceptions, as on every communicator of spmd's: the parent's
+    # communicator starts with MPI's default handler, which aborts the job.
+    inter.Set_errhandler(MPI.ERRORS_RETURN)
+    merged = inter.Merge(high=True)
+    merged.Set_errhandler(MPI.ERRORS_RETURN)
+    plan = merged.bcast(None, root=0)
+    if not isinstance(plan, dict) or plan.get("magic") != _MAGIC:
+        raise RuntimeError("init_process_group: this process was started by MPI_Comm_spawn, "
+                           "but not by spmd.heal() (its parent sent no healing plan); a "
+                           "program spawned by other means cannot be an spmd replacement")
+    p = Plan(plan["full_size"], tuple(plan["lost"]), plan["name"])
+    mine = p.lost[merged.Get_rank() - (merged.Get_size() - len(p.lost))]
+    world = regroup(merged, mine)
+    merged.Free()
+    return world, p
+
+
+def send_plan(merged: MPI.Intracomm, plan: Plan) -> None:
+    """The survivors' end of step 2 (every survivor calls it; rank 0's plan goes out)."""
+    merged.bcast({"magic": _MAGIC, **dataclasses.asdict(plan)}, root=0)
