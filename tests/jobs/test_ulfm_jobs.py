@@ -169,3 +169,14 @@ def test_the_job_heals_back_to_full_size(faults):
     # The last heal's new process is a replacement; the first one's took part since.
     assert results[lost[-1]]["replacement"] is True, out
     assert sum(r["replacement"] for r in results) == 1, out
+
+
+@pytest.mark.timeout(150)
+def test_the_self_healing_example_heals_a_kill_and_a_hang():
+    out = example_output("self_healing_training.py", 120)
+    assert "[rank 3/4] a new process took rank 3 at step 5" in out, out
+    assert "[rank 1/4] a new process took rank 1 at step 15" in out, out
+    assert re.search(r"\[rank 0/4\] step 5: rank\(s\) \[3\] lost; .* back at full size", out), out
+    assert re.search(r"\[rank 0/4\] step 15: rank\(s\) \[1\] lost; .* back at full size", out), out
+    assert "[rank 0/4] trained 24 steps on 4 ranks, 2 failure(s) healed; final parameters " \
+           "equal the one-process reference" in out, out
