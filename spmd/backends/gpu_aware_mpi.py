@@ -14,6 +14,8 @@ from typing import NamedTuple
 
 from mpi4py import MPI
 
+from spmd.core import settings
+
 __all__ = ["AWARE_ENV", "GpuAwareness", "decide_gpu_awareness", "mpi_gpu_support",
            "mpi_library_paths", "query_cuda_support"]
 
@@ -85,11 +87,8 @@ def decide_gpu_awareness(library_version: str, query: int | None, env) -> GpuAwa
     """
     open_mpi = "Open MPI" in library_version
     first = library_version.strip().splitlines()[0].strip() if library_version.strip() else "?"
-    value = env.get(AWARE_ENV)
-    if value is not None and value.strip() != "":
-        value = value.strip()
-        if value not in ("0", "1"):
-            raise ValueError(f"{AWARE_ENV} must be 0 or 1, got {value!r}")
+    value = settings.read(AWARE_ENV, env)
+    if value is not None:
         aware = value == "1"
         return GpuAwareness(aware, f"{AWARE_ENV}={value}", aware and not open_mpi)
     if query is not None:

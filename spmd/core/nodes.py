@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-import os
 from collections.abc import Mapping
 from typing import cast
 
 from mpi4py import MPI
+
+from spmd.core import settings
 
 __all__ = ["PSEUDO_NODE_ENV", "node_layout", "pseudo_node_size", "split_node"]
 
@@ -19,18 +20,7 @@ def pseudo_node_size(environ: Mapping[str, str] | None = None) -> int | None:
     Raises:
         ValueError: the variable is set to something other than a positive integer.
     """
-    env = os.environ if environ is None else environ
-    value = env.get(PSEUDO_NODE_ENV, "").strip()
-    if not value:
-        return None
-    try:
-        k = int(value)
-    except ValueError:
-        k = 0
-    if k <= 0:
-        raise ValueError(f"{PSEUDO_NODE_ENV}={value!r}: expected a positive integer "
-                         "(the number of consecutive ranks per pseudo-node)")
-    return k
+    return settings.read(PSEUDO_NODE_ENV, environ)
 
 
 def split_node(comm: MPI.Intracomm) -> MPI.Intracomm:

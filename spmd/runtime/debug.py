@@ -21,10 +21,10 @@ did not arrive.
 from __future__ import annotations
 
 import enum
-import os
 
 from spmd.backends import checked, registry
 from spmd.backends.checked import CheckedEngine
+from spmd.core import settings
 
 __all__ = [
     "DebugLevel",
@@ -72,4 +72,4 @@ def set_debug_level(level: DebugLevel | int | str) -> None:
 
 def set_debug_level_from_env() -> None:
     """Set the debug level from ``SPMD_DEBUG`` (OFF if unset)."""
-    set_debug_level(os.environ.get("SPMD_DEBUG") or "OFF")
+    set_debug_level(settings.read("SPMD_DEBUG"))

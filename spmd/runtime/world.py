@@ -12,7 +12,7 @@ from mpi4py import MPI
 from spmd.backends import registry
 from spmd.backends.registry import Backend, register_backend
 from spmd.core import cuda as _gpu
-from spmd.core import mpi_exit
+from spmd.core import mpi_exit, settings
 from spmd.core import wait as _wait
 from spmd.core.bootstrap import check_same_installation
 from spmd.core.context import GroupContext
@@ -126,8 +126,9 @@ def init_process_group(backend: str | None = None, init_method: str | None = Non
             decided at a group's first GPU array (CuPy is not loaded before).
         init_method: accepted for torch compatibility and ignored: MPI does the
             rendezvous.  A value other than ``env://`` or ``mpi://`` warns.
-        timeout: default timeout of blocking operations (30 minutes if None).  Past it
-            a wait raises DistTimeoutError naming the ranks that did not reach the op.
+        timeout: default timeout of blocking operations (if None: ``SPMD_TIMEOUT``
+            seconds, else 30 minutes).  Past it a wait raises DistTimeoutError naming
+            the ranks that did not reach the op.
         world_size, rank: if given, must equal what MPI says.
         store: a key-value store (``spmd.store``) used for the start-up exchanges that
             would otherwise go over MPI: the check that every rank runs the same spmd,
@@ -195,8 +196,10 @@ def init_process_group(backend: str | None = None, init_method: str | None = Non
     if timeout is not None and not isinstance(timeout, timedelta):   # as torch asks
         raise TypeError(f"init_process_group: timeout must be a datetime.timedelta, got "
                         f"{type(timeout).__name__}")
-    seconds = to_seconds(DEFAULT_PG_TIMEOUT if timeout is None else timeout,
-                         "init_process_group", positive=True)
+    if timeout is None:   # SPMD_TIMEOUT, else torch's default (30 minutes)
+        from_env = settings.read("SPMD_TIMEOUT")
+        timeout = DEFAULT_PG_TIMEOUT if from_env is None else timedelta(seconds=from_env)
+    seconds = to_seconds(timeout, "init_process_group", positive=True)
     reliability = parse_options(pg_options)
     if inter is None:
         comm = comm.Dup()   # spmd's traffic never meets the program's on COMM_WORLD

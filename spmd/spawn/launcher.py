@@ -33,6 +33,7 @@ import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from spmd.core import settings
 from spmd.core.launch import HYDRA, OPENMPI, SINGLETON, launch_info
 
 __all__ = ["HOST_VAR", "SRUN", "Launcher", "caller_host", "find_launcher", "first_node",
@@ -124,7 +125,7 @@ def find_launcher() -> Launcher:
         RuntimeError: ``$SPMD_MPIEXEC`` names no executable, or no launcher was found;
             the message says what to install or set.
     """
-    chosen = os.environ.get(MPIEXEC_VAR)
+    chosen = settings.read(MPIEXEC_VAR)
     if chosen:
         if not _executable(chosen):
             raise RuntimeError(f"spawn: {MPIEXEC_VAR}={chosen} is not an executable file")
@@ -213,7 +214,7 @@ def caller_host(launcher: Launcher) -> str:
     """
     if not launcher.spans_nodes:
         return "127.0.0.1"
-    chosen = os.environ.get(HOST_VAR)
+    chosen = settings.read(HOST_VAR)
     if chosen:
         try:
             return socket.gethostbyname(chosen)

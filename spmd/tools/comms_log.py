@@ -17,12 +17,12 @@ nccl-tests (see ``spmd/core/optable.py``).
 
 from __future__ import annotations
 
-import os
 import sys
 import threading
 import time
 from typing import Any, NamedTuple, TextIO
 
+from spmd.core import settings
 from spmd.core import work as _work
 from spmd.core.lines import write_lines
 from spmd.core.optable import bus_factor, work_bytes
@@ -244,5 +244,5 @@ def summary(as_dict: bool = False, group: GroupArg = None,
     return text
 
 
-if os.environ.get("SPMD_COMMS_LOG", "").strip().lower() not in ("", "0", "false", "no", "off"):
+if settings.read("SPMD_COMMS_LOG"):
     enable()

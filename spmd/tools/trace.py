@@ -33,6 +33,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from spmd.core import settings
 from spmd.core import work as _work
 from spmd.core.flight_recorder import recorder
 from spmd.core.lines import write_lines
@@ -193,7 +194,7 @@ def start(path: str | None = None) -> _Tracing:
     if _tracer is not None:
         raise RuntimeError(f"trace.start: already tracing into {_tracer.path}; call "
                            "spmd.tools.trace.stop() first")
-    _tracer = Tracer(path or os.environ.get("SPMD_TRACE") or "spmd-trace-%r.json")
+    _tracer = Tracer(path or settings.read("SPMD_TRACE") or "spmd-trace-%r.json")
     _work.add_observer(_tracer)
     return _Tracing(_tracer)
 
@@ -303,8 +304,8 @@ def _merge_command(args) -> int:
 
 
 def _start_from_env() -> None:
-    if os.environ.get("SPMD_TRACE"):
-        start(os.environ["SPMD_TRACE"])
+    if settings.read("SPMD_TRACE"):
+        start(settings.read("SPMD_TRACE"))
         atexit.register(stop)
 
 

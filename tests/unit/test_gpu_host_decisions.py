@@ -65,7 +65,8 @@ def test_gpu_awareness_decision(version, query, env, aware, nonblocking, reason)
 
 @pytest.mark.parametrize("value", ["yes", "2", "true"])
 def test_gpu_awareness_bad_override(value):
-    with pytest.raises(ValueError, match=f"SPMD_CUDA_AWARE_MPI must be 0 or 1, got '{value}'"):
+    with pytest.raises(ValueError, match=f"SPMD_CUDA_AWARE_MPI='{value}' is not a valid "
+                       "setting: expected one of 0, 1"):
         _aware.decide_gpu_awareness(MPICH, None, {"SPMD_CUDA_AWARE_MPI": value})
 
 

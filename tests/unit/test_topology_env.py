@@ -11,7 +11,8 @@ ENV = topology.PSEUDO_NODE_ENV
 
 @pytest.mark.parametrize("value", ["0", "-2", "two", "1.5"])
 def test_bad_pseudo_node_size(value):
-    with pytest.raises(ValueError, match=rf"{ENV}='{value}': expected a positive integer"):
+    with pytest.raises(ValueError, match=rf"{ENV}='{value}' is not a valid setting: expected "
+                       r"(a positive integer|an integer)"):
         topology.pseudo_node_size({ENV: value})
 
 

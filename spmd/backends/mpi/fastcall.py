@@ -22,7 +22,6 @@ timeout ending in the same diagnosed DistTimeoutError, signals, the GIL handed o
 from __future__ import annotations
 
 import ctypes
-import os
 import time
 from typing import Any
 
@@ -31,6 +30,7 @@ from mpi4py import MPI
 
 from spmd.backends.mpi import orphans, packing
 from spmd.backends.reduction import MPI_OPS, PLANS, simple_plan
+from spmd.core import settings
 from spmd.core import wait as _wait
 from spmd.core.context import GroupContext
 from spmd.core.dtypes import FAMILY, MOVE_AS
@@ -65,7 +65,7 @@ reason = _why
 
 
 def _disabled() -> bool:
-    return os.environ.get("SPMD_FASTCALL", "1").strip().lower() in ("0", "false", "no", "off")
+    return not settings.read("SPMD_FASTCALL")
 
 
 def _addresses() -> dict[str, int]:

@@ -7,11 +7,11 @@ is a bucket of its own.
 
 from __future__ import annotations
 
-import os
-
 import numpy as np
 import numpy.typing as npt
 from mpi4py import MPI
+
+from spmd.core import settings
 
 __all__ = ["ArrayPieces", "get_bucket_bytes", "set_bucket_bytes", "buckets", "pack", "unpack",
            "pack_buckets", "Packed", "PackPlan", "DEFAULT_BUCKET_BYTES"]
@@ -20,16 +20,7 @@ DEFAULT_BUCKET_BYTES = 128 * 1024 * 1024
 
 
 def _env_bucket_bytes() -> int:
-    raw = os.environ.get("SPMD_FUSION_BYTES")
-    if not raw:
-        return DEFAULT_BUCKET_BYTES
-    try:
-        value = int(raw)
-    except ValueError:
-        raise ValueError(f"SPMD_FUSION_BYTES must be a number of bytes, got {raw!r}") from None
-    if value <= 0:
-        raise ValueError(f"SPMD_FUSION_BYTES must be positive, got {value}")
-    return value
+    return int(settings.read("SPMD_FUSION_BYTES"))
 
 
 _bucket_bytes = _env_bucket_bytes()

@@ -7,7 +7,6 @@ collectives, debug mode's checks) and calls this module for everything MPI.
 
 from __future__ import annotations
 
-import os
 import weakref
 from typing import Any
 
@@ -16,6 +15,7 @@ from mpi4py import MPI
 
 from spmd.backends.mpi.work import MPIWork
 from spmd.backends.reduction import ReductionPlan, mpi_view
+from spmd.core import settings
 from spmd.core.arrays import movable
 from spmd.core.context import GroupContext
 
@@ -33,7 +33,7 @@ _restarts: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 def available() -> bool:
     """True when this MPI library runs persistent collectives and they are not turned
     off with ``SPMD_PERSISTENT=0``."""
-    if os.environ.get("SPMD_PERSISTENT", "1").strip().lower() in ("0", "false", "no", "off"):
+    if not settings.read("SPMD_PERSISTENT"):
         return False
     global _works
     if _works is None:

@@ -3,10 +3,10 @@ slot sizes, and ``SPMD_SHM``'s modes."""
 
 from __future__ import annotations
 
-import os
 from typing import NamedTuple
 
 from spmd.backends.base import Engine
+from spmd.core import settings
 
 __all__ = ["ACROSS_NODES", "ACROSS_NODES_FORCED", "ALIGN", "AUTO_FROM",
            "AUTO_FROM_OVERSUBSCRIBED", "FORCED", "NEVER", "NOTHING", "ONE_SHOT_READ", "SHM_ENV",
@@ -98,13 +98,7 @@ def shm_mode(environ=None) -> str:
     Raises:
         ValueError: the variable has a value this function does not know.
     """
-    env = os.environ if environ is None else environ
-    value = env.get(SHM_ENV, "").strip().lower()
-    try:
-        return _MODES[value]
-    except KeyError:
-        raise ValueError(f"{SHM_ENV}={value!r}: expected 0 (off), 1 or auto (where it is "
-                         "faster than MPI) or force (at every size)") from None
+    return _MODES[settings.read(SHM_ENV, environ)]
 
 
 def status(host: Engine) -> str:

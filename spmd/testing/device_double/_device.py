@@ -10,6 +10,8 @@ import threading
 import time
 import weakref
 
+from spmd.core import settings
+
 __all__ = ["CUDARuntimeError", "Device", "Event", "Stream", "alloc_pinned_memory", "device",
            "get_current_stream", "hold", "release", "runtime", "stream_at"]
 
@@ -23,7 +25,7 @@ class _DeviceState:
 
     def __init__(self) -> None:
         self.lock = threading.RLock()
-        self.lag = float(os.environ.get("SPMD_DEVICE_DOUBLE_LAG", "0.0002"))
+        self.lag = float(settings.read("SPMD_DEVICE_DOUBLE_LAG"))
         self.held = False
         self.busy: list[Stream] = []          # streams with queued tasks
         self.by_ptr: weakref.WeakValueDictionary = weakref.WeakValueDictionary()

@@ -17,6 +17,7 @@ from typing import Any
 
 import numpy as np
 
+from spmd.core import settings
 from spmd.core.dtypes import bfloat16
 from spmd.testing.device_double._device import device, stream_at
 
@@ -94,7 +95,7 @@ def _memory(ptr: int, nbytes: int) -> np.ndarray:
 
 
 def _base_dir() -> str:
-    return os.environ.get("SPMD_DEVICE_DOUBLE_DIR") or tempfile.gettempdir()
+    return settings.read("SPMD_DEVICE_DOUBLE_DIR") or tempfile.gettempdir()
 
 
 def _write(path: str, data: bytes) -> None:
