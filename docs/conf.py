@@ -4,7 +4,9 @@ The API pages are generated here, one per public module of the package (every mo
 whose dotted name has no part starting with ``_``), so a new module is documented as
 soon as it exists. ``spmd``'s own page documents everything in ``spmd.__all__``; a
 module's page documents what the package does not already export at the top, and links
-to the rest. Build: ``sphinx-build -W --keep-going -n docs docs/_build/html``.
+to the rest. The guide's pages are Markdown (MyST) beside this file; the outputs they
+show are checked by ``tests/jobs/test_docs_outputs.py``. Build:
+``sphinx-build -W --keep-going -n docs docs/_build/html``.
 """
 
 from __future__ import annotations
@@ -17,7 +19,6 @@ import types
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE / "_ext"))
 
 import spmd  # importing spmd initialises MPI: a world of one here
 
@@ -31,7 +32,6 @@ extensions = [
     "sphinx.ext.napoleon",
     "sphinx.ext.autosummary",
     "myst_parser",
-    "readme_section",
 ]
 source_suffix = {".md": "markdown", ".rst": "restructuredtext"}
 exclude_patterns = ["_build"]
@@ -54,7 +54,10 @@ nitpicky = True
 # Private names of spmd (a leading underscore) are named in signatures, not documented.
 nitpick_ignore_regex = [
     (r"py:.*", r"(?!spmd\.)[A-Za-z_]\w*\.[\w.]+"),
+    (r"py:mod", r"(?!spmd$)[A-Za-z_]\w*"),        # another project's module (pickle)
     (r"py:.*", r"spmd\.(\w+\.)*_\w+(\.\w+)*"),
+    (r"py:.*", r"_\w+"),                        # a private name, from its own class's docstring
+    (r"py:class", r"spmd\.(\w+\.)*[A-Z]"),       # a TypeVar (T) in a signature
     (r"py:class", r"GroupName"),  # torch's, imported for annotations only (spmd.torch)
 ]
 
@@ -160,9 +163,49 @@ def _drop_type_docstrings(app, what, name, obj, options, lines) -> None:
         lines.clear()
 
 
+def _documented_as(module_name: str | None, target: str) -> str | None:
+    """Where the object a reference names is documented, when that is not the name the
+    reference uses: ``heal`` in ``spmd.runtime.heal``'s docstring is ``spmd.heal``, and
+    ``MAX_HELLO`` imported into ``spmd.spawn.listener`` is ``spmd.spawn.protocol``'s."""
+    for name in ([f"{module_name}.{target}"] if module_name else []) + [target]:
+        mod_name, _, attr = name.rpartition(".")
+        module = sys.modules.get(mod_name)
+        if module is None or not hasattr(module, attr):
+            continue
+        obj = getattr(module, attr)
+        if inspect.isclass(obj) or inspect.isfunction(obj):
+            # Classes and functions are one object each: their id names them.
+            public = _TOP.get(id(obj))
+            if public is None and attr in getattr(sys.modules.get(obj.__module__), "__all__", ()):
+                public = f"{obj.__module__}.{attr}"
+        else:
+            # Data (a number, a string) is found by name in the module that exports it.
+            public = next((f"{m}.{attr}" for m in _MODULES
+                           if attr in getattr(sys.modules[m], "__all__", ())
+                           and getattr(sys.modules[m], attr, None) is obj), None)
+        if public is not None and public != name:
+            return public
+    return None
+
+
+def _resolve_elsewhere(app, env, node, contnode):
+    """Resolve a Python reference to the page that documents its object (see
+    :func:`_documented_as`); None leaves it to the nitpicky warning."""
+    if node.get("refdomain") != "py":
+        return None
+    public = _documented_as(node.get("py:module"), node["reftarget"])
+    if public is None:
+        return None
+    return env.domains["py"].resolve_xref(env, node["refdoc"], app.builder, node["reftype"],
+                                          public, node, contnode)
+
+
 def setup(app) -> None:
-    """Hook the docstring filter in."""
+    """Hook the docstring filter and the reference resolver in."""
     app.connect("autodoc-process-docstring", _drop_type_docstrings)
+    app.connect("missing-reference", _resolve_elsewhere)
 
 
 _write_api_pages()
+_MODULES = _public_modules()
+_TOP = _top_level_names()

@@ -95,7 +95,7 @@ def main() -> None:
     model = new_model()
     ddp = DDP(model)
     opt = torch.optim.SGD(ddp.parameters(), lr=LR)
-    before = copy.deepcopy(model.state_dict())   # to take back a step (see the README)
+    before = copy.deepcopy(model.state_dict())   # to take back a step (docs/reliability.md)
     step = 0
     while step < args.steps:
         rank, size = dist.get_rank(), dist.get_world_size()

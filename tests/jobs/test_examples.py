@@ -5,7 +5,22 @@ import re
 import sys
 
 import pytest
+from _docs import README, fenced
 from _launch import mpiexec, run
+
+# What the tour computed, checked on every rank (appended to the tour before its last
+# line, destroy_process_group).
+TOUR_CHECKS = """
+import sys
+s = world * (world - 1) / 2
+assert (x == s).all(), x          # the sum, averaged, then broadcast
+assert (out == np.repeat(np.arange(world), 2)).all(), out
+assert pair.size() == min(world, 2) if rank < 2 else pair == dist.GroupMember.NON_GROUP_MEMBER
+assert pg.size() == (2 if world % 2 == 0 else 1) and len(subgroups) == world // pg.size()
+assert objs == [{"rank": r} for r in range(world)], objs
+sys.stdout.write(f"rank {rank}/{world} tour OK\\n")
+sys.stdout.flush()
+"""
 
 
 @pytest.mark.timeout(200)
@@ -14,6 +29,20 @@ def test_quickstart(n):
     proc = run(mpiexec(n, sys.executable, "examples/quickstart.py"), timeout=120)
     assert proc.returncode == 0, proc.stdout
     lines = sorted(re.findall(r"rank (\d+)/(\d+) quickstart OK", proc.stdout))
+    assert lines == sorted((str(r), str(n)) for r in range(n)), proc.stdout
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("n", [1, 2, 3, 4])
+def test_the_tour_runs_as_shown(n, tmp_path):
+    """README's tour (the same text as docs/tour.md's) at every size it says it runs at."""
+    tour = fenced(README, "python", "## A tour").rstrip("\n").splitlines()
+    assert tour[-1] == "dist.destroy_process_group()", tour[-1]
+    program = tmp_path / "tour.py"
+    program.write_text("\n".join(tour[:-1]) + TOUR_CHECKS + tour[-1] + "\n")
+    proc = run(mpiexec(n, sys.executable, str(program)), timeout=120)
+    assert proc.returncode == 0, proc.stdout
+    lines = sorted(re.findall(r"rank (\d+)/(\d+) tour OK", proc.stdout))
     assert lines == sorted((str(r), str(n)) for r in range(n)), proc.stdout
 
 

@@ -155,31 +155,6 @@ def test_soak_mixed_ops_over_several_groups_stays_flat():
         assert m and int(m.group(1)) >= 20000, out
 
 
-def _readme_lines(start: str) -> list[str]:
-    """The README's pasted output lines that start with ``start``."""
-    with open(os.path.join(os.path.dirname(__file__), "..", "..", "README.md")) as f:
-        return [ln for ln in f.read().splitlines() if ln.startswith(start)]
-
-
-@pytest.mark.timeout(120)
-def test_readme_examples_print_what_the_readme_shows():
-    proc, _ = job(4, "readme_timeout.py")
-    shown = [ln for ln in _readme_lines("[rank 0]") if "DistTimeoutError" in ln
-             or "reached" in ln or "rank 2: last finished" in ln or "now broken" in ln]
-    assert len(shown) >= 5
-    if "[rank 0] spmd.core.errors.DistTimeoutError" in proc.stdout:  # rank 0 aborted first
-        for ln in shown:
-            expect = re.sub(r"\d+\.\d s ago", r"__AGO__", ln)
-            got = re.sub(r"\d+\.\d s ago", r"__AGO__", proc.stdout)
-            assert expect in got, (ln, proc.stdout)
-    else:
-        assert "rank 2: last finished all_reduce #1" in proc.stdout, proc.stdout
-    proc, _ = job(4, "readme_mismatch.py", SPMD_DEBUG="DETAIL")
-    line = next(ln for ln in _readme_lines("[rank 3] spmd.core.errors.CollectiveMismatchError"))
-    detail = line.split("with different arguments: ")[1].split(" [rank")[0]
-    assert detail in proc.stdout, proc.stdout
-
-
 @pytest.mark.timeout(120)
 @pytest.mark.same_on_every_mpi   # the device double's NCCL and the watchdog, idle
 @pytest.mark.parametrize("n", [1, 3])

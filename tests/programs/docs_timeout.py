@@ -1,4 +1,4 @@
-"""The README's timeout example: rank 2 never reaches the second all_reduce."""
+"""The timeout example of docs/debugging.md: rank 2 never reaches the second all_reduce."""
 import time
 from datetime import timedelta
 

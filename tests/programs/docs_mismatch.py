@@ -1,4 +1,4 @@
-"""The README's debug-mode example: rank 3 passes a longer array."""
+"""The debug-mode example of docs/debugging.md: rank 3 passes a longer array."""
 import numpy as np
 
 import spmd
