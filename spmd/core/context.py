@@ -135,6 +135,13 @@ class GroupContext:
                                     f"[rank {self.rank}, group {self.name}]")
         return None
 
+    def break_for_departure(self) -> None:
+        """A collective was given up because a member exited: the group breaks for that,
+        on every member alike (each heard the exit itself: nobody to tell), before any
+        other reason (the give-up's own) can."""
+        if self.departed is not None:
+            self.mark_broken(self.departed, tell_peers=False)
+
     def mark_failed(self, failed: tuple[int, ...]) -> None:
         """Members died (``failed``: their global ranks, agreed by the survivors): every
         later op on the group raises ProcessFailedError."""

@@ -78,7 +78,7 @@ def timeout_error(op: str, group: GroupContext, waited: float, *, seq: int | Non
 BROKEN_GRACE = 0.25
 
 
-def _last_look(test: Callable[[], Any], error: Exception) -> None:
+def _last_look(test: Callable[[], Any], error: Exception, group: GroupContext) -> None:
     """The group broke during a wait: return if the op completes within the grace,
     else raise ``error``."""
     end = _monotonic() + BROKEN_GRACE
@@ -86,6 +86,7 @@ def _last_look(test: Callable[[], Any], error: Exception) -> None:
         if test():
             return
         _yield()
+    group.break_for_departure()
     raise error
 
 
@@ -131,7 +132,7 @@ def wait_until(test: Callable[[], Any], seconds: float, op: str, group: GroupCon
             # Broken meanwhile, or a member exited: the op may never complete.
             error = group.wait_error(op, collective=not is_p2p(op))
             if error is not None:
-                _last_look(test, error)
+                _last_look(test, error, group)
                 return
         if _monotonic() > deadline:
             if on_timeout is not None and on_timeout():

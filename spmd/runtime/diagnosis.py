@@ -47,8 +47,8 @@ def tell_broken(g: GroupContext, reason: str) -> None:
 
     Each member that answers has marked the group when this returns, so an op it starts
     afterwards raises, and can no longer complete against this rank's given-up one; one
-    that does not answer within a second (stopped, or holding the GIL) marks it when its
-    control thread next runs."""
+    that does not answer within half a second (stopped, or holding the GIL) marks it
+    when its control thread next runs."""
     ch = state.channel
     if ch is None:
         return

@@ -99,10 +99,13 @@ class ProcessGroup:
     def release(self) -> None:
         """Free the group's engines and its communicator (what destroy_process_group runs
         on every member).  A group a member of died, or one revoked because a rank died
-        (ULFM), is aborted instead: freeing would wait for the dead."""
+        (ULFM), is aborted instead: freeing would wait for the dead.  So is a broken
+        group: an op given up on it may still be pending in MPI (held by
+        spmd.backends.mpi.orphans), and a freed communicator's context id can go to a
+        new one, whose messages that op would then take."""
         ctx = self.context
-        if ctx.failed is not None or (ctx.comm is not None and faults.ulfm()
-                                      and ctx.comm.Is_revoked()):
+        if ctx.failed is not None or ctx.error is not None or (
+                ctx.comm is not None and faults.ulfm() and ctx.comm.Is_revoked()):
             self.abort()
             return
         for backend in self._engines.values():

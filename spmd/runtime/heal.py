@@ -29,7 +29,7 @@ A training loop that survives any one rank lost, killed or hung (under ULFM: Ope
 
 Where the new processes run is the launcher's choice (Open MPI places them on the slots
 the job has; the lost processes' slots are free again).  Starting them takes a Python
-interpreter's start-up and ``import``s (about 1.2-1.4 s here).
+interpreter's start-up and imports (about 1.2-1.4 s here).
 """
 
 from __future__ import annotations
@@ -37,19 +37,22 @@ from __future__ import annotations
 import os
 import sys
 import time
-from typing import Any
+from collections.abc import Sequence
+from typing import Any, cast
 
 from mpi4py import MPI
 from mpi4py.util import pkl5
 
 from spmd.backends.mpi import faults
+from spmd.core.context import GroupContext
 from spmd.core.errors import located
 from spmd.runtime import exits, failures, replacement, supervision
-from spmd.runtime.group import default_group, world_state
+from spmd.runtime.group import ProcessGroup, default_group, world_state
 from spmd.runtime.reliability import state as reliability_state
 from spmd.runtime.world import end_healed_world_at_exit, open_world
 
-__all__ = ["heal", "heal_state", "is_replacement", "last_heal"]
+__all__ = ["close_port", "heal", "heal_state", "is_replacement", "last_heal", "open_port",
+           "regroup_world", "replace_world", "spawn_peers"]
 
 _OP = "heal"
 
@@ -67,6 +70,49 @@ def _command() -> tuple[str, list[str]]:
     """This program as the interpreter was asked to run it: the executable and the
     arguments after it (``-m module``, ``-c code``, options and all)."""
     return sys.executable, list(sys.orig_argv[1:])
+
+
+def _start_processes(ctx: GroupContext, count: int, what: str, op: str) -> MPI.Intercomm:
+    """``count`` new processes running this program, started together by every member
+    of the default group (``MPI_Comm_spawn`` from its communicator): the
+    intercommunicator to them."""
+    exe, args = _command()
+    info = MPI.Info.Create()
+    info.Set("wdir", os.getcwd())   # a relative script path resolves as it did at start
+    if faults.ulfm():
+        # Open MPI's key (PMIx's) for the new processes' environment: their MPI library
+        # survives failures too (mpiexec --with-ft ulfm set it for the ranks it started).
+        info.Set("PMIX_ENVAR", "OMPI_MCA_mpi_ft_enable=1")
+    try:
+        return ctx.comm.Spawn(exe, args=args, maxprocs=count, info=info, root=0)
+    except MPI.Exception as exc:
+        raise located(RuntimeError, op, f"MPI could not start {count} process(es) {what}: "
+                      f"{exc.Get_error_string()}", ctx) from exc
+    finally:
+        info.Free()
+
+
+def replace_world(comm: MPI.Intracomm, replaced: tuple[int, ...] = ()) -> ProcessGroup:
+    """Make ``comm`` the default group in place of this process's world (every process
+    of ``comm`` calls it).  The old world ends here, as when shrinking it: its groups,
+    the watchdog, the control channel; then the new one opens.
+
+    Args:
+        comm: the new world's communicator (spmd's own from now on).
+        replaced: the ranks in it that processes started for it took.
+    """
+    ctx = default_group("replace_world").context
+    supervision.stop()
+    for group in reversed(world_state.groups):
+        group.abort()
+    failures.reset()
+    exits.reset()
+    world_state.replaced = replaced
+    world_state.is_replacement = False
+    pg = open_world(comm, ctx.name, ctx.timeout, ctx.backend_name, world_state.store,
+                    reliability_state.config)
+    end_healed_world_at_exit()
+    return pg
 
 
 def heal(timeout: float | None = None) -> list[int]:
@@ -95,39 +141,14 @@ def heal(timeout: float | None = None) -> list[int]:
     lost = sorted(set(range(full)) - set(homes))
     if not lost:
         return []
-    exe, args = _command()
-    info = MPI.Info.Create()
-    info.Set("wdir", os.getcwd())   # a relative script path resolves as it did at start
-    if faults.ulfm():
-        # Open MPI's key (PMIx's) for the new processes' environment: their MPI library
-        # survives failures too (mpiexec --with-ft ulfm set it for the ranks it started).
-        info.Set("PMIX_ENVAR", "OMPI_MCA_mpi_ft_enable=1")
-    try:
-        try:
-            inter = ctx.comm.Spawn(exe, args=args, maxprocs=len(lost), info=info, root=0)
-        except MPI.Exception as exc:
-            raise located(RuntimeError, _OP, f"MPI could not start {len(lost)} process(es) "
-                          f"for ranks {lost}: {exc.Get_error_string()}", ctx) from exc
-    finally:
-        info.Free()
+    inter = _start_processes(ctx, len(lost), f"for ranks {lost}", _OP)
     t_spawn = time.monotonic()
     merged = inter.Merge(high=False)
     replacement.send_plan(merged, replacement.Plan(full, tuple(lost), ctx.name))
     comm = replacement.regroup(merged, me)
     merged.Free()
     t_merge = time.monotonic()
-    # The old world ends here, as when shrinking it: its groups, the watchdog, the
-    # control channel; then the healed one opens, with the new processes.
-    supervision.stop()
-    for group in reversed(world_state.groups):
-        group.abort()
-    failures.reset()
-    exits.reset()
-    world_state.replaced = tuple(lost)
-    world_state.is_replacement = False
-    open_world(comm, ctx.name, ctx.timeout, ctx.backend_name, world_state.store,
-               reliability_state.config)
-    end_healed_world_at_exit()
+    replace_world(comm, tuple(lost))
     last_heal.clear()
     last_heal.update(spawn=t_spawn - t0, merge=t_merge - t_spawn,
                      open=time.monotonic() - t_merge, total=time.monotonic() - t0)
@@ -156,3 +177,94 @@ def heal_state(state: Any, src: int | None = None) -> Any:
     # pkl5: out-of-band buffers, so arrays travel without a copy into the pickle and
     # past MPI's 2 GiB count.
     return pkl5.Intracomm(pg.context.comm).bcast(state, root=src)
+
+
+# -- growing by processes that join later (torch's reconfigure: spmd.torch) ----------
+#
+# heal() starts processes and merges with them at once.  torch's reconfigure asks for the
+# other order: processes exist first, each gives a handle, and a later call rebuilds the
+# group on the processes whose handles it is given.  Two ways reach a new process: the
+# link of processes started by the world (spawn_peers), and a port a process started by
+# someone else opened (open_port: MPI_Comm_accept there, MPI_Comm_connect here).
+
+def spawn_peers(count: int, extra: dict[str, Any]) -> str:
+    """Start ``count`` processes running this program that join the world later.
+
+    Every member of the default group calls it.  In the new processes
+    ``init_process_group()`` opens a world of their own (they are its ranks, in their
+    order); ``extra`` reaches them (``replacement.joined_as_peer()``).
+
+    Returns:
+        The id of the link to them, for :func:`regroup_world`.
+    """
+    pg = default_group("spawn_peers")
+    ctx = pg.context
+    if count < 1:
+        raise located(ValueError, "spawn_peers", f"count must be at least 1, got {count}", ctx)
+    inter = _start_processes(ctx, count, "to join later", "spawn_peers")
+    merged = inter.Merge(high=False)
+    merged.Set_errhandler(MPI.ERRORS_RETURN)
+    return replacement.send_peer_plan(merged, ctx.name, extra)
+
+
+def open_port() -> str:
+    """An MPI port name on which this process can accept a connection (a local call)."""
+    return MPI.Open_port()
+
+
+def close_port(port: str) -> None:
+    """Close a port :func:`open_port` opened."""
+    MPI.Close_port(port)
+
+
+def regroup_world(steps: Sequence[tuple[str, str]], key: int) -> ProcessGroup:
+    """Rebuild the default group with other processes, and make it the default group.
+
+    Every process of the new group calls it; it starts from its current world and
+    follows its ``steps`` in order, each joining a communicator with others:
+
+    - ``("link", id)``: the link :func:`spawn_peers` made (the starting world and the
+      processes it started, on both sides; the whole starting world calls it);
+    - ``("connect", port)``: the processes so far connect to the port (collective);
+    - ``("accept", port)``: this process's world accepts on its port (collective), the
+      other side of a ``connect``.
+
+    Then the processes are ordered by ``key`` (the new ranks) and the result replaces the
+    world (:func:`replace_world`).  Connect and accept wait as long as MPI does: a peer
+    that never comes holds them.
+
+    Raises:
+        RuntimeError: a link this process does not hold, or MPI refused a step.
+    """
+    pg = default_group("regroup_world")
+    ctx = pg.context
+    comm: MPI.Intracomm = ctx.comm
+    made: list[MPI.Intracomm] = []   # what this call made, freed at the end
+    try:
+        for kind, arg in steps:
+            if kind == "link":
+                if arg not in replacement.links:
+                    raise located(RuntimeError, "reconfigure", f"no link {arg!r} here: the "
+                                  "processes it leads to were not started by this world "
+                                  "(spawn_peers) or were joined already", ctx)
+                comm = replacement.links.pop(arg)
+            elif kind in ("connect", "accept"):
+                inter = comm.Connect(arg, root=0) if kind == "connect" else \
+                    comm.Accept(arg, root=0)
+                if kind == "accept":
+                    close_port(arg)
+                comm = inter.Merge(high=kind == "accept")
+                inter.Free()
+            else:
+                raise ValueError(f"regroup_world: unknown step {kind!r}")
+            made.append(comm)
+            comm.Set_errhandler(MPI.ERRORS_RETURN)
+        world = cast(MPI.Intracomm, comm.Split(0, key))
+    except MPI.Exception as exc:
+        raise located(RuntimeError, "reconfigure", f"MPI could not join the processes: "
+                      f"{exc.Get_error_string()}", ctx) from exc
+    finally:
+        for c in made:
+            c.Free()
+    world.Set_errhandler(MPI.ERRORS_RETURN)
+    return replace_world(world)

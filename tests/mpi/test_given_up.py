@@ -104,6 +104,17 @@ def test_interrupted_collective_is_held_and_breaks_the_group(dist, fresh, shape)
         np.testing.assert_array_equal(x, np.ones(x.shape))
     with pytest.raises(dist.GroupBrokenError):
         dist.barrier(group=g)
+    # Rank 0's held all_reduce ends here: the others reach it with MPI directly (a
+    # nonblocking one: MPI matches nonblocking collectives only with nonblocking ones),
+    # so rank 0 sees its hold end.
+    if me != 0:
+        g.context.comm.Iallreduce(np.ones(x.size), np.empty(x.size)).Wait()
+    else:
+        deadline = time.monotonic() + 10
+        while orphans.reap() > held_before and time.monotonic() < deadline:
+            time.sleep(0.001)
+        assert orphans.held() == held_before
+    dist.barrier()
 
 
 def test_dropped_work_is_held_until_it_completes(dist):

@@ -184,9 +184,11 @@ def _given_up(op: str, group: GroupContext, number: int, waited: float, handle: 
         error = RuntimeError(f"{op}: the wait was interrupted")
         if why == _ENDED:
             error = group.wait_error(op, collective=not receive and op != "send") or error
+            group.break_for_departure()
     if not receive:   # left running: the group is out of step (a timeout broke it already)
-        group.mark_broken(f"{op} was given up on rank {group.rank} ({type(error).__name__}) "
-                          "with its MPI operation still running")
+        why_text = "interrupted" if why == _INTERRUPTED else type(error).__name__
+        group.mark_broken(f"{op} was given up on rank {group.rank} ({why_text}) with its MPI "
+                          "operation still running")
     if why == _INTERRUPTED:
         return False
     raise error
