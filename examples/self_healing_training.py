@@ -109,9 +109,9 @@ def main() -> None:
         step, w = state["step"], state["w"]
         now = time.time() - state["t0"]
         if args.throughput:
-            if now >= 2 * args.throughput:
-                break
-            phase = int(now >= args.throughput)
+            # The phase and the end are every rank's together: its clock's votes travel
+            # with the gradient (below), so all switch and stop at the same step.
+            phase = state.get("phase", 0)
         elif step >= args.steps:
             break
         rank, size = dist.get_rank(), dist.get_world_size()
@@ -119,15 +119,18 @@ def main() -> None:
         # the process that replaced its victim).
         fault, key = faults.get(step), ("step", step)
         if args.throughput and phase == 1 and healing:
-            k = int((now - args.throughput) // 20)   # one kill per 20 s, rotating victims
+            into = now - args.throughput   # this rank's seconds into the faulty phase
+            k = int(into // 20)            # one kill per 20 s, 10 s into each, rotating
             fault, key = None, ("period", k)
-            if (now - args.throughput) % 20 > 10:
+            if into >= 0 and into % 20 > 10:
                 fault = ("kill", size - 1 - k % (size - 1))
         if fault is not None and fault[1] == rank and key not in state["done"]:
             fail(fault[0])
         b = batch_of(step)
         mine = np.array_split(np.arange(b.start, b.stop), size)[rank]
         g = grad_sum(w, x[mine], y[mine])
+        if args.throughput:
+            g = np.append(g, [float(now >= args.throughput), float(now >= 2 * args.throughput)])
         t_fault = time.monotonic()
         try:
             dist.all_reduce(g)
@@ -152,11 +155,15 @@ def main() -> None:
             state["costs"][-1]["state_bytes"] = int(state["w"].nbytes)
             w_before = state["w"].copy()
             continue          # redo the step at full size
+        if args.throughput:
+            g, (phase_votes, end_votes) = g[:FEATURES], g[FEATURES:]
+            if end_votes > 0:
+                break
+            state["phase_steps"][phase] += 1
+            state["phase"] = int(phase_votes > 0)
         w_before = w.copy()
         state["w"] = w - LR * g / BATCH
         state["step"] = step + 1
-        if args.throughput:
-            state["phase_steps"][phase] += 1
     if dist.get_rank() == 0:
         for c in state["costs"]:
             total = c["detect_s"] + c["shrink_s"] + c["heal_s"] + c["state_s"]
