@@ -6,7 +6,7 @@ own rule: ``from mpi4py import MPI`` starts it, at thread level MULTIPLE unless
 ``mpi4py.rc`` says otherwise).  A process that imports spmd and never uses it pays for
 no MPI.
 
-The packages are the architecture (README.md, "Architecture"): ``core`` (foundations),
+The packages are the architecture (docs/architecture.md): ``core`` (foundations),
 ``store``, ``backends`` (engines), ``runtime`` (groups, the default group, the watchdog),
 ``api`` (the operations), ``torch`` (the torch.distributed backend), ``training``,
 ``layouts``, ``checkpoint``, ``spawn``, ``tools``, ``testing``.

@@ -11,7 +11,7 @@ current Megatron-Core (``virtual_pipeline_model_parallel_size``, ``vp_stage``, t
 first-and-last-stage default embedding ranks).
 
 Differences from Megatron-LM: no Gloo, hierarchical, hybrid or distributed-optimizer
-instance groups (README lists every Megatron getter spmd lacks); getters raise
+instance groups (docs/porting.md lists every Megatron getter spmd lacks); getters raise
 RuntimeError (not AssertionError) before initialisation or where this rank has no such
 group; a rank may be in one embedding group only; group timeouts default to WORLD's.
 """

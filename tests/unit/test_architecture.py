@@ -2,7 +2,7 @@
 
 Every ``import``/``from`` of an spmd module counts, at any depth (imports inside
 functions too).  Every module lives in a layer's package; a new package needs a layer
-here (README.md, "Architecture", shows the same tree).
+here (docs/architecture.md shows the same tree).
 """
 
 from __future__ import annotations
