@@ -136,6 +136,10 @@ def test_dropped_work_is_held_until_it_completes(dist):
         time.sleep(0.001)
     assert orphans.held() == held_before
     np.testing.assert_array_equal(box, [1.0, 2.0, 3.0])
+    # Its flight-recorder entry ended with it: no receive stays "in flight" for the
+    # watchdog and the diagnoses.
+    from spmd.core.flight_recorder import recorder
+    assert not [e for e in recorder.in_flight() if e.op in ("irecv", "recv")]
 
 
 def test_polling_wait_keeps_the_op(dist):

@@ -20,6 +20,7 @@ runtime's periodic check asks (:func:`reap`).
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from typing import Any
 
 from mpi4py import MPI
@@ -27,24 +28,31 @@ from mpi4py import MPI
 __all__ = ["give_up", "hold", "held", "reap"]
 
 _lock = threading.Lock()
-_held: list[tuple[list[MPI.Request], Any]] = []
+# (requests, buffers, what to run once they completed), per held op
+_held: list[tuple[list[MPI.Request], Any, Callable[[], None] | None]] = []
 
 
 def reap() -> int:
     """Drop what MPI has finished with; return how many ops are still held."""
     global _held
+    finished = []
     with _lock:
         keep = []
-        for reqs, buffers in _held:
+        for reqs, buffers, then in _held:
             try:
                 done = MPI.Request.Testall(reqs)
             except MPI.Exception:  # some ended in error (a dead peer, a revoked communicator)
                 reqs = [r for r in reqs if r]   # the ones MPI has not released yet
                 done = not reqs
             if not done:
-                keep.append((reqs, buffers))
+                keep.append((reqs, buffers, then))
+            elif then is not None:
+                finished.append(then)
         _held = keep
-        return len(_held)
+        count = len(_held)
+    for then in finished:
+        then()
+    return count
 
 
 def held() -> int:
@@ -53,10 +61,11 @@ def held() -> int:
         return len(_held)
 
 
-def hold(reqs: list[MPI.Request], buffers: Any) -> None:
-    """Keep ``reqs`` and ``buffers`` referenced until the requests complete."""
+def hold(reqs: list[MPI.Request], buffers: Any, then: Callable[[], None] | None = None) -> None:
+    """Keep ``reqs`` and ``buffers`` referenced until the requests complete, then run
+    ``then`` (a dropped Work's flight-recorder entry ends there)."""
     with _lock:
-        _held.append((list(reqs), buffers))
+        _held.append((list(reqs), buffers, then))
     reap()
 
 

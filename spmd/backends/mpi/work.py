@@ -9,6 +9,7 @@ group whose op was left running that way is broken, with its peers told.
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 from mpi4py import MPI
@@ -16,7 +17,7 @@ from mpi4py import MPI
 from spmd.backends.mpi import orphans
 from spmd.backends.mpi.faults import failure
 from spmd.core.context import GroupContext
-from spmd.core.flight_recorder import MPI_ENGINE
+from spmd.core.flight_recorder import MPI_ENGINE, recorder
 from spmd.core.wait import wait_until
 from spmd.core.work import Work
 
@@ -77,11 +78,16 @@ class MPIWork(Work):
         # that raised): MPI may still write into its arrays, so they must outlive it.
         reqs = self._reqs
         if reqs and not self._done and not MPI.Is_finalized():
+            # The flight recorder's entry ends when MPI is done, as if it had been waited.
+            number = getattr(self, "flight_number", None)
+            then = None if number is None else partial(recorder.end, number)
             try:
                 if not MPI.Request.Testall(reqs):
-                    orphans.hold(reqs, (self.keep, self.outputs))
+                    orphans.hold(reqs, (self.keep, self.outputs), then)
+                elif then is not None:
+                    then()
             except MPI.Exception:
-                orphans.hold([r for r in reqs if r], (self.keep, self.outputs))
+                orphans.hold([r for r in reqs if r], (self.keep, self.outputs), then)
 
     def source_rank(self) -> int:
         """For a receive: the global rank of the sender (waits first)."""
