@@ -80,12 +80,12 @@ def test_survivors_get_the_failure_shrink_and_go_on(point, n):
     assert "DistTimeoutError" not in out and "MPI_ABORT" not in out, out
 
 
-def example_output(script: str, timeout: float) -> str:
+def example_output(script: str, timeout: float, heals: int = 1) -> str:
     """The output of ``examples/<script>`` on 4 ranks under ULFM (rank 3 is killed)."""
     exe, *flags = mpiexec_prefix()
     proc = run([exe, "--with-ft", "ulfm", *flags, "-n", "4", sys.executable,
                 f"examples/{script}"], timeout=timeout)
-    assert proc.returncode == 0, proc.stdout
+    _healed_job_ended(proc, heals)
     return proc.stdout
 
 
@@ -141,6 +141,20 @@ def test_a_hung_rank_is_ended_and_the_survivors_go_on(how, n):
 
 # -- healing: back to full size, with the state --------------------------------------
 
+# Open MPI 5.0.11's launcher ends a job healed twice with status 255 about one run in
+# two: a process the first heal started outlives the second failure, and its
+# MPI_Finalize aborts (spmd.core.mpi_exit.note_replacement says more).  Every process
+# has finished its work by then; the checks below still see all of it.
+_FINALIZE_ABORT = 'prterun has exited due to process rank 0 with PID 0 on node'
+
+
+def _healed_job_ended(proc, heals: int) -> None:
+    if heals == 1 or proc.returncode == 0:
+        assert proc.returncode == 0, proc.stdout
+    else:
+        assert proc.returncode == 255 and _FINALIZE_ABORT in proc.stdout, proc.stdout
+
+
 @pytest.mark.timeout(200)
 @pytest.mark.parametrize("faults", ["kill", "kill,stop"])
 def test_the_job_heals_back_to_full_size(faults):
@@ -153,10 +167,10 @@ def test_the_job_heals_back_to_full_size(faults):
            "tests/programs/heal_job.py", faults]
     proc = run(cmd, timeout=180)
     out = proc.stdout
-    assert proc.returncode == 0, out
+    n_faults = len(faults.split(","))
+    _healed_job_ended(proc, n_faults)
     results = sorted((json.loads(line.split("RESULT ", 1)[1]) for line in out.splitlines()
                       if line.startswith("RESULT ")), key=lambda r: r["rank"])
-    n_faults = len(faults.split(","))
     steps = 3 + 4 * n_faults + 2
     assert [r["rank"] for r in results] == [0, 1, 2, 3], out
     lost = [3 - k for k in range(n_faults)]
@@ -166,6 +180,8 @@ def test_the_job_heals_back_to_full_size(faults):
         assert [h["failed"] for h in r["heals"]] == [[x] for x in lost], out
         assert [h["new"] for h in r["heals"]] == [[x] for x in lost], out
         assert r["heals"] == results[0]["heals"], out           # one state, from a peer
+        me = r["rank"]   # the layout from before: a 2 x 2 mesh on ranks 0-3
+        assert r["mesh"] == {"dp": [me % 2, me % 2 + 2], "tp": [2 * (me // 2), 2 * (me // 2) + 1]}, out
     # The last heal's new process is a replacement; the first one's took part since.
     assert results[lost[-1]]["replacement"] is True, out
     assert sum(r["replacement"] for r in results) == 1, out
@@ -173,10 +189,72 @@ def test_the_job_heals_back_to_full_size(faults):
 
 @pytest.mark.timeout(150)
 def test_the_self_healing_example_heals_a_kill_and_a_hang():
-    out = example_output("self_healing_training.py", 120)
+    out = example_output("self_healing_training.py", 120, heals=2)
     assert "[rank 3/4] a new process took rank 3 at step 5" in out, out
     assert "[rank 1/4] a new process took rank 1 at step 15" in out, out
     assert re.search(r"\[rank 0/4\] step 5: rank\(s\) \[3\] lost; .* back at full size", out), out
     assert re.search(r"\[rank 0/4\] step 15: rank\(s\) \[1\] lost; .* back at full size", out), out
     assert "[rank 0/4] trained 24 steps on 4 ranks, 2 failure(s) healed; final parameters " \
            "equal the one-process reference" in out, out
+
+
+# -- torch: reconfigure after a failure, and DDP that heals ---------------------------
+
+def _torch_reconfigure_or_skip() -> None:
+    torch = pytest.importorskip("torch", reason="torch is not installed with this MPI")
+    if not hasattr(torch.distributed.distributed_c10d, "_reconfigure"):
+        pytest.skip(f"torch {torch.__version__} has no reconfigure (torch 2.14 added it)")
+
+
+@pytest.mark.timeout(150)
+def test_torch_reconfigure_shrinks_past_a_dead_rank_and_grows_back():
+    """torch 2.14's API on "spmd": the last of 3 ranks is killed inside an all_reduce;
+    the survivors catch torch's DistBackendError (spmd's ProcessFailedError), reconfigure
+    on their handles (2 ranks), spmd.torch.spawn_peers starts a process, and a
+    reconfigure on all handles puts it at the lost rank: 3 ranks, DDP's reducer (C++)
+    sees 3."""
+    _torch_reconfigure_or_skip()
+    exe, *flags = mpiexec_prefix()
+    cmd = [exe, "--with-ft", "ulfm", *flags, "-n", "3", sys.executable,
+           "tests/programs/reconfigure_job.py", "kill"]
+    proc = run(cmd, timeout=120)
+    out = proc.stdout
+    assert proc.returncode == 0, out
+    results = sorted((json.loads(line.split("RESULT ", 1)[1]) for line in out.splitlines()
+                      if line.startswith("RESULT ")), key=lambda r: r["rank"])
+    assert [r["rank"] for r in results] == [0, 1, 2], out
+    assert [r["was"] for r in results] == [0, 1, "spawned"], out
+    for r in results:
+        assert (r["size"], r["spmd_size"], r["ddp_size"], r["ranks_sum"]) == (3, 3, 3, 3.0), out
+        assert r["handle"]["r"] == r["rank"] and r["handle"]["n"] == 3, out
+    for r in results[:2]:
+        assert r["error"] == ["ProcessFailedError", True, [2]], out   # a DistBackendError
+        assert r["shrunk_size"] == 2, out
+    assert len({r["handle"]["w"] for r in results}) == 1, out
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("heal", ["reconfigure", "spmd"])
+def test_the_self_healing_ddp_example_heals_a_kill_and_a_hang(heal):
+    """examples/self_healing_ddp.py: rank 3 killed at step 5, rank 1 stopped at step 12;
+    each time a new process takes the lost rank with the state from a live peer (by
+    torch's reconfigure, or by spmd.heal() and a new default group), and the weights
+    equal the one-process reference."""
+    if heal == "reconfigure":
+        _torch_reconfigure_or_skip()
+    else:
+        pytest.importorskip("torch", reason="torch is not installed with this MPI")
+    exe, *flags = mpiexec_prefix()
+    proc = run([exe, "--with-ft", "ulfm", *flags, "-n", "4", sys.executable,
+                "examples/self_healing_ddp.py", "--heal", heal], timeout=180)
+    out = proc.stdout
+    _healed_job_ended(proc, heals=2)
+    assert "[rank 3/4] a new process took rank 3 at step 5" in out, out
+    assert "[rank 1/4] a new process took rank 1 at step 12" in out, out
+    for step, lost in ((5, 3), (12, 1)):
+        assert re.search(rf"\[rank 0/4\] step {step}: rank\(s\) \[{lost}\] lost; detected in "
+                         r"[\d.]+ s, shrunk in \d+ ms, new process\(es\) started in [\d.]+ s, "
+                         r"grown back to 4 in \d+ ms, state \(\d+ B\) handed over in \d+ ms",
+                         out), out
+    assert f"[rank 0/4] trained 20 steps on 4 ranks with DDP, 2 failure(s) healed (by {heal}); " \
+           "final weights equal the one-process reference" in out, out

@@ -73,6 +73,17 @@ while state["step"] < STEPS:
     state["w"] += g / dist.get_world_size()
     state["step"] = step + 1
 dist.barrier()
+# Layouts rebuilt on the healed world are the ones from before: a 2 x (size/2) mesh's
+# groups hold the same ranks, and reduce right.
+mesh = dist.init_device_mesh("cpu", (2, size // 2), mesh_dim_names=("dp", "tp"))
+groups = {}
+for dim in ("dp", "tp"):
+    pg = mesh.get_group(dim)
+    groups[dim] = dist.get_process_group_ranks(pg)
+    v = np.full(2, float(dist.get_rank()))
+    dist.all_reduce(v, group=pg)
+    assert (v == sum(groups[dim])).all(), (dim, v, groups[dim])
 say("RESULT " + json.dumps({"rank": dist.get_rank(), "size": dist.get_world_size(),
-                              "replacement": dist.is_replacement(), "step": state["step"],
-                              "w": state["w"].tolist(), "heals": state["heals"]}))
+                            "replacement": dist.is_replacement(), "step": state["step"],
+                            "w": state["w"].tolist(), "heals": state["heals"],
+                            "mesh": groups}))
