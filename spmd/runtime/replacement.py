@@ -12,18 +12,30 @@ both ends of what follows the spawn, so the two cannot drift apart:
 
 A new process reaches step 1 from ``init_process_group()``: its MPI parent is the
 survivors' world (:func:`parent`).
+
+Processes started to join *later* (torch's ``reconfigure``, spmd.torch) get a peer plan
+instead (:func:`send_peer_plan`): they open a world of their own (the spawned processes'
+``COMM_WORLD``) and both sides keep the merged communicator, the *link*, under one id
+(:data:`links`), until a regrouping (``spmd.runtime.heal.regroup_world``) takes it.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import cast
+import secrets
+from typing import Any, cast
 
 from mpi4py import MPI
 
-__all__ = ["Plan", "join", "parent", "regroup", "send_plan"]
+__all__ = ["Plan", "PeerPlan", "join", "joined_as_peer", "links", "parent", "regroup",
+           "send_peer_plan", "send_plan"]
 
 _MAGIC = "spmd-heal-1"   # what the plan says first: a parent that is not spmd's healing is refused
+_PEER_MAGIC = "spmd-peer-1"   # a peer plan's: the new processes join later
+
+# Link id -> the merged communicator of the processes that started peers and those
+# peers (both sides keep it, each under the same id), until a regrouping takes it.
+links: dict[str, MPI.Intracomm] = {}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,6 +45,23 @@ class Plan:
     full_size: int               # the world's size before the failures
     lost: tuple[int, ...]        # the ranks the new processes take, in their merged order
     name: str                    # the world's name
+
+
+@dataclasses.dataclass(frozen=True)
+class PeerPlan:
+    """What the processes that started peers tell them: the link's id and what the
+    starting layer passes on (spmd.torch: the parents' world and store)."""
+
+    link: str
+    extra: dict[str, Any]
+
+
+_joined: list[PeerPlan] = []   # this process's peer plan, if it was started as a peer
+
+
+def joined_as_peer() -> PeerPlan | None:
+    """The peer plan this process was started with (:func:`send_peer_plan`), or None."""
+    return _joined[0] if _joined else None
 
 
 def parent() -> MPI.Intercomm | None:
@@ -57,6 +86,13 @@ def join(inter: MPI.Intercomm) -> tuple[MPI.Intracomm, Plan]:
     merged = inter.Merge(high=True)
     merged.Set_errhandler(MPI.ERRORS_RETURN)
     plan = merged.bcast(None, root=0)
+    if isinstance(plan, dict) and plan.get("magic") == _PEER_MAGIC:
+        # A peer: a world of the processes started together; the link waits for later.
+        links[plan["link"]] = merged
+        _joined[:] = [PeerPlan(plan["link"], dict(plan["extra"]))]
+        world = MPI.COMM_WORLD.Dup()
+        world.Set_errhandler(MPI.ERRORS_RETURN)
+        return world, Plan(world.Get_size(), (), plan["name"])
     if not isinstance(plan, dict) or plan.get("magic") != _MAGIC:
         raise RuntimeError("init_process_group: this process was started by MPI_Comm_spawn, "
                            "but not by spmd.heal() (its parent sent no healing plan); a "
@@ -71,3 +107,13 @@ def join(inter: MPI.Intercomm) -> tuple[MPI.Intracomm, Plan]:
 def send_plan(merged: MPI.Intracomm, plan: Plan) -> None:
     """The survivors' end of step 2 (every survivor calls it; rank 0's plan goes out)."""
     merged.bcast({"magic": _MAGIC, **dataclasses.asdict(plan)}, root=0)
+
+
+def send_peer_plan(merged: MPI.Intracomm, name: str, extra: dict[str, Any]) -> str:
+    """The starting processes' end of a peer plan (every one of them calls it, after the
+    merge): the link's id, the same on both sides; ``merged`` is kept under it."""
+    link = secrets.token_hex(8) if merged.Get_rank() == 0 else None
+    plan = merged.bcast({"magic": _PEER_MAGIC, "link": link, "name": name, "extra": extra},
+                        root=0)
+    links[plan["link"]] = merged
+    return plan["link"]

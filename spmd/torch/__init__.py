@@ -16,9 +16,10 @@ from spmd.torch._registration import BACKEND, register
 
 if TYPE_CHECKING:
     from spmd.torch._process_group import SpmdProcessGroup
+    from spmd.torch._reconfigure import spawn_peers
     from spmd.torch._work import SpmdWork
 
-__all__ = ["BACKEND", "SpmdProcessGroup", "SpmdWork", "register"]
+__all__ = ["BACKEND", "SpmdProcessGroup", "SpmdWork", "register", "spawn_peers"]
 
 
 def __getattr__(name: str) -> Any:
@@ -30,6 +31,9 @@ def __getattr__(name: str) -> Any:
     if name == "SpmdWork":
         from spmd.torch._work import SpmdWork
         return SpmdWork
+    if name == "spawn_peers":   # torch's reconfigure: new processes that join the group
+        from spmd.torch._reconfigure import spawn_peers
+        return spawn_peers
     raise AttributeError(f"module 'spmd.torch' has no attribute {name!r}")
 
 

@@ -12,10 +12,12 @@ from datetime import timedelta
 from typing import Any
 
 import spmd
+from spmd.runtime import replacement
 
-__all__ = ["mpi_rendezvous", "owns_world"]
+__all__ = ["mpi_rendezvous", "owns_world", "store_address"]
 
 _owned = {"world": False}
+_address: list[tuple[str, int]] = []   # the rendezvous store's (host, port), once made
 
 
 def owns_world() -> bool:
@@ -30,9 +32,21 @@ def ensure_spmd(timeout: timedelta | None, pg_options=None) -> None:
         _owned["world"] = True
 
 
+def store_address() -> tuple[str, int] | None:
+    """The (host, port) of the TCPStore the last MPI rendezvous made (rank 0's), or None
+    (the program gave torch a store of its own)."""
+    return _address[0] if _address else None
+
+
 def release_world() -> None:
     """Forget that the backend owns WORLD (after it destroyed it)."""
     _owned["world"] = False
+
+
+def claim_world() -> None:
+    """The backend owns WORLD again (torch's default group, made anew over a world that
+    a reconfigure made, takes it over)."""
+    _owned["world"] = True
 
 
 def _host(hosts: list[str]) -> str:
@@ -63,6 +77,13 @@ def mpi_rendezvous(rank: int, world_size: int, timeout: timedelta | None):
         raise ValueError(f"init_process_group: rank={rank} but MPI says this is rank {me} "
                          f"(of {n})")
     seconds = timeout if timeout is not None else timedelta(minutes=30)
+    peer = replacement.joined_as_peer()
+    if peer is not None and peer.extra.get("store"):
+        # Started to join a group later (spmd.torch.spawn_peers): that group's store, where
+        # its processes publish what this one needs (their handles).
+        host, port = peer.extra["store"]
+        _address[:] = [(host, port)]
+        return dist.TCPStore(host, port, n, False, seconds), me, n
     hosts: list[Any] = [None] * n  # every rank's host name, once gathered
     spmd.all_gather_object(hosts, socket.gethostname())
     address: list[Any] = [None]  # rank 0's (host, port)
@@ -72,6 +93,7 @@ def mpi_rendezvous(rank: int, world_size: int, timeout: timedelta | None):
         store = dist.TCPStore(host, 0, n, True, seconds, wait_for_workers=False)
         address[0] = (host, store.port)
     spmd.broadcast_object_list(address, src=0)
+    _address[:] = [tuple(address[0])]
     if me != 0:
         host, port = address[0]
         store = dist.TCPStore(host, port, n, False, seconds)
