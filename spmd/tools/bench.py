@@ -38,6 +38,8 @@ import numpy as np
 from mpi4py import MPI
 
 from spmd.tools.bench_gpu import run_gpu
+from spmd.tools.bench_timing import measure
+from spmd.tools.bench_torch import run_torch
 
 __all__ = ["main", "run", "add_arguments", "parse_size", "OPS", "IMPLS"]
 
@@ -46,10 +48,8 @@ OPS = ("all_reduce", "broadcast", "reduce", "all_gather_into_tensor", "reduce_sc
 IMPLS = ("spmd", "mpi4py", "spmd-persistent", "torch-gloo", "torch-spmd")
 _PERSISTENT_OPS = ("all_reduce", "broadcast", "reduce", "all_gather_into_tensor",
                    "reduce_scatter_tensor", "all_to_all_single", "barrier")
-_pc = time.perf_counter
 _IN_PLACE = MPI.IN_PLACE
 _SUM = MPI.SUM
-_MAX = MPI.MAX
 
 _UNITS = {"": 1, "B": 1, "K": 1024, "KB": 1024, "KIB": 1024, "M": 1024**2, "MB": 1024**2,
           "MIB": 1024**2, "G": 1024**3, "GB": 1024**3, "GIB": 1024**3}
@@ -70,11 +70,12 @@ def parse_size(text: str) -> int:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--ops", default=",".join(OPS),
-                   help=f"comma-separated ops (default: all of {','.join(OPS)})")
-    p.add_argument("--impls", default=",".join(IMPLS),
+    p.add_argument("--ops", default=None,
+                   help=f"comma-separated ops (default: all of {','.join(OPS)}; with "
+                        "--torch, of the torch mode's)")
+    p.add_argument("--impls", default=None,
                    help="comma-separated implementations (default: all available of "
-                        f"{','.join(IMPLS)})")
+                        f"{','.join(IMPLS)}; with --torch, of the torch mode's)")
     p.add_argument("--min-bytes", type=parse_size, default=8, help="smallest size (default 8)")
     p.add_argument("--max-bytes", type=parse_size, default=64 * 1024**2,
                    help="largest size (default 64M)")
@@ -100,6 +101,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--plot", default=None, metavar="FILE.png",
                    help="plot latency and bus bandwidth vs size (needs matplotlib)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--torch", action="store_true",
+                   help="torch.distributed's calls on the spmd backend beside gloo, a "
+                        "do-nothing backend and mpi4py (spmd/tools/bench_torch.py)")
     p.add_argument("--device", choices=["cpu", "cuda", "double"], default="cpu",
                    help="cpu: the host sweep (default); cuda: all_reduce on GPU arrays beside "
                         "torch's NCCL and raw CuPy NCCL, with the GPU targets; double: the "
@@ -108,11 +112,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 class _Config:
     def __init__(self, args, n: int):
-        self.ops = [o.strip() for o in args.ops.split(",") if o.strip()]
+        self.ops = [o.strip() for o in (args.ops or ",".join(OPS)).split(",") if o.strip()]
         for o in self.ops:
             if o not in OPS:
                 raise SystemExit(f"spmd bench: unknown op {o!r}; expected some of {OPS}")
-        self.impls = [i.strip() for i in args.impls.split(",") if i.strip()]
+        self.impls = [i.strip() for i in (args.impls or ",".join(IMPLS)).split(",")
+                      if i.strip()]
         for i in self.impls:
             if i not in IMPLS:
                 raise SystemExit(f"spmd bench: unknown implementation {i!r}; expected some "
@@ -328,60 +333,7 @@ def _case(op: str, count: int, dtype, spmd, comm, torch_, persistent_ok: bool):
     return impls, plans
 
 
-# -- timing ----------------------------------------------------------------------------
-
-def _agreed_max(comm, values: list[float]) -> np.ndarray:
-    arr = np.array(values, np.float64)
-    comm.Allreduce(_IN_PLACE, arr, _MAX)
-    return arr
-
-
-def measure(comm, impls: dict, cfg) -> dict[str, np.ndarray]:
-    """Per-call times of each implementation (seconds, the slowest rank's per call).
-
-    The number of calls is the same for every implementation and agreed by all ranks:
-    about ``cfg.budget`` seconds in all, within ``[cfg.min_iters, cfg.max_iters]``.
-    """
-    names = list(impls)
-    first_times: list[float] = []
-    for name in names:  # one call each tells how many more warm-up calls are affordable
-        comm.Barrier()
-        t0 = _pc()
-        impls[name]()
-        first_times.append(_pc() - t0)
-    first = _agreed_max(comm, first_times)
-    extra = int(max(0, min(cfg.warmup - 1, 0.25 * cfg.budget / max(first.sum(), 1e-9))))
-    est_times: list[float] = []
-    for i, name in enumerate(names):
-        fn = impls[name]
-        comm.Barrier()
-        t0 = _pc()
-        for _ in range(extra):
-            fn()
-        est_times.append((_pc() - t0) / extra if extra else first[i])
-    est = _agreed_max(comm, est_times)
-    iters = int(min(cfg.max_iters, max(cfg.min_iters, cfg.budget / max(est.sum(), 1e-9))))
-    rounds = max(1, min(cfg.rounds, iters))
-    per_round = -(-iters // rounds)
-    chunks: dict[str, list] = {name: [] for name in names}
-    for r in range(rounds):
-        for j in range(len(names)):
-            name = names[(j + r) % len(names)]  # rotate who goes first
-            fn = impls[name]
-            comm.Barrier()
-            stamps = [_pc()]
-            stamp = stamps.append
-            for _ in range(per_round):
-                fn()
-                stamp(_pc())
-            chunks[name].append(np.diff(np.array(stamps)))
-    out = {}
-    for name in names:
-        s = np.concatenate(chunks[name])
-        comm.Allreduce(_IN_PLACE, s, _MAX)
-        out[name] = s
-    return out
-
+# -- rows ------------------------------------------------------------------------------
 
 def _row(op, nbytes, count, impl, times, n, halve):
     from spmd.core.optable import bus_factor
@@ -555,6 +507,8 @@ def bench_command(args) -> int:
     """Entry point of ``spmd bench`` (after argument parsing)."""
     if args.device != "cpu":
         return run_gpu(args)
+    if args.torch:
+        return run_torch(args)
     doc = run(args)
     if doc is None:
         return 0

@@ -3,6 +3,10 @@ CuPy NCCL, in one job, with the targets checked.
 
 Per implementation, medians of interleaved rounds, the slowest rank's:
 
+- **host cost**: what issuing one 8-byte all_reduce costs the host, the device's work
+  left out (back-to-back calls timed without a synchronisation, which follows the
+  timing; on the device double the device is held meanwhile, as its emulated kernels
+  run on the host), with spmd-cupy's cost over the communicator's own call (cupy-nccl);
 - **per-call cost**: back-to-back 8-byte all_reduces, then one device synchronisation
   (what a training step with many small buckets pays), in us per call; and one call
   followed by a synchronisation;
@@ -28,10 +32,11 @@ import numpy as np
 from spmd.core import cuda as _gpu
 from spmd.core.lines import write_lines
 
-__all__ = ["GPU_IMPLS", "run_gpu"]
+__all__ = ["GPU_IMPLS", "HOST_OVER_TARGET", "run_gpu"]
 
 GPU_IMPLS = ("spmd-cupy", "spmd-torch", "torch-spmd", "torch-nccl", "cupy-nccl")
 PER_CALL_TARGET, PER_CALL_STRETCH, BANDWIDTH_TARGET = 1.0, 0.5, 0.97
+HOST_OVER_TARGET = 10.0   # us: spmd-cupy's host cost per call over cupy-nccl's, at most
 
 
 def _torch_cuda(spmd: Any) -> tuple[Any, str | None]:
@@ -120,6 +125,40 @@ def _measure(spmd: Any, cp: Any, calls: dict, per_round: int, rounds: int) -> di
     return dict(zip(names, slowest.tolist()))
 
 
+def _host_cost(spmd: Any, cp: Any, calls: dict, per_round: int, rounds: int,
+               double: bool) -> dict:
+    """Host seconds per call of each implementation, the device's work left out: medians
+    of interleaved rounds of ``per_round`` calls timed without a synchronisation (the
+    device is synchronised after each round's timing), slowest rank."""
+    from mpi4py import MPI
+
+    hold = release = None
+    if double:
+        from spmd.testing import device_double
+
+        hold, release = device_double.hold, device_double.release
+    sync = cp.cuda.runtime.deviceSynchronize
+    comm = spmd.GroupMember.WORLD.comm
+    times: dict = {name: [] for name in calls}
+    for _ in range(rounds):
+        for name, fn in calls.items():
+            comm.Barrier()
+            if hold is not None:
+                hold()
+            t0 = time.perf_counter()
+            for _ in range(per_round):
+                fn()
+            times[name].append((time.perf_counter() - t0) / per_round)
+            if release is not None:
+                release()
+            sync()
+    names = list(calls)
+    mine = np.array([statistics.median(times[k]) for k in names])
+    slowest = np.empty_like(mine)
+    comm.Allreduce(mine, slowest, MPI.MAX)
+    return dict(zip(names, slowest.tolist()))
+
+
 def _ratio_line(what: str, num: dict, den: dict, a: str, b: str, target: str,
                 ok: Any, missing: dict) -> str:
     if a not in num or b not in den:
@@ -146,6 +185,8 @@ def run_gpu(args: Any) -> int:
     big_calls = 3 if args.quick else 10
 
     calls, missing = _impls(spmd, cp, 8)
+    # short rounds: a round the host is taken from by another process counts once
+    host = _host_cost(spmd, cp, calls, 20, 10 if args.quick else 50, args.device == "double")
     back_to_back = _measure(spmd, cp, calls, small_calls, rounds)
     one_call = _measure(spmd, cp, calls, 1, max(rounds * 20, 40))
     bandwidth: dict = {}
@@ -155,7 +196,7 @@ def run_gpu(args: Any) -> int:
         factor = 2 * (n - 1) / n if n > 1 else 1.0
         bandwidth[nbytes] = {k: nbytes / s * factor / 1e9 for k, s in secs.items()}
     if spmd.get_rank() == 0:
-        _report(spmd, cp, n, big, back_to_back, one_call, bandwidth, missing)
+        _report(spmd, cp, n, big, host, back_to_back, one_call, bandwidth, missing)
     return 0
 
 
@@ -163,17 +204,22 @@ def _size(nbytes: int) -> str:
     return f"{nbytes // 2**20} MiB" if nbytes >= 2**20 else f"{nbytes // 1024} KiB"
 
 
-def _report(spmd, cp, n, big, back_to_back, one_call, bandwidth, missing) -> None:
-    head = f"{'impl':12s} {'8 B back-to-back':>18s} {'8 B call+sync':>15s}" + \
+def _report(spmd, cp, n, big, host, back_to_back, one_call, bandwidth, missing) -> None:
+    head = f"{'impl':12s} {'8 B host':>10s} {'8 B back-to-back':>18s} {'8 B call+sync':>15s}" + \
         "".join(f" {_size(b) + ' busbw':>15s}" for b in big)
-    units = f"{'':12s} {'us/call':>18s} {'us':>15s}" + "".join(f" {'GB/s':>15s}" for _ in big)
+    units = f"{'':12s} {'us/call':>10s} {'us/call':>18s} {'us':>15s}" + \
+        "".join(f" {'GB/s':>15s}" for _ in big)
     lines = [f"GPU all_reduce (float32), {n} rank(s), {_gpu.gpu_info().get('cuda_device')}, "
              f"NCCL {_gpu.nccl_version()}", head, units]
     for name in GPU_IMPLS:
         if name not in back_to_back:
             continue
-        lines.append(f"{name:12s} {back_to_back[name] * 1e6:18.1f} {one_call[name] * 1e6:15.1f}" +
+        lines.append(f"{name:12s} {host[name] * 1e6:10.1f} {back_to_back[name] * 1e6:18.1f} "
+                     f"{one_call[name] * 1e6:15.1f}" +
                      "".join(f" {bandwidth[b].get(name, float('nan')):15.3g}" for b in big))
+    over = (host["spmd-cupy"] - host["cupy-nccl"]) * 1e6
+    lines.append(f"target: 8 B host cost per call, spmd-cupy - cupy-nccl = {over:.1f} us "
+                 f"(<= {HOST_OVER_TARGET:g} us): {'met' if over <= HOST_OVER_TARGET else 'NOT MET'}")
     for name, why in missing.items():
         lines.append(f"not run: {name} ({why})")
     for impl in ("spmd-cupy", "spmd-torch", "torch-spmd"):

@@ -9,9 +9,13 @@ allgather_coalesced are called from torch's Python.  A Python method hides every
 pybind overload of its name, so each accepts torch's option objects and the older
 positional forms (a single tensor, a root, an op).
 
-Every op is one of spmd's public collectives on numpy views of the tensors, started
-with ``async_op=True``: torch tensors get the shared-memory engine, timeouts with
-diagnosis, the flight recorder, debug mode and the comms log as numpy arrays do.
+Every op is one of spmd's public collectives on numpy views of the tensors: torch tensors
+get the shared-memory engine, timeouts with diagnosis, the flight recorder, debug mode
+and the comms log as numpy arrays do.  A call torch waits for at once (its blocking API:
+``opts.asyncOp`` False) runs as spmd's blocking call, on the compiled path where that
+takes it, and hands torch no Work (None: torch's API then skips the wait, as it does for
+a backend that synchronised itself); every other call starts the op with
+``async_op=True`` and returns an SpmdWork.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from typing import TYPE_CHECKING, cast
 import torch
 import torch.distributed as dist
 from torch._C._distributed_c10d import (
+    AllreduceOptions,
     AllToAllOptions,
     BroadcastOptions,
     GatherOptions,
@@ -46,6 +51,7 @@ __all__ = ["SpmdProcessGroup", "create"]
 
 _SUM = dist.ReduceOp.SUM
 _CPU, _CUDA = torch.device("cpu"), torch.device("cuda")
+_UNSET_TIMEOUT = AllreduceOptions().timeout   # c10d's kUnsetTimeout: the group's
 
 
 def _timeout(opts) -> float | None:
@@ -67,6 +73,8 @@ def _one(tensors, op: str, arg: str, group: GroupContext) -> torch.Tensor:
 
 
 def _reduce_of(opts, default=_SUM):
+    if type(opts) is AllreduceOptions:   # torch's all_reduce: the common case first
+        return reduce_op(opts.reduceOp)
     if opts is None:
         return reduce_op(default)
     if isinstance(opts, (dist.ReduceOp, dist.ReduceOp.RedOpType)):
@@ -152,6 +160,25 @@ class SpmdProcessGroup(dist.ProcessGroup):
 
     # -- plumbing ---------------------------------------------------------------------
 
+    def _waited(self, opts) -> bool:
+        """Whether torch waits for this op as soon as it is issued (its blocking API sets
+        ``opts.asyncOp`` False), the op has no timeout of its own (spmd's blocking call
+        waits under the group's) and no coalescing collects its Work: then the op runs
+        as spmd's blocking call and torch gets None for its Work."""
+        if getattr(opts, "asyncOp", True) or self._coalescing is not None:
+            return False
+        timeout = opts.timeout
+        return timeout == _UNSET_TIMEOUT or _timeout(opts) is None
+
+    def _issue(self, opts, outputs, name: str, call, /, *args, **kwargs) -> SpmdWork | None:
+        """Run ``call`` (spmd's op ``name``) on this group: blocking where torch waits at
+        once (:meth:`_waited`; torch gets None), else started, its Work returned."""
+        if self._waited(opts):
+            call(*args, group=self._spmd, **kwargs)
+            return None
+        return self._work([call(*args, group=self._spmd, async_op=True, **kwargs)], outputs,
+                          name, opts)
+
     def _work(self, works, outputs, op, opts=None, finish=None) -> SpmdWork:
         work = SpmdWork(works, outputs, op, self._spmd, finish, _timeout(opts))
         if self._coalescing is not None:
@@ -162,9 +189,14 @@ class SpmdProcessGroup(dist.ProcessGroup):
 
     def allreduce(self, tensors, opts=None, op=None, timeout=None):
         """All-reduce one tensor in place (``opts``: AllreduceOptions or a ReduceOp)."""
-        t = _one(tensors, "allreduce", "tensors", self._spmd.context)
+        ctx = self._spmd.context
+        t = tensors[0] if type(tensors) is list and len(tensors) == 1 else \
+            _one(tensors, "allreduce", "tensors", ctx)
         red = _reduce_of(op if op is not None else opts)
-        a = host_out(t, "all_reduce", "tensor", self._spmd.context, True)
+        a = host_out(t, "all_reduce", "tensor", ctx, True)
+        if self._waited(opts):   # (the hottest call: _issue's steps, inline)
+            spmd.all_reduce(a, red, group=self._spmd)
+            return None
         w = spmd.all_reduce(a, red, group=self._spmd, async_op=True)
         return self._work([w], [t], "all_reduce", opts)
 
@@ -190,8 +222,7 @@ class SpmdProcessGroup(dist.ProcessGroup):
                               "tensor per process means rootTensor 0", self._spmd.context)
             root = opts.rootRank
         a = host_out(t, "broadcast", "tensor", self._spmd.context)
-        w = spmd.broadcast(a, group_src=root, group=self._spmd, async_op=True)
-        return self._work([w], [t], "broadcast", None if isinstance(opts, int) else opts)
+        return self._issue(opts, [t], "broadcast", spmd.broadcast, a, group_src=root)
 
     def reduce(self, tensors, opts=None, op=None):
         """Reduce into group rank ``opts.rootRank`` (or ``reduce(tensor, root, op)``)."""
@@ -203,8 +234,7 @@ class SpmdProcessGroup(dist.ProcessGroup):
             root, red = opts.rootRank, reduce_op(opts.reduceOp)
         mine = self._spmd.rank() == root
         a = (host_out if mine else host_in)(t, "reduce", "tensor", self._spmd.context, True)
-        w = spmd.reduce(a, group_dst=root, op=red, group=self._spmd, async_op=True)
-        return self._work([w], [t], "reduce", opts)
+        return self._issue(opts, [t], "reduce", spmd.reduce, a, group_dst=root, op=red)
 
     def allgather(self, output_tensors, input_tensors, opts=None):
         """All-gather (list form; sizes may differ per rank)."""
@@ -218,8 +248,7 @@ class SpmdProcessGroup(dist.ProcessGroup):
             t = t.clone()
         a = host_in(t, "all_gather", "tensor", self._spmd.context)
         arrays = [host_out(o, "all_gather", f"tensor_list[{i}]", self._spmd.context) for i, o in enumerate(outs)]
-        w = spmd.all_gather(arrays, a, group=self._spmd, async_op=True)
-        return self._work([w], output_tensors, "all_gather", opts)
+        return self._issue(opts, output_tensors, "all_gather", spmd.all_gather, arrays, a)
 
     def all_gather_single(self, output, input, opts=None):
         """All-gather into one tensor (``all_gather_into_tensor``)."""
@@ -227,8 +256,7 @@ class SpmdProcessGroup(dist.ProcessGroup):
             input = input.clone()
         a = host_in(input, "all_gather_into_tensor", "input_tensor", self._spmd.context)
         out = host_out(output, "all_gather_into_tensor", "output_tensor", self._spmd.context)
-        w = spmd.all_gather_into_tensor(out, a, group=self._spmd, async_op=True)
-        return self._work([w], [output], "all_gather_into_tensor", opts)
+        return self._issue(opts, [output], "all_gather_into_tensor", spmd.all_gather_into_tensor, out, a)
 
     _allgather_base = all_gather_single
 
@@ -269,8 +297,7 @@ class SpmdProcessGroup(dist.ProcessGroup):
             if any(same_storage(o, t) for o in lst):
                 t = t.clone()
         a = host_in(t, "gather", "tensor", self._spmd.context)
-        w = spmd.gather(a, outs, group_dst=root, group=self._spmd, async_op=True)
-        return self._work([w], output_tensors, "gather", opts)
+        return self._issue(opts, output_tensors, "gather", spmd.gather, a, outs, group_dst=root)
 
     def scatter(self, output_tensors, input_tensors, opts=None):
         """Scatter from group rank ``opts.rootRank``: ``input_tensors`` is
@@ -284,8 +311,7 @@ class SpmdProcessGroup(dist.ProcessGroup):
             ins = [host_in(x.clone() if same_storage(x, t) else x, "scatter",
                            f"scatter_list[{i}]", self._spmd.context) for i, x in enumerate(lst)]
         out = host_out(t, "scatter", "tensor", self._spmd.context)
-        w = spmd.scatter(out, ins, group_src=root, group=self._spmd, async_op=True)
-        return self._work([w], [t], "scatter", opts)
+        return self._issue(opts, [t], "scatter", spmd.scatter, out, ins, group_src=root)
 
     def reduce_scatter(self, output_tensors, input_tensors, opts=None):
         """Reduce-scatter, list form (sizes may differ per destination)."""
@@ -296,8 +322,7 @@ class SpmdProcessGroup(dist.ProcessGroup):
         ins = [host_in(x.clone() if same_storage(x, t) else x, "reduce_scatter",
                        f"input_list[{i}]", self._spmd.context, True) for i, x in enumerate(lst)]
         out = host_out(t, "reduce_scatter", "output", self._spmd.context, True)
-        w = spmd.reduce_scatter(out, ins, red, group=self._spmd, async_op=True)
-        return self._work([w], [t], "reduce_scatter", opts)
+        return self._issue(opts, [t], "reduce_scatter", spmd.reduce_scatter, out, ins, red)
 
     def reduce_scatter_single(self, output, input, opts=None):
         """Reduce-scatter one tensor into equal chunks (``reduce_scatter_tensor``)."""
@@ -306,8 +331,7 @@ class SpmdProcessGroup(dist.ProcessGroup):
         red = _reduce_of(opts)
         a = host_in(input, "reduce_scatter_tensor", "input", self._spmd.context, True)
         out = host_out(output, "reduce_scatter_tensor", "output", self._spmd.context, True)
-        w = spmd.reduce_scatter_tensor(out, a, red, group=self._spmd, async_op=True)
-        return self._work([w], [output], "reduce_scatter_tensor", opts)
+        return self._issue(opts, [output], "reduce_scatter_tensor", spmd.reduce_scatter_tensor, out, a, red)
 
     _reduce_scatter_base = reduce_scatter_single
 
@@ -334,8 +358,7 @@ class SpmdProcessGroup(dist.ProcessGroup):
                for i, x in enumerate(input_tensors)]
         outs = [host_out(o, "all_to_all", f"output_tensor_list[{i}]", self._spmd.context)
                 for i, o in enumerate(output_tensors)]
-        w = spmd.all_to_all(outs, ins, group=self._spmd, async_op=True)
-        return self._work([w], list(output_tensors), "all_to_all", opts)
+        return self._issue(opts, list(output_tensors), "all_to_all", spmd.all_to_all, outs, ins)
 
     def all_to_all_single(self, output, input, output_split_sizes=None,
                           input_split_sizes=None, opts=None):
@@ -348,15 +371,13 @@ class SpmdProcessGroup(dist.ProcessGroup):
         out = host_out(output, "all_to_all_single", "output", self._spmd.context)
         outs = [int(s) for s in output_split_sizes] if output_split_sizes else None
         ins = [int(s) for s in input_split_sizes] if input_split_sizes else None
-        w = spmd.all_to_all_single(out, a, outs, ins, group=self._spmd, async_op=True)
-        return self._work([w], [output], "all_to_all_single", opts)
+        return self._issue(opts, [output], "all_to_all_single", spmd.all_to_all_single, out, a, outs, ins)
 
     alltoall_base = all_to_all_single
 
     def barrier(self, opts=None):
         """Every rank of the group enters before any leaves."""
-        w = spmd.barrier(group=self._spmd, async_op=True)
-        return self._work([w], [], "barrier", opts)
+        return self._issue(opts, [], "barrier", spmd.barrier)
 
     # -- point to point ---------------------------------------------------------------
 

@@ -12,9 +12,15 @@ The numpy views are made through DLPack, never ``Tensor.numpy()``: that marks th
 tensor's storage not resizable for good, and FSDP1 frees its unsharded parameters by
 resizing their storage to 0 after the all-gather.  A tensor handed to the backend
 comes back changed in its values only.
+
+A small contiguous tensor's view is kept (:class:`_Views`) and handed out again while the
+tensor keeps its memory, shape and dtype: making one costs more than a small
+collective's own work.
 """
 
 from __future__ import annotations
+
+import weakref
 
 import numpy as np
 import torch
@@ -49,6 +55,73 @@ def _view(t: torch.Tensor, op: str, arg: str, reduces: bool, group: GroupContext
     return tensor_as_numpy(t, op, arg, group)
 
 
+class _Views:
+    """The numpy views of small contiguous CPU tensors, made once per tensor.
+
+    A view is the tensor's memory as it was when the view was made: it is handed out
+    again only while the tensor still starts at the same address with the same shape,
+    dtype and contiguity, which is what the view describes (a tensor that was resized,
+    given other storage or another dtype gets a new view).  An entry goes when its tensor
+    does.  Only tensors of up to ``MAX_BYTES`` are kept, at most ``MAX_ENTRIES`` of
+    them: a tensor whose storage was swapped keeps its old storage alive until its
+    next call, so what that can hold stays small; and a larger op costs more than a view.
+    """
+
+    MAX_BYTES = 64 * 1024
+    MAX_ENTRIES = 1024
+
+    def __init__(self) -> None:
+        self._by_id: dict[int, tuple] = {}
+
+    def get(self, t) -> np.ndarray | None:
+        """The kept view of tensor ``t``, if it still describes ``t``'s memory."""
+        entry = self._by_id.get(id(t))
+        if entry is None:
+            return None
+        ref, ptr, shape, dtype, view = entry
+        try:
+            if ref() is t and t.data_ptr() == ptr and t.dtype is dtype and \
+                    t.shape == shape and t.is_contiguous():
+                return view
+        except (RuntimeError, NotImplementedError):  # now without dense memory
+            pass
+        return None
+
+    def keeps(self, t) -> bool:
+        """Whether a view of CPU tensor ``t`` is kept: ``t`` is small and contiguous, of
+        a dtype numpy holds or bfloat16 (the dtypes moved as integers are refused by
+        reducing ops: their view is made each time, so that refusal is never skipped)."""
+        try:
+            return t.nbytes <= self.MAX_BYTES and t.dtype not in _NUMPY_LESS and \
+                t.is_contiguous()
+        except (RuntimeError, NotImplementedError):  # no dense memory: the view says why
+            return False
+
+    def keep(self, t, view: np.ndarray) -> None:
+        """Keep ``view`` of ``t`` (a tensor that :meth:`keeps` says yes to, without
+        conjugate or negative bit).  The view must be made from an alias of ``t``
+        (``t.detach()``), never from ``t`` itself: torch keeps a tensor's Python object
+        alive while its C++ tensor is referenced, and the view references the tensor it
+        was made from, so a view of ``t`` would keep ``t``, and its entry, forever."""
+        by_id = self._by_id
+        if len(by_id) >= self.MAX_ENTRIES:
+            by_id.clear()
+        key = id(t)
+
+        def forget(ref, key=key, by_id=by_id) -> None:
+            entry = by_id.get(key)
+            if entry is not None and entry[0] is ref:
+                del by_id[key]
+
+        by_id[key] = (weakref.ref(t, forget), t.data_ptr(), t.shape, t.dtype, view)
+
+    def __len__(self) -> int:
+        return len(self._by_id)
+
+
+views = _Views()
+
+
 def _host_tensor(t, op: str, arg: str, group: GroupContext):
     """``t`` without autograd if it is a CPU tensor, None for a CUDA tensor."""
     if not isinstance(t, torch.Tensor):
@@ -71,12 +144,16 @@ def host_in(t, op: str, arg: str, group: GroupContext, reduces: bool = False):
         TypeError: ``t`` is no tensor, has no dense memory (sparse, quantized, nested,
             meta), or has a dtype spmd cannot reduce where ``reduces``.
     """
+    a = views.get(t)
+    if a is not None:
+        return a
     cpu = _host_tensor(t, op, arg, group)
     if cpu is None:
         return t
     if cpu.is_conj() or cpu.is_neg():
         cpu = cpu.resolve_conj().resolve_neg()  # a lazy view: its values, materialised
-    return _view(cpu, op, arg, reduces, group)
+        return _view(cpu, op, arg, reduces, group)
+    return _kept(t, cpu, op, arg, reduces, group)
 
 
 def host_out(t, op: str, arg: str, group: GroupContext, reduces: bool = False):
@@ -85,6 +162,9 @@ def host_out(t, op: str, arg: str, group: GroupContext, reduces: bool = False):
     Raises:
         TypeError: as :func:`host_in`, and for a lazy conjugate or negative view.
     """
+    a = views.get(t)
+    if a is not None:
+        return a
     cpu = _host_tensor(t, op, arg, group)
     if cpu is None:
         return t
@@ -92,7 +172,17 @@ def host_out(t, op: str, arg: str, group: GroupContext, reduces: bool = False):
         raise located(TypeError, op, f"{arg} is a lazy conjugate/negative view; results "
                       "cannot be written into it (call resolve_conj()/resolve_neg() first)",
                       group)
-    return _view(cpu, op, arg, reduces, group)
+    return _kept(t, cpu, op, arg, reduces, group)
+
+
+def _kept(t, cpu, op: str, arg: str, reduces: bool, group: GroupContext) -> np.ndarray:
+    """The view of ``cpu`` (``t`` as a CPU tensor without autograd), kept for ``t``'s
+    next call where :class:`_Views` keeps it."""
+    if not views.keeps(t):
+        return _view(cpu, op, arg, reduces, group)
+    view = _view(t.detach() if cpu is t else cpu, op, arg, reduces, group)
+    views.keep(t, view)
+    return view
 
 
 def same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -112,8 +202,14 @@ _OPS = {getattr(_RED, name): getattr(spmd.ReduceOp, name) for name in
         ("SUM", "AVG", "PRODUCT", "MIN", "MAX", "BAND", "BOR", "BXOR")}
 
 
+_ReduceOp = dist.ReduceOp
+_TORCH_SUM, _SPMD_SUM = _RED.SUM, spmd.ReduceOp.SUM  # type: ignore[attr-defined]
+
+
 def reduce_op(op) -> spmd.ReduceOp:
     """spmd's ReduceOp for torch's ``ReduceOp`` or ``ReduceOp.RedOpType``."""
+    if type(op) is _ReduceOp and op == _TORCH_SUM:   # the common case, without a hash
+        return _SPMD_SUM
     kind = getattr(op, "op", op)
     if type(kind) is not _RED:   # (pybind11 enums compare equal to ints)
         raise ValueError(f"unsupported reduce op {op!r}")

@@ -68,6 +68,11 @@ class SpmdWork(dist.Work):
         self._source: torch.futures.Future[Any] | None = None   # what completes _future
         self._started = _monotonic()   # for the poller: when its timeout runs out
 
+    @property
+    def outputs(self):
+        """The op's output tensors (its future's value; what a coalesced Work collects)."""
+        return self._outputs
+
     def _run_finish(self) -> None:
         finish, self._finish = self._finish, None
         if finish is not None:

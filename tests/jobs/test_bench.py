@@ -147,8 +147,45 @@ def test_gpu_bench_on_the_device_double(n):
     rows = {line.split()[0]: line.split()[1:] for line in out.splitlines()
             if line.startswith(("spmd-cupy ", "cupy-nccl "))}
     assert set(rows) == {"spmd-cupy", "cupy-nccl"}, out
-    assert all(len(v) == 4 and all(float(x) > 0 for x in v) for v in rows.values()), out
+    assert all(len(v) == 5 and all(float(x) > 0 for x in v) for v in rows.values()), out
+    assert "target: 8 B host cost per call, spmd-cupy - cupy-nccl = " in out, out
     assert out.count("target: 8 B back-to-back time per call") == 3, out
     assert "spmd-cupy / torch-nccl: not measured (torch-nccl:" in out
     assert len([line for line in out.splitlines()
                 if line.startswith("target:") and "spmd-cupy / cupy-nccl = " in line]) == 2, out
+
+
+@pytest.mark.timeout(300)
+def test_torch_mode_table_and_json(tmp_path):
+    """``spmd bench --torch``: every op of the torch mode on spmd, gloo, the do-nothing
+    backend and mpi4py in one job, ratios beside the times, the target and the floor."""
+    pytest.importorskip("torch.distributed")
+    from spmd.tools.bench_torch import TORCH_IMPLS, TORCH_OPS
+
+    out = tmp_path / "torch.json"
+    proc = _bench(2, "--torch", *QUICK, "--min-bytes", "16", "--max-bytes", "1K",
+                  "--json", str(out))
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    doc = json.loads(out.read_text())
+    assert doc["format"] == "spmd-bench-torch" and doc["world_size"] == 2
+    assert [r["op"] for r in doc["results"]] == \
+        [op for op in TORCH_OPS for _ in ([0] if op == "barrier" else [16, 128, 1024])]
+    for r in doc["results"]:
+        assert set(r["median_us"]) == set(TORCH_IMPLS), r
+        assert all(t > 0 for t in r["median_us"].values()), r
+        assert r["vs_mpi4py"]["mpi4py"] == 1.0
+    t = doc["target"]
+    assert (t["op"], t["bytes"], t["bound"]) == ("all_reduce", 16, 2.0)
+    assert t["met"] == (t["measured"] <= 2.0)
+    for op in TORCH_OPS:
+        assert f"== {op}" in proc.stdout
+    assert "target: all_reduce 16 B, torch-spmd / mpi4py = " in proc.stdout
+    assert "floor: torch's dispatch of all_reduce into a Python ProcessGroup" in proc.stdout
+
+
+def test_torch_mode_refuses_unknown_names():
+    pytest.importorskip("torch.distributed")
+    proc = _bench(1, "--torch", "--quick", "--ops", "all_reduce,all_to_all_single",
+                  timeout=120)
+    assert proc.returncode != 0
+    assert "unknown op 'all_to_all_single'; expected some of all_reduce," in proc.stdout

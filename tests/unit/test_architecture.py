@@ -162,7 +162,8 @@ MPI_MODULES = {
     "spmd.runtime.abort", "spmd.runtime.control", "spmd.runtime.reliability",
     "spmd.checkpoint.mpiio", "spmd.checkpoint.save_load",
     "spmd.spawn.child",                                 # the ranks; the caller has no MPI
-    "spmd.tools.bench", "spmd.tools.bench_gpu", "spmd.tools.cli", "spmd.tools.trace",
+    "spmd.tools.bench", "spmd.tools.bench_gpu", "spmd.tools.bench_timing",
+    "spmd.tools.bench_torch", "spmd.tools.cli", "spmd.tools.trace",
 }
 def test_mpi_only_where_mpi_is_the_job():
     """mpi4py is imported (at any depth; type annotations under TYPE_CHECKING aside)

@@ -5,7 +5,10 @@ an operation (its end event), the operations in flight, and the abort that ends 
 The engine (``engine.py``) says what to enqueue; this module owns when and where it runs:
 ``with communicator.launch(op) as (comm, stream_ptr):`` enqueues on the communicator's
 stream after the caller's current stream, and ``communicator.started(...)`` returns the
-operation's Work.
+operation's Work.  While this thread's ``communicator.caller.on`` is set (the engine's
+blocking calls) a launch enqueues on the caller's current stream itself, as c10d's NCCL
+backend does for ``async_op=False``: the caller's later work is ordered after it with no
+event between two streams.
 
 After a timeout the communicator is *held*, never aborted on the spot: ``ncclCommAbort``
 would end the stuck kernel, and the streams waiting for it (the program's, after a
@@ -25,7 +28,6 @@ import contextlib
 import os
 import threading
 import time
-import weakref
 from collections.abc import Callable
 
 from spmd.backends.nccl.uniqueid import host_identity, uid_for_cupy, uid_to_bytes
@@ -34,7 +36,7 @@ from spmd.core import cuda as _gpu
 from spmd.core.bootstrap import broadcast_value, check_distinct_gpus
 from spmd.core.context import GroupContext
 from spmd.core.errors import DistBackendError, DistTimeoutError, GroupBrokenError, located
-from spmd.core.flight_recorder import NCCL_ENGINE, recorder
+from spmd.core.flight_recorder import NCCL_ENGINE
 from spmd.core.timeouts import to_seconds
 from spmd.core.wait import wait_until
 from spmd.core.work import Work
@@ -44,6 +46,7 @@ __all__ = ["NOCOLOR", "SPLIT_VERSION", "Communicator", "Launch", "NcclWork", "ab
 
 SPLIT_VERSION = 21800  # ncclCommSplit
 NOCOLOR = -1           # NCCL_SPLIT_NOCOLOR
+SPARE_EVENTS = 64      # end events of passed operations a communicator keeps for reuse
 
 
 def _ends() -> bool:
@@ -78,24 +81,16 @@ def can_split(nccl) -> bool:
         return False
 
 
-class InFlight:
-    """An operation enqueued and not yet seen complete: its arrays stay alive until the
-    GPU has passed its end event."""
-
-    __slots__ = ("end", "entry", "kept", "work")
-
-    def __init__(self, end, kept, work: weakref.ref, entry) -> None:
-        self.end = end      # the CUDA event recorded after the operation
-        self.kept = kept    # the arrays it reads and writes
-        self.work = work    # its Work, weakly: a Work nobody holds still completes
-        self.entry = entry  # its number in the flight recorder (None when recording is off)
-
-
 class Communicator:
-    """One group's NCCL communicator, its stream and its operations in flight."""
+    """One group's NCCL communicator, its stream and its operations in flight.
 
-    __slots__ = ("aborted", "broken", "cp", "created_by", "device", "group", "held",
-                 "inflight", "nccl", "nccl_comm", "ready", "runtime", "stream")
+    What an operation needs besides its NCCL call is made once: the stream, the event the
+    stream waits on, and end events, which come back (``spare``) once their operation
+    has been seen complete and are recorded again by later operations.
+    """
+
+    __slots__ = ("aborted", "broken", "caller", "cp", "created_by", "device", "group", "held",
+                 "inflight", "nccl", "nccl_comm", "ready", "runtime", "spare", "stream")
 
     def __init__(self, group: GroupContext, cp, nccl) -> None:
         self.group = group
@@ -109,7 +104,12 @@ class Communicator:
         self.broken: str | None = None   # why it can run no more operations
         self.held = False                # a timeout broke it: see hold()
         self.aborted = False             # ncclCommAbort ran: its streams went on
-        self.inflight: collections.deque[InFlight] = collections.deque()  # oldest first
+        # The Works of operations enqueued and not yet seen complete, oldest first: they
+        # (and the arrays they keep) live until the GPU has passed their end event, also
+        # when nobody else holds them.
+        self.inflight: collections.deque[NcclWork] = collections.deque()
+        self.spare: collections.deque = collections.deque()   # end events to record again
+        self.caller = _CallerStream()   # .on, per thread: launches go on the caller's stream
         self.created_by: str | None = None  # "unique id" or "commSplit", for tests and spmd info
 
     # -- creation -----------------------------------------------------------------------
@@ -168,7 +168,7 @@ class Communicator:
             return None
         with self.cp.cuda.Device(self.device):
             # Operations still queued on the parent can deadlock the split (CuPy's warning).
-            self.stream.synchronize()
+            self.drain()
             try:
                 return comm.commSplit(color, key)
             except Exception as exc:
@@ -184,7 +184,7 @@ class Communicator:
             return
         if self.broken is None and self.group.error is None:
             try:
-                self.stream.synchronize()
+                self.drain()
             finally:
                 self.nccl_comm = None
                 comm.destroy()
@@ -202,6 +202,15 @@ class Communicator:
             abandoned.append(self)
         self.nccl_comm = None
         self.inflight.clear()
+
+    def drain(self) -> None:
+        """Block the host until every operation enqueued has completed: those on the
+        communicator's stream and those blocking calls put on their callers' streams."""
+        if self.stream is not None:
+            self.stream.synchronize()
+        for work in list(self.inflight):
+            if work.on_caller:
+                work.end.synchronize()
 
     # -- faults -------------------------------------------------------------------------
 
@@ -279,7 +288,7 @@ class Communicator:
         self.cp.cuda.get_current_stream().wait_event(event)
 
     def host_wait(self, work: NcclWork, seconds: float) -> None:
-        event, spins = work._event, 0
+        event, spins = work.end, 0
 
         def done() -> bool:
             nonlocal spins
@@ -307,19 +316,22 @@ class Communicator:
         self.check(work.op)
 
     def reap(self) -> None:
-        """Complete the operations whose end event has passed and release their arrays;
-        a Work nobody holds any more still has its flight-recorder entry finished."""
-        inflight = self.inflight
+        """Complete the operations whose end event has passed and release their arrays
+        (a Work nobody holds any more completes too: its flight-recorder entry ends).
+        Their end events become spare: a completed Work never asks its event again, and
+        a stream that waited on it keeps what it waited for (CUDA takes an event's
+        last record at the wait)."""
+        inflight, spare = self.inflight, self.spare
         while inflight and inflight[0].end.done:
-            item = inflight.popleft()
-            work = item.work()
-            if work is not None:
-                # work._done: whether it completed, without testing it again (its event
-                # has passed: this completes it)
-                if not work._done:
-                    work._complete()
-            elif item.entry is not None:
-                recorder.end(item.entry)
+            work = inflight.popleft()
+            # work._done: whether it completed, without testing it again (its event has
+            # passed: this completes it)
+            if not work._done:
+                work._complete()
+            end = work.end
+            # (the operations of one batch share their end event: spare after the last)
+            if (not inflight or inflight[0].end is not end) and len(spare) < SPARE_EVENTS:
+                spare.append(end)
 
     # -- enqueueing ---------------------------------------------------------------------
 
@@ -340,10 +352,14 @@ class Communicator:
                 op: str | None = None) -> NcclWork:
         """The Work of what ``launch`` enqueued (``op``: its name, when one launch holds
         several operations, as a batch of sends and receives does)."""
-        work = NcclWork(self, launch.end, op or launch.op, outputs, keep, blocking, peer)
-        self.inflight.append(InFlight(launch.end, keep, weakref.ref(work),
-                                      getattr(work, "flight_number", None)))
+        work = NcclWork(self, launch.end, op or launch.op, outputs, keep, blocking, peer,
+                        launch.on_caller)
+        self.inflight.append(work)
         return work
+
+
+class _CallerStream(threading.local):
+    on = False   # this thread's launches go on its current stream (a blocking call)
 
 
 _AS_IS = contextlib.nullcontext()  # no switch: the device (or stream) is already the one
@@ -356,11 +372,13 @@ class Launch:
     operations found done, makes the communicator's stream wait for the caller's current
     stream, and (``kernels=True``) makes the stream current so that packing and copies
     go on it too; with ``kernels=False`` only NCCL calls run inside, and they name the
-    stream themselves.  Leaving records ``end``.  An NCCL error inside aborts the
+    stream themselves.  While the thread's ``caller.on`` is set everything goes on the
+    caller's current stream instead (``on_caller``).  Leaving records ``end`` (an event of the
+    communicator's spares where it has one).  An NCCL error inside aborts the
     communicator and raises DistBackendError.
     """
 
-    __slots__ = ("_device", "_owner", "_stream", "end", "kernels", "op")
+    __slots__ = ("_device", "_on", "_owner", "_stream", "end", "kernels", "on_caller", "op")
 
     def __init__(self, owner: Communicator, op: str, kernels: bool) -> None:
         self._owner = owner
@@ -378,26 +396,39 @@ class Launch:
         if owner.inflight:
             owner.reap()
         cp = owner.cp
-        self._device = device = (_AS_IS if owner.runtime.getDevice() == owner.device
-                                 else cp.cuda.Device(owner.device))
-        device.__enter__()
+        device = _AS_IS
+        if owner.runtime.getDevice() != owner.device:
+            device = cp.cuda.Device(owner.device)
+            device.__enter__()
+        self._device = device
+        current = cp.cuda.get_current_stream()
+        self.on_caller = owner.caller.on
+        if self.on_caller:
+            self._on, self._stream = current, _AS_IS
+            return comm, current.ptr
         ready, stream = owner.ready, owner.stream
-        ready.record(cp.cuda.get_current_stream())
+        ready.record(current)
         stream.wait_event(ready)
+        self._on = stream
         self._stream = inner = stream if self.kernels else _AS_IS
-        inner.__enter__()
+        if inner is not _AS_IS:
+            inner.__enter__()
         return comm, stream.ptr
 
     def __exit__(self, kind, exc, tb) -> None:
         owner = self._owner
         try:
-            self._stream.__exit__(kind, exc, tb)
+            if self._stream is not _AS_IS:
+                self._stream.__exit__(kind, exc, tb)
             if kind is None:
-                end = owner.cp.cuda.Event(block=False, disable_timing=True)
-                end.record(owner.stream)
+                spare = owner.spare
+                end = spare.popleft() if spare else \
+                    owner.cp.cuda.Event(block=False, disable_timing=True)
+                end.record(self._on)
                 self.end = end
         finally:
-            self._device.__exit__(kind, exc, tb)
+            if self._device is not _AS_IS:
+                self._device.__exit__(kind, exc, tb)
         if kind is not None and issubclass(kind, owner.nccl.NcclError):
             owner.abort(f"an NCCL error in {self.op}")
             raise located(DistBackendError, self.op, f"NCCL error: {exc}; the communicator "
@@ -405,25 +436,27 @@ class Launch:
 
 
 class NcclWork(Work):
-    """A started NCCL operation: an end event on the communicator's stream."""
+    """A started NCCL operation: an end event on the communicator's stream (or, for a
+    blocking call, on the caller's)."""
 
-    __slots__ = ("_blocking", "device_end", "_event", "_owner", "_peer")
+    __slots__ = ("_blocking", "device_end", "end", "on_caller", "_owner", "_peer")
 
     engine = NCCL_ENGINE
 
     def __init__(self, owner: Communicator, event, op: str, outputs, keep, blocking=False,
-                 peer=None):
-        self._event = event
+                 peer=None, on_caller=False):
+        self.end = event           # the CUDA event recorded after the operation
         self._owner = owner
         self._blocking = blocking  # barrier: waiting blocks the host
         self._peer = peer          # receives: the group rank received from
+        self.on_caller = on_caller  # enqueued on the caller's stream: nothing to order
         # The flight recorder asks the end event itself whether the op has finished.
         self.device_end = (owner, event)
         super().__init__(op, owner.group, outputs, keep=keep)
 
     def _test(self) -> bool:
         self._owner.check(self.op)
-        if self._event.done:
+        if self.end.done:
             return True
         self._check_group()
         return False
@@ -431,7 +464,7 @@ class NcclWork(Work):
     def _check_group(self) -> None:
         """Raise if the group broke (a timeout here or on a peer) with this op pending:
         it can no longer complete in step with the other ranks."""
-        if self.group.error is not None and not self._event.done:
+        if self.group.error is not None and not self.end.done:
             self.group.check_alive(self.op)
 
     def is_completed(self) -> bool:
@@ -455,7 +488,8 @@ class NcclWork(Work):
         if not self._done:
             self._owner.check(self.op)
             self._check_group()
-            self._owner.stream_wait(self._event)
+            if not self.on_caller:
+                self._owner.stream_wait(self.end)
             future = self._future
             # (future._done: its state without polling, as above)
             if future is not None and not future._done:

@@ -7,12 +7,20 @@ travels over the group's MPI communicator (or the init store), and every member 
 communicator get theirs from ``ncclCommSplit`` where CuPy (>= 14) and NCCL (>= 2.18)
 have it.
 
-Streams: each communicator has its own CUDA stream.  An operation makes that stream
-wait for an event recorded on the caller's current stream (so the inputs are ready),
-enqueues the NCCL calls (and any packing, scaling or copying back) on it, and records
-an end event.  ``Work.wait()`` makes the caller's current stream wait for the end event
-without blocking the host, as in c10d; ``Work.synchronize()`` blocks the host.  The
-arrays of an operation are kept alive until its end event has passed.
+Streams: each communicator has its own CUDA stream.  An operation started with
+``async_op=True`` makes that stream wait for an event recorded on the caller's current
+stream (so the inputs are ready), enqueues the NCCL calls (and any packing, scaling or
+copying back) on it, and records an end event.  ``Work.wait()`` makes the caller's
+current stream wait for the end event without blocking the host, as in c10d;
+``Work.synchronize()`` blocks the host.  A blocking call enqueues on the caller's current
+stream itself, as c10d does for ``async_op=False`` (NCCL serialises the kernels of one
+communicator across the streams they are launched on: its launches wait on the
+communicator's internal stream).  The arrays of an operation are kept alive
+until its end event has passed.
+
+Per call, only what the call itself needs is done: the reduction plan of a dtype and
+reduce op is resolved once, the stream and the event it waits on are made once, end
+events are reused once their operation has passed.
 
 What NCCL cannot do raises TypeError before anything is enqueued (say so in the docs):
 bitwise reductions, reductions of int16/uint16 (NCCL has no such types), MIN/MAX/
@@ -24,7 +32,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from spmd.backends.base import Engine, P2PItem
+from spmd.backends.base import Engine, P2PItem, reraise
 from spmd.backends.nccl.buffers import bytes_into, copy_into, flat_bytes, typed
 from spmd.backends.nccl.communicator import NOCOLOR, Communicator, NcclWork
 from spmd.backends.nccl.plans import (
@@ -45,6 +53,7 @@ from spmd.core import cuda as _gpu
 from spmd.core.arrays import contiguous
 from spmd.core.context import GroupContext
 from spmd.core.errors import located
+from spmd.core.ops import ReduceOp
 
 __all__ = ["NCCL_TYPES", "NCCLEngine", "NcclWork", "plan_for", "uid_for_cupy", "uid_to_bytes"]
 
@@ -67,6 +76,29 @@ class NCCLEngine(Engine):
         self._nccl = nccl
         self.communicator = Communicator(group, cp, nccl)
         self._resolved: dict = {}
+        # (dtype, id of a ReduceOp member) -> (NCCL datatype, NCCL op, count factor) where
+        # NCCL reduces a contiguous array alone, in place: all_reduce's plan, checked once
+        # per pair (PREMUL_SUM's ops are made per factor, and never members).
+        self._direct: dict = {}
+
+    def run(self, op: str, async_op: bool, *args):
+        """A blocking call enqueues on the caller's current stream (c10d's NCCL backend
+        does so for ``async_op=False``): the caller's later work is ordered after it
+        without an event between two streams, and its Work has nothing left to wait for
+        but NCCL's errors.  A call that may be waited for later goes on the
+        communicator's stream."""
+        caller = self.communicator.caller
+        caller.on = not async_op
+        try:
+            work = getattr(self, op)(*args)
+            if async_op:
+                return work
+            work.wait()
+            return None
+        except Exception as exc:
+            reraise(self, exc, op)
+        finally:
+            caller.on = False
 
     # -- the communicator's life ----------------------------------------------------------
 
@@ -139,7 +171,21 @@ class NCCLEngine(Engine):
     # -- reductions --------------------------------------------------------------------
 
     def all_reduce(self, a, op):
+        direct = self._direct.get((a.dtype, id(op)))
+        if direct is not None and a.flags.c_contiguous:
+            # The common call: NCCL alone, in place, with its plan from an earlier call.
+            t, o, factor = direct
+            nc = self.communicator
+            launch = nc.launch("all_reduce", kernels=False)
+            with launch as (comm, s):
+                if a.size:
+                    ptr = a.data.ptr
+                    comm.allReduce(ptr, ptr, a.size * factor, t, o, s)
+            return nc.started(launch, [a], a)
         plan, t, o, divide = self._plan(a.dtype, op, "all_reduce")
+        if divide is None and not plan.premul and op is getattr(ReduceOp, op.name):
+            # (a member of ReduceOp lives for good: its id stays its own)
+            self._direct[(a.dtype, id(op))] = t, o, plan.count_factor
         simple = divide is None and not plan.premul and a.flags.c_contiguous  # NCCL alone
         nc = self.communicator
         launch = nc.launch("all_reduce", kernels=not simple)
