@@ -39,6 +39,10 @@ import spmd
 from spmd.core.context import GroupContext
 from spmd.core.cuda import cupy_or_none
 from spmd.core.errors import located
+from spmd.torch._errors import raising_torch_errors
+from spmd.torch._reconfigure import enable as enable_reconfigure
+from spmd.torch._reconfigure import handle as reconfigure_handle
+from spmd.torch._reconfigure import reconfigure as reconfigure_default
 from spmd.torch._sharded_tensor import answer_device_without_shards
 from spmd.torch._store import ensure_spmd, owns_world, release_world
 from spmd.torch._tensors import host_in, host_out, reduce_op, same_storage
@@ -457,6 +461,37 @@ class SpmdProcessGroup(dist.ProcessGroup):
         _adopt_shrunk_groups()
         return SpmdProcessGroup(new, new.rank(), new.size(), self._timeout, owns)
 
+    # -- reconfiguring (torch 2.14: init_process_group(..., enable_reconfigure=True)) ----
+
+    @property
+    def supports_reconfigure(self) -> bool:
+        """torch's ``dist._supports_reconfigure`` asks this: the default group rebuilds
+        on the processes whose handles it is given (spmd.torch._reconfigure)."""
+        return True
+
+    def get_reconfigure_handle(self) -> str:
+        """This process's handle, for the others' ``reconfigure`` (a local call)."""
+        return reconfigure_handle(self)
+
+    def reconfigure(self, opts):
+        """Rebuild the default group on the processes ``opts.handles`` names: torch's
+        default group is a new object afterwards (spmd.torch._reconfigure)."""
+        return reconfigure_default(self, opts)
+
+
+# The ops torch calls: an op that refuses to start (its group failed, broke, timed out
+# before) raises spmd's error as torch's DistBackendError (spmd.torch._errors), as the
+# Work of an op that started does.
+TORCH_OPS = ("allreduce", "allreduce_coalesced", "broadcast", "reduce", "allgather",
+             "all_gather_single", "_allgather_base", "all_gather_single_coalesced",
+             "allgather_into_tensor_coalesced", "allgather_coalesced", "gather", "scatter",
+             "reduce_scatter", "reduce_scatter_single", "_reduce_scatter_base",
+             "reduce_scatter_single_coalesced", "reduce_scatter_tensor_coalesced",
+             "alltoall", "all_to_all_single", "alltoall_base", "barrier", "send", "recv",
+             "recv_anysource", "end_coalescing", "_end_coalescing", "shrink")
+for _name in TORCH_OPS:
+    setattr(SpmdProcessGroup, _name, raising_torch_errors(vars(SpmdProcessGroup)[_name]))
+
 
 class _FutureWork:
     """An spmd Future (what spmd's coalesced all-gather returns) seen as a Work."""
@@ -551,7 +586,10 @@ def create(opts, pg_options) -> SpmdProcessGroup:
         owns = "world" if not owned_before or owns_world() else ""
         _keep_excepthook_output()
         assert world is not None  # ensure_spmd() initialised spmd
-        return SpmdProcessGroup(world, me, n, timeout, owns)
+        pg = SpmdProcessGroup(world, me, n, timeout, owns)
+        if getattr(opts, "enable_reconfigure", False):   # torch 2.14 and later
+            enable_reconfigure(pg, opts.store, timeout)
+        return pg
     if max(ranks) >= n:
         raise RuntimeError(f"spmd backend: group of global ranks {ranks} but the MPI job has "
                            f"{n} ranks [rank {me}]")

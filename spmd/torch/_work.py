@@ -23,6 +23,7 @@ import torch.distributed as dist
 import spmd
 from spmd.core.timeouts import to_seconds
 from spmd.core.wait import timeout_error
+from spmd.torch._errors import as_torch_error
 
 __all__ = ["SpmdWork"]
 
@@ -80,7 +81,8 @@ class SpmdWork(dist.Work):
 
     def _settle(self, exc: BaseException | None) -> None:
         """Mark done (under the lock), then complete the future outside any lock."""
-        self._exc = exc
+        # spmd's errors leave as torch's (DistBackendError...): spmd.torch._errors
+        self._exc = exc if exc is None else as_torch_error(exc)
         self._done = True
         self._works = ()
 
