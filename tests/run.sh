@@ -155,7 +155,8 @@ for venv in ${OTHER_MPIS:-}; do
     [ $rc -ne 0 ] && failed+=("$library: jobs (exit $rc)")
     summary+=("$library: jobs: exit $rc ($((SECONDS - start)) s)")
     # A dead rank the job survives: Open MPI's ULFM (mpiexec --with-ft ulfm), ranks killed
-    # at each point at 3 and 4 ranks, and the fault-tolerant training example.
+    # at each point at 3 and 4 ranks, and the fault-tolerant training example; with torch
+    # in this environment (CI: 2.14), torch's reconfigure and the self-healing DDP example.
     if [ "${#MPIFLAGS[@]}" -gt 0 ]; then   # Open MPI's launcher
         echo "=== ${MPI_LABEL}jobs that lose a rank (ULFM) ==="
         start=$SECONDS
@@ -174,7 +175,8 @@ done
 # subset chosen to take about two minutes (the backend's MPI tests; torch's suite told
 # "gloo", whose passes include all of the run as spmd's but test_get_backend; FSDP1/2,
 # DTensor; what import torch makes of the "mpi" name, and a job under it; Lightning and
-# Accelerate, which with that job train with DDP).
+# Accelerate, which with that job train with DDP; torch 2.14's reconfigure, planned:
+# reordered, a rank left out, a process spawn_peers started, one of another mpiexec).
 TORCH_VENV_JOBS=(
     tests/jobs/test_torch_backend_jobs.py::test_import_torch_registers_without_starting_mpi
     "tests/jobs/test_torch_training_jobs.py::test_fsdp1_matches_single_process[2]"
@@ -186,6 +188,10 @@ TORCH_VENV_JOBS=(
     "tests/jobs/test_torch_mpi_name.py::test_a_script_for_torchs_mpi_backend_runs_on_spmd[2]"
     "tests/jobs/test_trainers_jobs.py::test_lightning_ddp_strategy_on_spmd_trains_as_gloo[2]"
     "tests/jobs/test_trainers_jobs.py::test_accelerate_multi_cpu_on_spmd_as_mpi_trains_as_gloo[2]"
+    "tests/jobs/test_reconfigure_jobs.py::test_reversed_handles_reverse_the_ranks[3]"
+    tests/jobs/test_reconfigure_jobs.py::test_a_rank_left_out_the_others_go_on_without_it
+    tests/jobs/test_reconfigure_jobs.py::test_a_process_spawn_peers_started_joins
+    tests/jobs/test_reconfigure_jobs.py::test_a_process_started_by_its_own_launcher_joins_through_its_port
 )
 for venv in ${TORCH_VENVS:-}; do
     saved=("$PYTHON" "$MPIEXEC")
