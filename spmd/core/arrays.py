@@ -137,7 +137,10 @@ def _other_device(x) -> str | None:
     module = type(x).__module__
     if module.startswith("torch") and hasattr(x, "device"):
         return x.device.type
-    if module.startswith("cupy") or hasattr(x, "__cuda_array_interface__"):
+    # (the type first: a class's __cuda_array_interface__ is usually a property that
+    # builds a dict, numba's and the device double's among them)
+    if module.startswith("cupy") or hasattr(type(x), "__cuda_array_interface__") or \
+            hasattr(x, "__cuda_array_interface__"):
         return "cuda"
     dlpack_device = getattr(x, "__dlpack_device__", None)
     if dlpack_device is not None:
