@@ -44,7 +44,7 @@ def test_blocking_calls_go_on_the_callers_stream(dist, cp, fresh):
             y = x * 2   # queued on the side stream, after the all_reduce
             work = dist.all_reduce(x, group=g, async_op=True)   # after the side stream
         assert blocking.on_caller and not work.on_caller
-        assert not blocking.is_completed()   # the device is held: queued, not run
+        assert not blocking.end.done   # the device is held: queued, not run
     finally:
         dd.release()
     work.wait()
@@ -54,6 +54,50 @@ def test_blocking_calls_go_on_the_callers_stream(dist, cp, fresh):
     b = cp.full(3, float(dist.get_rank()), cp.float32)
     dist.broadcast(b, src=n - 1, group=g)
     np.testing.assert_array_equal(b.get(), np.full(3, float(n - 1), np.float32))
+
+
+def test_a_blocking_all_reduce_is_recorded_without_a_work(dist, cp, fresh):
+    """Where only the flight recorder observes Works, the common blocking all_reduce
+    leaves no Work: its recorder entry ends when the GPU passes its end event, its
+    arrays are released then; another observer (the comms log here) gets a Work."""
+    from spmd.backends.nccl.communicator import Ran
+    from spmd.core import flight_recorder as fr
+    from spmd.core import work as work_mod
+
+    g = fresh(backend=SPEC)
+    x = cp.ones(4, cp.float32)
+    dist.all_reduce(x, group=g)   # resolves the plan
+    dd.hold()
+    try:
+        dist.all_reduce(x, group=g)
+        ran = _last_work(g)
+        assert isinstance(ran, Ran) and ran.keep is x
+        entry = fr.recorder.entries()[-1]
+        assert entry.op == "all_reduce" and entry.engine == "NCCL" and entry.t1 is None
+        assert entry.group is g.context
+    finally:
+        dd.release()
+    dd.runtime.deviceSynchronize()
+    assert [e for e in fr.recorder.in_flight() if e.group is g.context] == []
+    dist.all_reduce(x, group=g)   # reaps the one before
+    assert ran.keep is None
+    seen = []
+
+    class Observer:
+        def started(self, work):
+            seen.append(work)
+
+        def completed(self, work):
+            pass
+
+    obs = Observer()
+    work_mod.add_observer(obs)
+    try:
+        dist.all_reduce(x, group=g)
+    finally:
+        work_mod.remove_observer(obs)
+    assert [w.op for w in seen] == ["all_reduce"] and not isinstance(_last_work(g), Ran)
+    np.testing.assert_array_equal(x.get(), np.full(4, float(dist.get_world_size() ** 4)))
 
 
 def test_end_events_are_reused(dist, cp, fresh):

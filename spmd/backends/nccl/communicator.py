@@ -29,6 +29,7 @@ import os
 import threading
 import time
 from collections.abc import Callable
+from typing import Any
 
 from spmd.backends.nccl.uniqueid import host_identity, uid_for_cupy, uid_to_bytes
 from spmd.backends.setup import set_up
@@ -36,12 +37,12 @@ from spmd.core import cuda as _gpu
 from spmd.core.bootstrap import broadcast_value, check_distinct_gpus
 from spmd.core.context import GroupContext
 from spmd.core.errors import DistBackendError, DistTimeoutError, GroupBrokenError, located
-from spmd.core.flight_recorder import NCCL_ENGINE
+from spmd.core.flight_recorder import NCCL_ENGINE, recorder
 from spmd.core.timeouts import to_seconds
 from spmd.core.wait import wait_until
-from spmd.core.work import Work
+from spmd.core.work import Work, observers
 
-__all__ = ["NOCOLOR", "SPLIT_VERSION", "Communicator", "Launch", "NcclWork", "abandoned",
+__all__ = ["NOCOLOR", "SPLIT_VERSION", "Communicator", "Launch", "NcclWork", "Ran", "abandoned",
            "can_split", "set_timeout_policy"]
 
 SPLIT_VERSION = 21800  # ncclCommSplit
@@ -104,10 +105,10 @@ class Communicator:
         self.broken: str | None = None   # why it can run no more operations
         self.held = False                # a timeout broke it: see hold()
         self.aborted = False             # ncclCommAbort ran: its streams went on
-        # The Works of operations enqueued and not yet seen complete, oldest first: they
-        # (and the arrays they keep) live until the GPU has passed their end event, also
-        # when nobody else holds them.
-        self.inflight: collections.deque[NcclWork] = collections.deque()
+        # The Works (or Ran records) of operations enqueued and not yet seen complete,
+        # oldest first: they (and the arrays they keep) live until the GPU has passed their
+        # end event, also when nobody else holds them.
+        self.inflight: collections.deque[NcclWork | Ran] = collections.deque()
         self.spare: collections.deque = collections.deque()   # end events to record again
         self.caller = _CallerStream()   # .on, per thread: launches go on the caller's stream
         self.created_by: str | None = None  # "unique id" or "commSplit", for tests and spmd info
@@ -348,6 +349,28 @@ class Communicator:
         finally:  # (an error inside still ends the group: NCCL needs the pair)
             self.nccl.groupEnd()
 
+    @staticmethod
+    def records_alone() -> bool:
+        """Whether nothing but the flight recorder observes Works (then a blocking call
+        may leave a ``Ran`` instead of a Work, as the host's compiled path does)."""
+        return not observers or (len(observers) == 1 and observers[0] is recorder)
+
+    def ran(self, launch: Launch, a, keep) -> None:
+        """What a blocking call on the caller's stream leaves where ``records_alone``:
+        its flight-recorder entry (the GPU says when it ended, as for a Work's) and its
+        arrays in flight until its end event passes; raised, as a Work's wait would,
+        what NCCL reported or the group's break."""
+        end, op = launch.end, launch.op
+        number = None
+        if observers:
+            number = recorder.begin(op, self.group, a, NCCL_ENGINE)
+            ring = recorder.ring   # (what recorder.started writes for a Work)
+            ring.devices[number % ring.capacity] = (self, end)
+        self.inflight.append(Ran(end, keep, number))
+        self.check(op)
+        if self.group.error is not None and not end.done:
+            self.group.check_alive(op)
+
     def started(self, launch: Launch, outputs, keep, blocking=False, peer=None,
                 op: str | None = None) -> NcclWork:
         """The Work of what ``launch`` enqueued (``op``: its name, when one launch holds
@@ -356,6 +379,26 @@ class Communicator:
                         launch.on_caller)
         self.inflight.append(work)
         return work
+
+
+class Ran:
+    """A blocking call in flight that has no Work (``Communicator.ran``): nobody waits on
+    it, and the flight recorder alone observes it."""
+
+    __slots__ = ("end", "keep", "number")
+
+    on_caller = True   # (it ran on its caller's stream)
+    _done = False      # (reap completes it, as a Work it has not seen done)
+
+    def __init__(self, end, keep, number: int | None) -> None:
+        self.end = end          # the CUDA event recorded after the call
+        self.keep = keep        # its arrays, until the GPU has passed ``end``
+        self.number = number    # its flight-recorder entry (None: the recorder is off)
+
+    def _complete(self) -> None:
+        self.keep = None
+        if self.number is not None:
+            recorder.end(self.number)
 
 
 class _CallerStream(threading.local):
@@ -384,7 +427,7 @@ class Launch:
         self._owner = owner
         self.op = op
         self.kernels = kernels
-        self.end = None
+        self.end: Any = None   # the end event, once the launch is left
 
     def __enter__(self):
         owner, op = self._owner, self.op

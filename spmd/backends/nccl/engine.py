@@ -90,6 +90,8 @@ class NCCLEngine(Engine):
         caller = self.communicator.caller
         caller.on = not async_op
         try:
+            if op == "all_reduce" and not async_op and self._reduced_here(*args):
+                return None
             work = getattr(self, op)(*args)
             if async_op:
                 return work
@@ -170,18 +172,32 @@ class NCCLEngine(Engine):
 
     # -- reductions --------------------------------------------------------------------
 
+    def _direct_all_reduce(self, a, direct):
+        """Launch the common all_reduce: NCCL alone, in place, with the plan (``direct``)
+        an earlier call resolved."""
+        t, o, factor = direct
+        launch = self.communicator.launch("all_reduce", kernels=False)
+        with launch as (comm, s):
+            if a.size:
+                ptr = a.data.ptr
+                comm.allReduce(ptr, ptr, a.size * factor, t, o, s)
+        return launch
+
+    def _reduced_here(self, a, op) -> bool:
+        """A blocking all_reduce of the common kind where nothing but the flight recorder
+        observes Works: launched, and left in flight without a Work (nobody would wait
+        on it).  False, having done nothing, for any other call."""
+        direct = self._direct.get((a.dtype, id(op)))
+        nc = self.communicator
+        if direct is None or not a.flags.c_contiguous or not nc.records_alone():
+            return False
+        nc.ran(self._direct_all_reduce(a, direct), a, a)
+        return True
+
     def all_reduce(self, a, op):
         direct = self._direct.get((a.dtype, id(op)))
         if direct is not None and a.flags.c_contiguous:
-            # The common call: NCCL alone, in place, with its plan from an earlier call.
-            t, o, factor = direct
-            nc = self.communicator
-            launch = nc.launch("all_reduce", kernels=False)
-            with launch as (comm, s):
-                if a.size:
-                    ptr = a.data.ptr
-                    comm.allReduce(ptr, ptr, a.size * factor, t, o, s)
-            return nc.started(launch, [a], a)
+            return self.communicator.started(self._direct_all_reduce(a, direct), [a], a)
         plan, t, o, divide = self._plan(a.dtype, op, "all_reduce")
         if divide is None and not plan.premul and op is getattr(ReduceOp, op.name):
             # (a member of ReduceOp lives for good: its id stays its own)
