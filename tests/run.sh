@@ -198,7 +198,8 @@ for venv in ${TORCH_VENVS:-}; do
     PYTHON="$venv/bin/python" MPIEXEC="$venv/bin/mpiexec"
     mpi_flags
     MPI_LABEL="torch $("$PYTHON" -c "import torch; print(torch.__version__)"): "
-    PATHS=(tests/mpi/test_torch_backend.py tests/mpi/test_torch_tensors.py)
+    PATHS=(tests/mpi/test_torch_backend.py tests/mpi/test_torch_tensors.py
+           tests/mpi/test_torch_call_path.py)
     mpi_run "${MPI_LABEL}mpi n=2" 2
     for run in ${TORCH_VENV_SUITE_RUNS:-gloo:2}; do
         name=${run%:*} n=${run#*:}
