@@ -6,6 +6,7 @@ raw mpi4py call and torch.distributed (gloo) in the same job, on the same buffer
     mpiexec -n 4 spmd bench                      # the default sweep: 8 B .. 64 MiB
     mpiexec -n 2 spmd bench --quick --json out.json --plot out.png
     mpiexec -n 2 python -m spmd.tools.bench --ops all_reduce --max-bytes 1M
+    mpiexec -n 2 spmd bench --torch --min-bytes 16   # torch's calls: spmd, gloo, a no-op, mpi4py
 
 For every op and message size, every implementation is warmed up, then timed call by
 call in interleaved rounds (so that noise on a shared machine hits them alike); a
