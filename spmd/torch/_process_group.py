@@ -9,13 +9,11 @@ allgather_coalesced are called from torch's Python.  A Python method hides every
 pybind overload of its name, so each accepts torch's option objects and the older
 positional forms (a single tensor, a root, an op).
 
-Every op is one of spmd's public collectives on numpy views of the tensors: torch tensors
-get the shared-memory engine, timeouts with diagnosis, the flight recorder, debug mode
-and the comms log as numpy arrays do.  A call torch waits for at once (its blocking API:
-``opts.asyncOp`` False) runs as spmd's blocking call, on the compiled path where that
-takes it, and hands torch no Work (None: torch's API then skips the wait, as it does for
-a backend that synchronised itself); every other call starts the op with
-``async_op=True`` and returns an SpmdWork.
+Every op is one of spmd's public collectives on numpy views of the tensors, so torch
+tensors get what numpy arrays get (shared memory, diagnosed timeouts, the flight recorder,
+debug mode, the comms log).  A call torch waits for at once (``opts.asyncOp`` False) is
+spmd's blocking call, on the compiled path where it takes it, and torch gets no Work (its
+API then skips the wait); any other call starts the op and returns an SpmdWork.
 """
 
 from __future__ import annotations
@@ -67,6 +65,8 @@ def _timeout(opts) -> float | None:
 
 def _one(tensors, op: str, arg: str, group: GroupContext) -> torch.Tensor:
     """The single tensor of torch's one-element tensor lists (or a bare tensor)."""
+    if type(tensors) is list and len(tensors) == 1:   # (what torch passes)
+        return tensors[0]
     if isinstance(tensors, torch.Tensor):
         return tensors
     if not isinstance(tensors, (list, tuple)) or len(tensors) != 1:
@@ -165,14 +165,12 @@ class SpmdProcessGroup(dist.ProcessGroup):
     # -- plumbing ---------------------------------------------------------------------
 
     def _waited(self, opts) -> bool:
-        """Whether torch waits for this op as soon as it is issued (its blocking API sets
-        ``opts.asyncOp`` False), the op has no timeout of its own (spmd's blocking call
-        waits under the group's) and no coalescing collects its Work: then the op runs
-        as spmd's blocking call and torch gets None for its Work."""
+        """Whether torch waits for the op at once (``opts.asyncOp`` False), with no timeout
+        of the op's own (a blocking call waits under the group's) and no coalescing block
+        to collect its Work: then it is spmd's blocking call, and torch gets no Work."""
         if getattr(opts, "asyncOp", True) or self._coalescing is not None:
             return False
-        timeout = opts.timeout
-        return timeout == _UNSET_TIMEOUT or _timeout(opts) is None
+        return opts.timeout == _UNSET_TIMEOUT or _timeout(opts) is None
 
     def _issue(self, opts, outputs, name: str, call, /, *args, **kwargs) -> SpmdWork | None:
         """Run ``call`` (spmd's op ``name``) on this group: blocking where torch waits at
@@ -194,8 +192,7 @@ class SpmdProcessGroup(dist.ProcessGroup):
     def allreduce(self, tensors, opts=None, op=None, timeout=None):
         """All-reduce one tensor in place (``opts``: AllreduceOptions or a ReduceOp)."""
         ctx = self._spmd.context
-        t = tensors[0] if type(tensors) is list and len(tensors) == 1 else \
-            _one(tensors, "allreduce", "tensors", ctx)
+        t = _one(tensors, "allreduce", "tensors", ctx)
         red = _reduce_of(op if op is not None else opts)
         a = host_out(t, "all_reduce", "tensor", ctx, True)
         if self._waited(opts):   # (the hottest call: _issue's steps, inline)
@@ -600,7 +597,3 @@ def create(opts, pg_options) -> SpmdProcessGroup:
         raise RuntimeError(f"spmd backend: group rank {group.rank()} from MPI but "
                            f"{opts.group_rank} from torch for ranks {ranks} [rank {me}]")
     return SpmdProcessGroup(group, opts.group_rank, opts.group_size, timeout, "group")
-
-
-
-
