@@ -132,6 +132,8 @@ def test_blocking_op_past_the_timeout_is_diagnosed(dist):
     late = n - 1
     g = dist.new_group(list(range(n)), timeout=timedelta(seconds=1))
     x = np.ones(2)
+    g.engine_for("cpu")   # made by every rank before they meet: its set-up is all that
+    dist.barrier()        # the first op below waits for, within the group's 1 s
     dist.all_reduce(x, group=g)
     outcome = None
     if me != late:
