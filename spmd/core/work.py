@@ -91,13 +91,18 @@ class Work:
         raise NotImplementedError(f"{type(self).__name__} does not say how to test {self.op}")
 
     def _complete(self) -> None:
-        self._done = True
         finish = self._finish
         if finish is not None:
             try:
                 finish()
             except Exception as exc:  # noqa: BLE001 - reported through wait()/exception()
                 self.error = exc
+        self._ended()
+
+    def _ended(self) -> None:
+        """The Work is over (completed, or given up with ``error``): tell the observers
+        and the Future, and let go of the buffers."""
+        self._done = True
         self._finish = None
         self.keep = None
         if observers:
@@ -175,15 +180,8 @@ class Work:
 
     def _end_with(self, exc: BaseException) -> None:
         """The operation was given up: the Work ends with ``exc``, its results unfinished."""
-        self._done = True
         self.error = exc
-        self._finish = None
-        self.keep = None
-        if observers:
-            for obs in observers:
-                obs.completed(self)
-        if self._future is not None:
-            self._future.set_exception(exc)
+        self._ended()
 
     def synchronize(self) -> None:
         """Block the host until the operation completes (same as ``wait`` for host arrays)."""
