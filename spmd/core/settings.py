@@ -87,7 +87,7 @@ SETTINGS: dict[str, Setting] = _settings(
     Setting("SPMD_SPAWN_TOKEN", "text", None, "set by spmd.spawn for the ranks it starts: the "
             "channel's secret (internal)"),
     Setting("SPMD_TORCH_MPI", "bool", False, "spmd answers to torch.distributed's \"mpi\" "
-            "backend name (read at import torch)"),
+            "backend name, read at import torch"),
     Setting("SPMD_DEVICE_DOUBLE_DIR", "text", None, "the device double's exchange directory "
             "(spmd.testing; default: the temporary directory)"),
     Setting("SPMD_DEVICE_DOUBLE_LAG", "seconds", 0.0002, "the device double's simulated "

@@ -221,9 +221,8 @@ def caller_host(launcher: Launcher) -> str:
         except OSError as exc:
             raise RuntimeError(f"spawn: {HOST_VAR}={chosen} is not an IPv4 address or a host "
                                f"name that resolves to one: {exc}") from exc
-    nodes = _allocation_nodes()
-    for node in nodes[:8]:
-        source = _route_source(node)
+    sources = [_route_source(node) for node in _allocation_nodes()[:8]]
+    for source in sources:
         if source is not None and not _loopback(source):
             return source
     try:
@@ -232,8 +231,8 @@ def caller_host(launcher: Launcher) -> str:
         own = None
     if own is not None and not _loopback(own):
         return own
-    if len(nodes) == 1 and _route_source(nodes[0]) is not None:
-        return "127.0.0.1"   # the allocation is this host alone
+    if sources and None not in sources:
+        return "127.0.0.1"   # every node is reached over loopback: they are this host
     raise RuntimeError(
         f"spawn: found no address of this host ({socket.gethostname()}) that the nodes srun "
         f"runs the ranks on can reach (its name resolves to {own or 'nothing'}); set "
@@ -267,13 +266,36 @@ def first_node(nodelist: str) -> str | None:
     return match.group(1) + (match.group(2) or "")
 
 
-def _route_source(host: str) -> str | None:
-    """This host's source address on its route to ``host`` (no packet is sent)."""
+def _route_source(node: str) -> str | None:
+    """This host's source address on its route to the allocation's ``node`` (no packet is
+    sent); None where the node has no address."""
+    address = _node_address(node)
+    if address is None:
+        return None
     try:
-        address = socket.gethostbyname(host)
         with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
             probe.connect((address, 9))
             return probe.getsockname()[0]
+    except OSError:
+        return None
+
+
+def _node_address(node: str) -> str | None:
+    """The IPv4 address of a SLURM node: its name's, else SLURM's NodeAddr (a node's name
+    need not resolve: slurm.conf may give its address alone)."""
+    try:
+        return socket.gethostbyname(node)
+    except OSError:
+        pass
+    try:
+        out = subprocess.run(["scontrol", "-o", "show", "node", node], check=True,
+                             capture_output=True, text=True, timeout=10,
+                             stdin=subprocess.DEVNULL).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    found = re.search(r"\bNodeAddr=(\S+)", out)
+    try:
+        return socket.gethostbyname(found.group(1)) if found else None
     except OSError:
         return None
 

@@ -50,7 +50,8 @@ def test_a_wrong_value_warns_once_and_leaves_torch_alone():
     assert said["is_mpi_available"] is False and said["ProcessGroupMPI"] is None, said
     assert said["warnings"] == ["spmd: could not answer to torch's \"mpi\" backend name: "
                                 "SPMD_TORCH_MPI='maybe' is not a valid setting: expected 1 "
-                                "(on) or 0 (off)"], said
+                                "(on) or 0 (off) (spmd answers to torch.distributed's \"mpi\" "
+                                "backend name, read at import torch)"], said
     assert init["raised"].startswith(NO_MPI), init
 
 

@@ -8,6 +8,7 @@ import json
 import os
 import pickle
 import socket
+import subprocess
 import threading
 import time
 
@@ -311,10 +312,31 @@ def test_under_srun_the_route_to_the_allocations_nodes_gives_the_address(monkeyp
     monkeypatch.setattr(launcher_mod, "_allocation_nodes", lambda: ["n1"])
     monkeypatch.setattr(socket, "gethostbyname", lambda name: "127.0.1.1")
     assert caller_host(srun) == "127.0.0.1"
+    # Nodes of their own that are all reached over loopback (a cluster on one host).
+    routes["n5"] = "127.0.0.1"
+    monkeypatch.setattr(launcher_mod, "_allocation_nodes", lambda: ["n1", "n5"])
+    assert caller_host(srun) == "127.0.0.1"
     # Other nodes, and nothing but loopback to reach them by: say what to set.
     monkeypatch.setattr(launcher_mod, "_allocation_nodes", lambda: ["n1", "n4"])
     with pytest.raises(RuntimeError, match=f"set {HOST_VAR}"):
         caller_host(srun)
+
+
+def test_a_node_whose_name_does_not_resolve_is_found_by_slurms_node_address(monkeypatch):
+    """slurm.conf may name a node and give its address (NodeAddr) without DNS."""
+    def run(cmd, **kwargs):
+        assert cmd == ["scontrol", "-o", "show", "node", "gpu-7"], cmd
+        out = "NodeName=gpu-7 Arch=x86_64 CoresPerSocket=1 NodeAddr=10.2.0.7 NodeHostName=x"
+        return subprocess.CompletedProcess(cmd, 0, stdout=out)
+
+    monkeypatch.setattr(launcher_mod.subprocess, "run", run)
+    monkeypatch.setattr(socket, "gethostbyname",
+                        lambda name: name if name[0].isdigit() else _no_such_host(name))
+    assert launcher_mod._node_address("gpu-7") == "10.2.0.7"
+
+
+def _no_such_host(name: str) -> str:
+    raise socket.gaierror(f"{name}: no such host")
 
 
 def test_first_node_of_a_slurm_node_list():
