@@ -56,9 +56,6 @@ Rules worth knowing:
 
 from __future__ import annotations
 
-import hashlib
-import json
-import math
 import os
 import pickle
 import warnings
@@ -69,15 +66,16 @@ import numpy as np
 from mpi4py import MPI
 
 from spmd.api.objects import all_gather_object
-from spmd.checkpoint.directory import (
-    OLD_TAG,
-    check_size,
-    clean_stale,
-    commit,
-    discard,
-    make_tmp,
-    tmp_name,
-    write_file,
+from spmd.checkpoint.directory import clean_stale, commit, discard, make_tmp, tmp_name, write_file
+from spmd.checkpoint.index import (
+    VALUES_FILE,
+    check_sizes,
+    dtype_name,
+    dtype_of,
+    encode_value,
+    read_index,
+    shrunk_while_read,
+    write_index,
 )
 from spmd.checkpoint.mpiio import (
     BlockWrite,
@@ -85,22 +83,15 @@ from spmd.checkpoint.mpiio import (
     create_npy,
     npy_header,
     read_block,
-    read_npy_header,
     write_blocks,
 )
 from spmd.checkpoint.plan import Reject, check_bounds, coverage, flatten, replicated_block
 from spmd.checkpoint.shard import Shard, is_array
-from spmd.core.arrays import SUPPORTED_DTYPES, bfloat16
+from spmd.core.arrays import SUPPORTED_DTYPES
 from spmd.core.errors import located
 from spmd.runtime.group import ProcessGroup, resolve
 
-__all__ = ["INDEX_FILE", "VALUES_FILE", "Shard", "load", "save"]
-
-INDEX_FILE = "index.json"
-VALUES_FILE = "values.pkl"
-_FORMAT = "spmd.checkpoint"
-_VERSION = 1
-_PICKLE_KEY = "values_pkl"  # the index's record of values.pkl: {"bytes", "sha256"}
+__all__ = ["Shard", "load", "save"]
 
 # Tests set this to simulate a crash at a stage of save ("written", "renaming").
 _fault_hook: Callable[[str], None] | None = None
@@ -125,18 +116,6 @@ def _raise_first(op: str, errors: list, pg: ProcessGroup) -> None:
             raise located(_KINDS.get(kind, RuntimeError), op, msg + where, pg.context)
 
 
-def _dtype_name(dt: np.dtype) -> str:
-    return dt.name
-
-
-def _dtype_of(name: str) -> np.dtype:
-    if name == "bfloat16":
-        if bfloat16 is None:
-            raise Reject(TypeError, "the checkpoint holds bfloat16 arrays: install ml_dtypes")
-        return bfloat16
-    return np.dtype(name)
-
-
 def _array_desc(name: str, leaf: Any, arg: str) -> dict:
     """What the other ranks need to know about one array leaf."""
     data = leaf.data if isinstance(leaf, Shard) else leaf
@@ -145,9 +124,9 @@ def _array_desc(name: str, leaf: Any, arg: str) -> dict:
         raise Reject(TypeError, f"{arg}[{name!r}] has dtype {dt}; expected one of "
                       f"{', '.join(d.name for d in SUPPORTED_DTYPES)}")
     if isinstance(leaf, Shard):
-        return {"kind": "shard", "dtype": _dtype_name(dt), "gshape": leaf.global_shape,
+        return {"kind": "shard", "dtype": dtype_name(dt), "gshape": leaf.global_shape,
                 "start": leaf.offset, "shape": leaf.shape}
-    return {"kind": "array", "dtype": _dtype_name(dt), "gshape": tuple(data.shape)}
+    return {"kind": "array", "dtype": dtype_name(dt), "gshape": tuple(data.shape)}
 
 
 def _host(a: Any) -> np.ndarray:
@@ -162,16 +141,6 @@ def _host(a: Any) -> np.ndarray:
 def _dir_mode(mode: int) -> int:
     """Search permission wherever read permission is given (0600 -> 0700, 0644 -> 0755)."""
     return mode | ((mode & 0o444) >> 2)
-
-
-def _encode_value(name: str, value: Any) -> dict:
-    try:
-        text = json.dumps(value, allow_nan=False)
-        if json.loads(text) == value:
-            return {"kind": "value", "json": value}
-    except (TypeError, ValueError):
-        pass
-    return {"kind": "value", "pickle": True}
 
 
 # -- save --------------------------------------------------------------------------------
@@ -200,7 +169,7 @@ def _local_save_plan(state: Any, path: str, mode: int, overwrite: bool, pg: Proc
         parent = os.path.dirname(os.path.abspath(path))
         if not os.path.isdir(parent):
             raise Reject(FileNotFoundError, f"the directory {parent!r} for path does not exist")
-        encoded = {n: _encode_value(n, v) for n, v in values.items()}
+        encoded = {n: encode_value(n, v) for n, v in values.items()}
         pickled = {n: values[n] for n, e in encoded.items() if "pickle" in e}
         try:
             plan["pickle"] = pickle.dumps(pickled, protocol=pickle.HIGHEST_PROTOCOL) \
@@ -323,7 +292,7 @@ def save(state: Mapping[str, Any], path: str | os.PathLike, group: Any = None, *
             if plans[0]["pickle"] is not None:
                 write_file(os.path.join(tmp, VALUES_FILE), plans[0]["pickle"], mode, sync)
             for entry in entries.values():
-                create_npy(os.path.join(tmp, entry["file"]), _dtype_of(entry["dtype"]),
+                create_npy(os.path.join(tmp, entry["file"]), dtype_of(entry["dtype"]),
                            tuple(entry["shape"]), mode)
         except OSError as exc:
             status = ("OSError", f"cannot create {tmp!r}: {exc}")
@@ -335,12 +304,12 @@ def save(state: Mapping[str, Any], path: str | os.PathLike, group: Any = None, *
         status = None
         if pg.rank() == 0:
             try:
-                _check_sizes(tmp, entries)
+                check_sizes(tmp, entries)
             except OSError as exc:
                 status = ("OSError", f"a file in {tmp!r} came out wrong: {exc}")
             else:
                 try:
-                    _write_index(tmp, entries, plans[0], mode, sync)
+                    write_index(tmp, entries, plans[0], mode, sync)
                 except OSError as exc:
                     status = ("OSError", f"cannot write the index in {tmp!r}: {exc}")
         # Every rank is still there once the data and the index are written: a rank lost
@@ -367,7 +336,7 @@ def _write_arrays(op: str, tmp: str, entries: dict, leaves: dict, sync: bool,
     writes = []
     for name in sorted(entries):
         entry = entries[name]
-        dt = _dtype_of(entry["dtype"])
+        dt = dtype_of(entry["dtype"])
         gshape = tuple(entry["shape"])
         leaf = leaves[name]
         if entry["sharded"]:
@@ -411,192 +380,7 @@ def _after_failure_remove(tmp: str, op: str, status: tuple | None, pg: ProcessGr
     _raise_first(op, statuses, pg)
 
 
-def _check_sizes(tmp: str, entries: dict) -> None:
-    """Each .npy file is as long as its header and data: a write that came up short
-    fails here, before the index makes the directory a checkpoint."""
-    for entry in entries.values():
-        dt, shape = _dtype_of(entry["dtype"]), tuple(entry["shape"])
-        header = len(npy_header(dt, shape))
-        data = math.prod(shape) * dt.itemsize
-        check_size(os.path.join(tmp, entry["file"]), header + data,
-                   f"header {header} + data {data}")
-
-
-def _write_index(tmp: str, entries: dict, plan0: dict, mode: int, sync: bool) -> None:
-    index: dict = {"format": _FORMAT, "version": _VERSION, "entries": {}}
-    for name, entry in entries.items():
-        index["entries"][name] = {k: v for k, v in entry.items() if k != "writers"}
-    index["entries"].update(plan0["values"])
-    if plan0["pickle"] is not None:
-        # load checks values.pkl against these before unpickling it
-        index[_PICKLE_KEY] = {"bytes": len(plan0["pickle"]),
-                              "sha256": hashlib.sha256(plan0["pickle"]).hexdigest()}
-    write_file(os.path.join(tmp, INDEX_FILE),
-               json.dumps(index, indent=1, sort_keys=True).encode(), mode, sync)
-
-
 # -- load --------------------------------------------------------------------------------
-
-
-def _read_index(path: str) -> dict:
-    """Rank 0's reading of the checkpoint: the index, checked entry by entry before any
-    other file is opened; the headers and sizes of the .npy files; the pickled values."""
-    index_path = os.path.join(path, INDEX_FILE)
-    try:
-        with open(index_path, "rb") as f:
-            index = json.loads(f.read())
-    except FileNotFoundError:
-        raise Reject(FileNotFoundError, f"no checkpoint at {path!r} ({INDEX_FILE} is "
-                      "missing; an interrupted save leaves only a '.tmp-*' directory)"
-                      + _previous_note(path)) from None
-    except (OSError, ValueError) as exc:
-        raise Reject(ValueError, f"cannot read {index_path!r}: {exc}") from None
-    if not isinstance(index, dict) or index.get("format") != _FORMAT:
-        raise Reject(ValueError, f"{index_path!r} is not an spmd checkpoint index")
-    version = index.get("version", 0)
-    if not isinstance(version, int) or version > _VERSION:
-        raise Reject(ValueError, f"{index_path!r} has format version {version!r}; "
-                      f"this spmd reads up to {_VERSION}")
-    entries = index.get("entries")
-    if not isinstance(entries, dict):
-        raise Reject(ValueError, f"{index_path!r} has no table of entries")
-    for name, entry in entries.items():
-        _check_entry(path, f"{index_path!r}: entry {name!r}", entry)
-    for entry in entries.values():
-        if entry["kind"] == "array":
-            entry["offset"] = _check_npy(os.path.join(path, entry["file"]), entry)
-    if any(e.get("pickle") for e in entries.values()):
-        values = _unpickle_values(path, index.get(_PICKLE_KEY))
-        for name, entry in entries.items():
-            if entry.get("pickle"):
-                if name not in values:
-                    raise Reject(ValueError, f"{VALUES_FILE} in {path!r} lacks the value "
-                                  f"{name!r} the index names")
-                entry["value"] = values[name]
-    return entries
-
-
-def _previous_note(path: str) -> str:
-    """Where an interrupted replacement left the previous checkpoint, if it did."""
-    parent, base = os.path.split(os.path.abspath(path))
-    try:
-        olds = sorted(n for n in os.listdir(parent) if n.startswith(base + OLD_TAG))
-    except OSError:
-        return ""
-    return (f"; a save interrupted while replacing it left the previous checkpoint at "
-            f"{os.path.join(parent, olds[-1])!r}" if olds else "")
-
-
-# The dtypes an index may name: those save writes (bfloat16 needs ml_dtypes to load).
-_INDEX_DTYPES = frozenset(d.name for d in SUPPORTED_DTYPES) | {"bfloat16"}
-
-
-def _check_entry(path: str, where: str, entry: Any) -> None:
-    """Refuse an index entry save would not have written, before any file is read: a
-    file name that leaves the checkpoint directory, a dtype that is not an array of
-    numbers (``object`` would mean unpickling), a shape that is not one."""
-    if not isinstance(entry, dict) or entry.get("kind") not in ("array", "value"):
-        raise Reject(ValueError, f"{where} is neither an array nor a value entry")
-    if entry["kind"] == "value":
-        if "json" not in entry and entry.get("pickle") is not True:
-            raise Reject(ValueError, f"{where} holds neither a JSON value nor a pickled one")
-        return
-    dtype = entry.get("dtype")
-    if not isinstance(dtype, str) or dtype not in _INDEX_DTYPES:
-        raise Reject(ValueError, f"{where} has dtype {dtype!r}; a checkpoint holds arrays of "
-                      f"{', '.join(sorted(_INDEX_DTYPES))} only")
-    shape = entry.get("shape")
-    if not isinstance(shape, list) or not all(
-            isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in shape):
-        raise Reject(ValueError, f"{where} has shape {shape!r}; expected a list of "
-                      "non-negative ints")
-    fname = entry.get("file")
-    if (not isinstance(fname, str) or not fname or fname.startswith(".")
-            or any(c in fname for c in "/\\\0") or os.path.isabs(fname)):
-        raise Reject(ValueError, f"{where} names the file {fname!r}; expected a plain file "
-                      "name inside the checkpoint directory (no separator, not '..', not "
-                      "absolute)")
-    inside = os.path.realpath(path)
-    resolved = os.path.realpath(os.path.join(path, fname))
-    if os.path.dirname(resolved) != inside:
-        raise Reject(ValueError, f"{where} names the file {fname!r}, which resolves to "
-                      f"{resolved!r}, outside the checkpoint directory {inside!r}")
-
-
-def _check_npy(fname: str, entry: dict) -> int:
-    """The data offset of the .npy file ``fname``, once its header matches the index
-    entry and its size matches its header."""
-    try:
-        descr, fortran, shape, offset = read_npy_header(fname)
-        size = os.stat(fname).st_size
-    except Exception as exc:  # noqa: BLE001 - numpy's parser of a damaged header fails many ways
-        raise Reject(ValueError, f"cannot read the header of {fname!r}: "
-                      f"{type(exc).__name__}: {exc}") from None
-    dt = _dtype_of(entry["dtype"])
-    want = np.lib.format.dtype_to_descr(dt)
-    # Compared as dtypes: numpy reads '<V2' (bfloat16) back as '|V2'.
-    if fortran or shape != tuple(entry["shape"]) or np.dtype(descr) != np.dtype(want):
-        raise Reject(ValueError, f"{fname!r} holds a {'Fortran' if fortran else 'C'}-order "
-                      f"{descr} array of shape {shape}; the index says C-order {want} "
-                      f"{tuple(entry['shape'])}")
-    problem = _size_problem(fname, offset, math.prod(shape) * dt.itemsize, size)
-    if problem is not None:
-        raise Reject(ValueError, problem)
-    return offset
-
-
-def _size_problem(fname: str, offset: int, data: int, size: int) -> str | None:
-    """What is wrong with a .npy file of ``size`` bytes whose header says ``offset`` +
-    ``data``, or None."""
-    if size == offset + data:
-        return None
-    what = "truncated" if size < offset + data else "longer than its header says"
-    return (f"{fname!r} is {what}: expected {offset + data} bytes (header {offset} + data "
-            f"{data}), got {size} bytes")
-
-
-def _shrunk_while_read(path: str, read: list[dict]) -> tuple | None:
-    """The failure status of load when a file it read is no longer its checked size."""
-    for entry in read:
-        fname = os.path.join(path, entry["file"])
-        data = math.prod(entry["shape"]) * _dtype_of(entry["dtype"]).itemsize
-        try:
-            size = os.stat(fname).st_size
-        except OSError as exc:
-            return ("OSError", f"cannot read {fname!r}: {exc}")
-        problem = _size_problem(fname, entry["offset"], data, size)
-        if problem is not None:
-            return ("OSError", f"cannot read {fname!r}: it changed while it was read: {problem}")
-    return None
-
-
-def _unpickle_values(path: str, record: Any) -> dict:
-    """The values of values.pkl, once it matches the index's record of it (indexes
-    written before the record existed have none: unpickled as they are)."""
-    vpath = os.path.join(path, VALUES_FILE)
-    try:
-        with open(vpath, "rb") as f:
-            blob = f.read()
-    except OSError as exc:
-        raise Reject(ValueError, f"cannot read {vpath!r}: {exc}") from None
-    if record is not None:
-        want = record.get("bytes") if isinstance(record, dict) else None
-        if len(blob) != want:
-            what = "truncated" if isinstance(want, int) and len(blob) < want else "damaged"
-            raise Reject(ValueError, f"{vpath!r} is {what}: expected {want} bytes (the "
-                          f"index's record), got {len(blob)} bytes")
-        if hashlib.sha256(blob).hexdigest() != record.get("sha256"):
-            raise Reject(ValueError, f"{vpath!r} is damaged: its sha256 differs from the "
-                          "index's record; not unpickled")
-    try:
-        values = pickle.loads(blob)
-    except Exception as exc:  # noqa: BLE001 - a damaged pickle fails in many ways
-        raise Reject(ValueError, f"cannot unpickle {vpath!r} ({len(blob)} bytes): "
-                      f"{type(exc).__name__}: {exc}") from None
-    if not isinstance(values, dict):
-        raise Reject(ValueError, f"{vpath!r} holds a {type(values).__name__}, expected the "
-                      "dict save writes")
-    return values
 
 
 def _check_target(name: str, leaf: Any, entry: dict | None) -> str | None:
@@ -613,11 +397,11 @@ def _check_target(name: str, leaf: Any, entry: dict | None) -> str | None:
         raise Reject(TypeError, f"target[{name!r}] is a {type(leaf).__name__}, but the "
                       "checkpoint holds an array there: pass a Shard, an array or None")
     if leaf is None:
-        _dtype_of(entry["dtype"])
+        dtype_of(entry["dtype"])
         return name
     data = leaf.data if isinstance(leaf, Shard) else leaf
     gshape = leaf.global_shape if isinstance(leaf, Shard) else tuple(data.shape)
-    if np.dtype(data.dtype) != _dtype_of(entry["dtype"]):
+    if np.dtype(data.dtype) != dtype_of(entry["dtype"]):
         raise Reject(TypeError, f"target[{name!r}] has dtype {np.dtype(data.dtype)}, the "
                       f"checkpoint holds {entry['dtype']}")
     if tuple(gshape) != tuple(entry["shape"]):
@@ -686,7 +470,7 @@ def load(target: dict[str, Any], path: str | os.PathLike, group: Any = None) -> 
         if not isinstance(target, Mapping):
             raise Reject(TypeError, f"target must be a dict, got {type(target).__name__}")
         if pg.rank() == 0:
-            mine["entries"] = _read_index(path)
+            mine["entries"] = read_index(path)
     except Reject as rej:
         mine = {"error": (rej.kind.__name__, rej.msg)}
     gathered: list = [None] * pg.size()
@@ -712,7 +496,7 @@ def load(target: dict[str, Any], path: str | os.PathLike, group: Any = None) -> 
     failure = None
     for name in wanted:
         entry = entries[name]
-        dt = _dtype_of(entry["dtype"])
+        dt = dtype_of(entry["dtype"])
         gshape = tuple(entry["shape"])
         fname = os.path.join(path, entry["file"])
         start = out = None
@@ -734,7 +518,7 @@ def load(target: dict[str, Any], path: str | os.PathLike, group: Any = None) -> 
     if failure is None and pg.rank() == 0:
         # Some MPIs report a collective read that ran into the end of a file as whole
         # (Open MPI's OMPIO at 3 ranks): a file that shrank while it was read shows here.
-        failure = _shrunk_while_read(path, [entries[name] for name in wanted])
+        failure = shrunk_while_read(path, [entries[name] for name in wanted])
     _barrier_raise(op, failure, pg)
     for name, parent, key, _leaf in leaves:
         entry = entries[name]

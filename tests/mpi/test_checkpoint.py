@@ -251,7 +251,7 @@ def test_index_failure_renames_nothing(dist, where, monkeypatch):
     def no_index(tmp, *args):
         raise OSError(f"simulated: no room for the index in {tmp}")
 
-    monkeypatch.setattr(save_load, "_write_index", no_index)
+    monkeypatch.setattr(save_load, "write_index", no_index)
     path = os.path.join(where, "c")
     with pytest.raises(OSError, match=r"checkpoint.save: cannot write the index in .*simulated"
                        rf".*\[rank {dist.get_rank()}, group WORLD\]"):

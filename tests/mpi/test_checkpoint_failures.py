@@ -23,6 +23,7 @@ from mpi4py import MPI
 
 from spmd import checkpoint as ckpt
 from spmd.checkpoint import directory, save_load
+from spmd.checkpoint import index as ckpt_index
 from spmd.checkpoint import mpiio as _mpiio
 
 pytestmark = pytest.mark.mpi
@@ -466,7 +467,7 @@ def test_file_shrunk_while_loading_refused_on_every_rank(dist, where, monkeypatc
     rank, n = dist.get_rank(), dist.get_world_size()
     path = save_old(dist, where)
     damage(dist, lambda: os.truncate(os.path.join(path, "w.npy"), 128 + 96 - 8))
-    monkeypatch.setattr(save_load, "_check_npy", lambda fname, entry: 128)
+    monkeypatch.setattr(ckpt_index, "_check_npy", lambda fname, entry: 128)
     lo, hi = rows(4, rank, n)
     target = {"w": ckpt.Shard(np.zeros((hi - lo, 3)), (4, 3), (lo, 0))}
     with pytest.raises(OSError, match=r"checkpoint.load: cannot read '.*w\.npy': .*(read \d+ "
@@ -542,7 +543,7 @@ def test_crafted_index_refused_before_any_read(dist, where, monkeypatch, changes
         os.symlink(os.path.join(where, "x.npy"), os.path.join(path, "link.npy"))
     crafted(dist, path, **changes)
     opened = []
-    monkeypatch.setattr(save_load, "read_npy_header", lambda f: opened.append(f))
+    monkeypatch.setattr(ckpt_index, "read_npy_header", lambda f: opened.append(f))
     monkeypatch.setattr(save_load, "read_block", lambda *a: opened.append(a))
     with pytest.raises(ValueError, match=r"checkpoint.load: '.*index\.json': " + match):
         ckpt.load({"w": None}, path)
