@@ -1,294 +1,74 @@
 """TCPStore: a store served over TCP by daemon threads of the master process.
 
-Wire protocol (all integers unsigned 32-bit big-endian): every message is
-``length, body``; a body is one code byte followed by any number of fields, each
-``length, bytes``.  Requests carry an opcode; replies carry a status (OK, TIMEOUT
-with the missing keys, or ERROR with a message).  Numbers (amounts, timeouts,
-counts) travel as decimal ASCII.  The first request on a connection must be HELLO
-with the protocol magic and the token; the server answers ERROR "token rejected"
-and hangs up if the token does not match, or OK with the largest request it takes
-(a field older clients ignore).  Blocking requests (GET, WAIT, MGET) carry their
-timeout and wait in the server's thread for that client.
-
-The server is built so that a stranger on the network cannot stall or starve it.  One
-thread runs a selector over the listening socket and the connections that have not
-yet authenticated: it reads their HELLO without blocking, at most
-``_HANDSHAKE_LIMIT`` bytes of it, and drops a connection that has not finished it
-by one deadline for the whole handshake (not per read).  At most
-``_MAX_UNAUTHENTICATED`` such connections are held; a new one evicts the oldest,
-since a real client sends its HELLO the moment it connects while an idle stranger
-only ages (refusing newcomers instead would let a few idle connections, renewed at
-each deadline, lock every worker out).  Running out of descriptors on accept gives
-back the oldest unauthenticated connection, or pauses accepting briefly, and is
-reported once; it never stops the server.  A client that authenticated gets a thread
-of its own, as its blocking requests need, and requests up to ``max_message_size``.
+The master's server gives each client that authenticated a thread of its own, which
+serves its requests from one HashStore; blocking requests (GET, WAIT, MGET) wait in that
+thread.  How messages are framed: ``spmd.store.tcp_protocol``; how connections are let
+in, so that a stranger on the network cannot stall or starve the server:
+``spmd.store.tcp_admission``.  An authenticated client's requests are taken up to
+``max_message_size``.
 """
 
 from __future__ import annotations
 
-import errno
-import hmac
 import numbers
-import selectors
 import socket
-import struct
 import threading
 import time
-import warnings
 
 from spmd.core.errors import DistNetworkError, DistStoreError
 from spmd.core.timeouts import to_seconds
 from spmd.core.typing import Timeout
 from spmd.store.base import DEFAULT_TIMEOUT, HashStore, Store
+from spmd.store.tcp_admission import Admission
+from spmd.store.tcp_protocol import (
+    ADD,
+    CAS,
+    CHECK,
+    DELETE,
+    ERROR,
+    GET,
+    HANDSHAKE_LIMIT,
+    HELLO,
+    MAGIC,
+    MAX_TOKEN,
+    MGET,
+    MSET,
+    NUMKEYS,
+    OK,
+    OP_NAMES,
+    SET,
+    TIMEOUT,
+    TOKEN_REJECTED,
+    WAIT,
+    MessageTooLarge,
+    decode_keys,
+    pack,
+    recv_msg,
+)
 
 __all__ = ["DEFAULT_MAX_MESSAGE_SIZE", "TCPStore"]
 
-_MAGIC = b"spmd-tcpstore-1"
-_U32 = struct.Struct("!I")
-(_HELLO, _SET, _GET, _ADD, _CAS, _WAIT, _CHECK, _DELETE, _NUMKEYS, _MGET, _MSET) = range(11)
-_OP_NAMES = {_SET: "set", _GET: "get", _ADD: "add", _CAS: "compare_set", _WAIT: "wait",
-             _CHECK: "check", _DELETE: "delete_key", _NUMKEYS: "num_keys",
-             _MGET: "multi_get", _MSET: "multi_set"}
-_OK, _TIMEOUT, _ERROR = 0, 1, 2
-_TOKEN_REJECTED = b"token rejected"
-
 DEFAULT_MAX_MESSAGE_SIZE = 1 << 30  # bytes of one request from an authenticated client
-_MAX_TOKEN = 2048                   # bytes; so that a HELLO always fits _HANDSHAKE_LIMIT
-_HANDSHAKE_LIMIT = 4096             # bytes a client may announce before its token is checked
-_MAX_UNAUTHENTICATED = 64           # connections held while they have not sent their HELLO
 _HANDSHAKE_TIMEOUT_MAX = 10.0       # s; the default handshake deadline is the store timeout, capped
-_ACCEPT_BATCH = 64                  # accepts per wake-up, so pending handshakes are read in between
-_ACCEPT_PAUSE = 0.1                 # s without accepting when descriptors ran out
-_OUT_OF_DESCRIPTORS = {errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM}
-
-
-def _pack(code: int, fields) -> bytes:
-    parts = [bytes([code])]
-    for f in fields:
-        parts += [_U32.pack(len(f)), f]
-    body = b"".join(parts)
-    return _U32.pack(len(body)) + body
-
-
-class _MessageTooLarge(ValueError):
-    """A peer announced a message longer than the reader takes."""
-
-    def __init__(self, size: int, limit: int):
-        super().__init__(f"message of {size} bytes, at most {limit} accepted")
-        self.size, self.limit = size, limit
-
-
-def _recv_exact(sock: socket.socket, n: int) -> bytes:
-    buf = bytearray()
-    while len(buf) < n:
-        chunk = sock.recv(min(n - len(buf), 1 << 20))
-        if not chunk:
-            raise ConnectionError("connection closed by the peer")
-        buf += chunk
-    return bytes(buf)
-
-
-def _parse(body: bytes):
-    """Split a message body into (code, fields).  ValueError if it is malformed."""
-    n = len(body)
-    if n == 0:
-        raise ValueError("empty message")
-    fields, off = [], 1
-    while off < n:
-        if off + 4 > n:
-            raise ValueError("truncated field header")
-        (size,) = _U32.unpack_from(body, off)
-        off += 4
-        if off + size > n:
-            raise ValueError("truncated field")
-        fields.append(body[off : off + size])
-        off += size
-    return body[0], fields
-
-
-def _recv_msg(sock: socket.socket, limit: int | None = None):
-    """Read one message; return (code, fields).
-
-    Raises:
-        _MessageTooLarge: the announced length is over `limit` (nothing more is read).
-        ValueError: the message is malformed.
-    """
-    (n,) = _U32.unpack(_recv_exact(sock, 4))
-    if limit is not None and n > limit:
-        raise _MessageTooLarge(n, limit)
-    return _parse(_recv_exact(sock, n))
-
-
-def _keys(fields) -> list:
-    return [f.decode("utf-8") for f in fields]
 
 
 # ----------------------------------------------------------------------------- server
-class _Handshake:
-    """A connection that has not authenticated yet: what it sent so far, its deadline."""
-
-    __slots__ = ("sock", "deadline", "buf", "size")
-
-    def __init__(self, sock: socket.socket, deadline: float):
-        self.sock = sock
-        self.deadline = deadline
-        self.buf = bytearray()
-        self.size = -1  # the announced body length, once its 4 bytes are in
-
-
 class _Server:
-    """The master's server: a selector thread for handshakes, a thread per client after."""
+    """The master's server: a thread per authenticated client, serving its requests from
+    one HashStore (connections come in through ``Admission``)."""
 
     def __init__(self, address, family, token: bytes | None, handshake_timeout: float,
                  max_message_size: int):
         self.backend = HashStore()
-        self.token = token
-        self.handshake_timeout = handshake_timeout
         self.max_message_size = max_message_size
         self.cond = threading.Condition()
         self.joined = 0  # clients that passed the handshake
         self.sessions: set = set()  # their sockets, to wake their threads at close
-        self._handshakes: dict[socket.socket, _Handshake] = {}  # in accept order: oldest first
-        self._stopping = False
-        self._warned_descriptors = False
-        self.socket = socket.socket(family, socket.SOCK_STREAM)
-        try:
-            self.socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            self.socket.bind(address)
-            self.socket.listen(socket.SOMAXCONN)
-            self.socket.setblocking(False)
-            self._wake_r, self._wake_w = socket.socketpair()  # stop() wakes the selector
-            try:
-                self._selector = selectors.DefaultSelector()
-            except BaseException:
-                self._wake_r.close()
-                self._wake_w.close()
-                raise
-        except BaseException:
-            self.socket.close()
-            raise
-        self.port: int = self.socket.getsockname()[1]
-        self.thread = threading.Thread(target=self._serve, name=f"spmd-tcpstore-{self.port}",
-                                       daemon=True)
+        self.admission = Admission(address, family, token, handshake_timeout, self._admit)
+        self.socket = self.admission.socket
+        self.port: int = self.admission.port
 
-    # ------------------------------------------------------------------ selector thread
-    def _serve(self) -> None:
-        sel = self._selector
-        sel.register(self._wake_r, selectors.EVENT_READ)
-        sel.register(self.socket, selectors.EVENT_READ)
-        paused_until = 0.0  # accepting resumes then (descriptors ran out)
-        try:
-            while not self._stopping:
-                now = time.monotonic()
-                if paused_until and now >= paused_until:
-                    sel.register(self.socket, selectors.EVENT_READ)
-                    paused_until = 0.0
-                wake = [self._oldest().deadline] if self._handshakes else []
-                if paused_until:
-                    wake.append(paused_until)
-                events = sel.select(max(0.0, min(wake) - now) if wake else None)
-                for key, _ in events:
-                    if key.fileobj is self._wake_r:
-                        self._wake_r.recv(64)
-                    elif key.fileobj is self.socket:
-                        if self._accept():
-                            sel.unregister(self.socket)
-                            paused_until = time.monotonic() + _ACCEPT_PAUSE
-                    else:
-                        h: _Handshake = key.data
-                        if self._handshakes.get(h.sock) is h:  # not dropped meanwhile
-                            self._read_hello(h)
-                self._expire(time.monotonic())
-        finally:
-            for h in list(self._handshakes.values()):
-                self._drop(h, None)
-            sel.close()
-            for s in (self.socket, self._wake_r, self._wake_w):
-                s.close()
-
-    def _accept(self) -> bool:
-        """Accept what is waiting; return True to pause accepting (out of descriptors)."""
-        for _ in range(_ACCEPT_BATCH):
-            try:
-                sock, _ = self.socket.accept()
-            except (BlockingIOError, InterruptedError):
-                return False
-            except OSError as e:
-                if e.errno not in _OUT_OF_DESCRIPTORS:
-                    continue  # e.g. ECONNABORTED: that client is gone already
-                self._report_descriptors(e)
-                if not self._handshakes:
-                    return True  # nothing of ours to give back: wait for descriptors
-                self._drop(self._oldest(), b"server out of file descriptors")
-                continue
-            if len(self._handshakes) >= _MAX_UNAUTHENTICATED:
-                self._drop(self._oldest(), b"too many connections waiting for their handshake")
-            try:
-                sock.setblocking(False)
-                h = _Handshake(sock, time.monotonic() + self.handshake_timeout)
-                self._selector.register(sock, selectors.EVENT_READ, h)
-            except (OSError, ValueError):
-                sock.close()
-                continue
-            self._handshakes[sock] = h
-            self._read_hello(h)  # a real client's HELLO is usually there already
-        return False
-
-    def _oldest(self) -> _Handshake:
-        return next(iter(self._handshakes.values()))
-
-    def _report_descriptors(self, e: OSError) -> None:
-        if self._warned_descriptors:
-            return
-        self._warned_descriptors = True
-        try:
-            warnings.warn(
-                f"spmd TCPStore server on port {self.port}: accept failed ({e.strerror}); "
-                "dropping connections that have not authenticated and pausing accepts until "
-                "descriptors are free (raise the limit: ulimit -n)", RuntimeWarning, stacklevel=1)
-        except Exception:
-            pass  # warnings turned into errors must not stop the server
-
-    def _read_hello(self, h: _Handshake) -> None:
-        """Read what the connection sent of its HELLO; authenticate it once complete."""
-        while True:
-            need = 4 if h.size < 0 else 4 + h.size
-            try:
-                chunk = h.sock.recv(need - len(h.buf))
-            except (BlockingIOError, InterruptedError):
-                return
-            except OSError:
-                self._drop(h, None)
-                return
-            if not chunk:
-                self._drop(h, None)
-                return
-            h.buf += chunk
-            if h.size < 0:
-                if len(h.buf) < 4:
-                    continue
-                (h.size,) = _U32.unpack(h.buf)
-                if not 0 < h.size <= _HANDSHAKE_LIMIT:
-                    self._drop(h, f"handshake message of {h.size} bytes refused: at most "
-                                  f"{_HANDSHAKE_LIMIT} before the token is checked".encode())
-                    return
-            elif len(h.buf) == 4 + h.size:
-                self._authenticate(h)
-                return
-
-    def _authenticate(self, h: _Handshake) -> None:
-        try:
-            code, fields = _parse(bytes(h.buf[4:]))
-        except ValueError:
-            code, fields = -1, []
-        if code != _HELLO or len(fields) != 2 or fields[0] != _MAGIC:
-            self._drop(h, b"protocol mismatch: not an spmd TCPStore client")
-            return
-        if self.token is not None and not hmac.compare_digest(fields[1], self.token):
-            self._drop(h, _TOKEN_REJECTED)
-            return
-        self._forget(h)
-        sock = h.sock
+    def _admit(self, sock: socket.socket) -> None:
         with self.cond:
             self.sessions.add(sock)
         try:
@@ -300,30 +80,6 @@ class _Server:
                 self.sessions.discard(sock)
             sock.close()
 
-    def _expire(self, now: float) -> None:
-        while self._handshakes:
-            h = self._oldest()  # accept order is deadline order
-            if h.deadline > now:
-                return
-            self._drop(h, f"handshake not completed within {self.handshake_timeout:g} s".encode())
-
-    def _forget(self, h: _Handshake) -> None:
-        del self._handshakes[h.sock]
-        try:
-            self._selector.unregister(h.sock)
-        except (KeyError, ValueError):
-            pass
-
-    def _drop(self, h: _Handshake, reason: bytes | None) -> None:
-        """Close a connection that did not authenticate, telling it why if it listens."""
-        self._forget(h)
-        if reason is not None:
-            try:
-                h.sock.send(_pack(_ERROR, [reason]))  # small: fits the empty send buffer
-            except OSError:
-                pass
-        h.sock.close()
-
     # ------------------------------------------------------------------ client threads
     def _session(self, sock: socket.socket) -> None:
         try:
@@ -331,18 +87,18 @@ class _Server:
             with self.cond:
                 self.joined += 1
                 self.cond.notify_all()
-            sock.sendall(_pack(_OK, [str(self.max_message_size).encode()]))
+            sock.sendall(pack(OK, [str(self.max_message_size).encode()]))
             while True:
                 try:
-                    code, fields = _recv_msg(sock, self.max_message_size)
-                except _MessageTooLarge as e:
-                    sock.sendall(_pack(_ERROR, [
+                    code, fields = recv_msg(sock, self.max_message_size)
+                except MessageTooLarge as e:
+                    sock.sendall(pack(ERROR, [
                         f"request of {e.size} bytes refused: this server's max_message_size "
                         f"is {e.limit} bytes".encode()]))
                     sock.shutdown(socket.SHUT_WR)  # the stream is out of step: hang up
                     return
                 status, out = self.dispatch(code, fields)
-                sock.sendall(_pack(status, out))
+                sock.sendall(pack(status, out))
         except (OSError, ValueError):
             pass  # the client left or sent garbage: drop the connection
         finally:
@@ -354,54 +110,48 @@ class _Server:
         """Run one request on the backend; return (status, fields)."""
         b = self.backend
         try:
-            if code == _SET:
+            if code == SET:
                 b._set(f[0].decode(), f[1])
-                return _OK, []
-            if code == _GET:
+                return OK, []
+            if code == GET:
                 value = b._get(f[0].decode(), to_seconds(float(f[1]), "get"))
-                return (_OK, [value]) if value is not None else (_TIMEOUT, [f[0]])
-            if code == _ADD:
-                return _OK, [str(b._add(f[0].decode(), int(f[1]))).encode()]
-            if code == _CAS:
-                return _OK, [b._compare_set(f[0].decode(), f[1], f[2])]
-            if code == _WAIT:
-                missing = b._wait(_keys(f[1:]), to_seconds(float(f[0]), "wait"))
-                return (_TIMEOUT, [k.encode() for k in missing]) if missing else (_OK, [])
-            if code == _CHECK:
-                return _OK, [b"1" if b._check(_keys(f)) else b"0"]
-            if code == _DELETE:
-                return _OK, [b"1" if b._delete_key(f[0].decode()) else b"0"]
-            if code == _NUMKEYS:
-                return _OK, [str(b._num_keys()).encode()]
-            if code == _MGET:
-                values, missing = b._multi_get(_keys(f[1:]), to_seconds(float(f[0]), "multi_get"))
-                return (_TIMEOUT, [k.encode() for k in missing]) if missing else (_OK, values)
-            if code == _MSET:
-                b._multi_set(_keys(f[0::2]), f[1::2])
-                return _OK, []
-            return _ERROR, [f"unknown request code {code}".encode()]
+                return (OK, [value]) if value is not None else (TIMEOUT, [f[0]])
+            if code == ADD:
+                return OK, [str(b._add(f[0].decode(), int(f[1]))).encode()]
+            if code == CAS:
+                return OK, [b._compare_set(f[0].decode(), f[1], f[2])]
+            if code == WAIT:
+                missing = b._wait(decode_keys(f[1:]), to_seconds(float(f[0]), "wait"))
+                return (TIMEOUT, [k.encode() for k in missing]) if missing else (OK, [])
+            if code == CHECK:
+                return OK, [b"1" if b._check(decode_keys(f)) else b"0"]
+            if code == DELETE:
+                return OK, [b"1" if b._delete_key(f[0].decode()) else b"0"]
+            if code == NUMKEYS:
+                return OK, [str(b._num_keys()).encode()]
+            if code == MGET:
+                values, missing = b._multi_get(decode_keys(f[1:]), to_seconds(float(f[0]), "multi_get"))
+                return (TIMEOUT, [k.encode() for k in missing]) if missing else (OK, values)
+            if code == MSET:
+                b._multi_set(decode_keys(f[0::2]), f[1::2])
+                return OK, []
+            return ERROR, [f"unknown request code {code}".encode()]
         except DistStoreError as e:
-            return _ERROR, [str(e).encode()]
+            return ERROR, [str(e).encode()]
         except (IndexError, ValueError, TypeError) as e:
-            return _ERROR, [f"malformed request: {e}".encode()]
+            return ERROR, [f"malformed request: {e}".encode()]
 
     # ------------------------------------------------------------------ life
     def start(self) -> None:
-        self.thread.start()
+        self.admission.start()
 
     def handshakes_pending(self) -> int:
         """Connections that have not authenticated yet (read by tests and diagnoses)."""
-        return len(self._handshakes)
+        return self.admission.pending()
 
     def stop(self) -> None:
         """Stop accepting, drop pending handshakes, wake and disconnect every client thread."""
-        self._stopping = True
-        try:
-            self._wake_w.send(b"x")
-        except OSError:
-            pass  # the selector thread has ended and closed it
-        if threading.current_thread() is not self.thread and self.thread.is_alive():
-            self.thread.join(10)  # it closes the listening socket as it ends
+        self.admission.stop()
         with self.cond:
             sessions = list(self.sessions)
         for s in sessions:  # wake client threads and tell their clients
@@ -428,7 +178,7 @@ class TCPStore(Store):
     port).  Never expose a TCPStore to an untrusted network.  What a stranger who
     can reach the port cannot do: make the server read more than a few KiB before
     its token is checked, hold a connection past the handshake deadline, or keep
-    workers out by opening many idle connections (see the module's docstring).
+    workers out by opening many idle connections (see ``spmd.store.tcp_admission``).
     Without a token, anyone who speaks the protocol is a client.
 
     Args:
@@ -491,8 +241,8 @@ class TCPStore(Store):
         if token is not None and not isinstance(token, (bytes, str)):
             raise TypeError(f"TCPStore: token must be bytes, str or None, got {type(token).__name__}")
         token = token.encode("utf-8") if isinstance(token, str) else token
-        if token is not None and len(token) > _MAX_TOKEN:
-            raise ValueError(f"TCPStore: token must be at most {_MAX_TOKEN} bytes, got {len(token)}")
+        if token is not None and len(token) > MAX_TOKEN:
+            raise ValueError(f"TCPStore: token must be at most {MAX_TOKEN} bytes, got {len(token)}")
         if isinstance(max_message_size, bool) or not isinstance(max_message_size, numbers.Integral):
             raise TypeError(f"TCPStore: max_message_size must be int, got {type(max_message_size).__name__}")
         if max_message_size < 1:
@@ -583,12 +333,12 @@ class TCPStore(Store):
         """Send HELLO and read the answer; DistStoreError if the server refuses us."""
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         sock.settimeout(max(min(deadline - time.monotonic(), self._io_timeout()), 0.5))
-        sock.sendall(_pack(_HELLO, [_MAGIC, token or b""]))
-        status, fields = _recv_msg(sock, _HANDSHAKE_LIMIT)  # not a server's yet: read little
-        if status != _OK:
+        sock.sendall(pack(HELLO, [MAGIC, token or b""]))
+        status, fields = recv_msg(sock, HANDSHAKE_LIMIT)  # not a server's yet: read little
+        if status != OK:
             sock.close()
             msg = fields[0] if fields else b"?"
-            if msg == _TOKEN_REJECTED:
+            if msg == TOKEN_REJECTED:
                 raise DistStoreError(f"TCPStore at {self._where()}: token rejected by the server")
             raise DistStoreError(f"TCPStore at {self._where()}: {msg.decode(errors='replace')}")
         if fields and fields[0].isdigit():  # servers before the limit send nothing
@@ -612,11 +362,11 @@ class TCPStore(Store):
 
     # ------------------------------------------------------------------ requests
     def _request(self, code: int, fields, wait: float = 0.0):
-        message = _pack(code, fields)
+        message = pack(code, fields)
         limit = self._max_request
         if limit is not None and len(message) - 4 > limit:
             raise ValueError(
-                f"TCPStore.{_OP_NAMES[code]}: request of {len(message) - 4} bytes is over the "
+                f"TCPStore.{OP_NAMES[code]}: request of {len(message) - 4} bytes is over the "
                 f"max_message_size of the server at {self._where()} ({limit} bytes)")
         with self._lock:
             sock = self._sock
@@ -625,7 +375,7 @@ class TCPStore(Store):
             try:
                 sock.settimeout(wait + self._io_timeout())
                 sock.sendall(message)
-                status, out = _recv_msg(sock)
+                status, out = recv_msg(sock)
             except (OSError, ValueError) as e:
                 self._sock = None  # the stream is out of step: never reuse it
                 sock.close()
@@ -633,45 +383,45 @@ class TCPStore(Store):
                     f"TCPStore: lost the connection to the server at {self._where()} "
                     f"({type(e).__name__}: {e})"
                 ) from e
-        if status == _ERROR:
+        if status == ERROR:
             raise DistStoreError(f"TCPStore at {self._where()}: {out[0].decode(errors='replace')}")
         return status, out
 
     def _set(self, key, value):
-        self._request(_SET, [key.encode(), value])
+        self._request(SET, [key.encode(), value])
 
     def _get(self, key, seconds):
-        status, out = self._request(_GET, [key.encode(), repr(seconds).encode()], seconds)
-        return out[0] if status == _OK else None
+        status, out = self._request(GET, [key.encode(), repr(seconds).encode()], seconds)
+        return out[0] if status == OK else None
 
     def _add(self, key, amount):
-        return int(self._request(_ADD, [key.encode(), str(amount).encode()])[1][0])
+        return int(self._request(ADD, [key.encode(), str(amount).encode()])[1][0])
 
     def _compare_set(self, key, expected, desired):
-        return self._request(_CAS, [key.encode(), expected, desired])[1][0]
+        return self._request(CAS, [key.encode(), expected, desired])[1][0]
 
     def _wait(self, keys, seconds):
-        status, out = self._request(_WAIT, [repr(seconds).encode()] + [k.encode() for k in keys], seconds)
-        return [] if status == _OK else _keys(out)
+        status, out = self._request(WAIT, [repr(seconds).encode()] + [k.encode() for k in keys], seconds)
+        return [] if status == OK else decode_keys(out)
 
     def _check(self, keys):
-        return self._request(_CHECK, [k.encode() for k in keys])[1][0] == b"1"
+        return self._request(CHECK, [k.encode() for k in keys])[1][0] == b"1"
 
     def _delete_key(self, key):
-        return self._request(_DELETE, [key.encode()])[1][0] == b"1"
+        return self._request(DELETE, [key.encode()])[1][0] == b"1"
 
     def _num_keys(self):
-        return int(self._request(_NUMKEYS, [])[1][0])
+        return int(self._request(NUMKEYS, [])[1][0])
 
     def _multi_get(self, keys, seconds):
-        status, out = self._request(_MGET, [repr(seconds).encode()] + [k.encode() for k in keys], seconds)
-        return (out, []) if status == _OK else (None, _keys(out))
+        status, out = self._request(MGET, [repr(seconds).encode()] + [k.encode() for k in keys], seconds)
+        return (out, []) if status == OK else (None, decode_keys(out))
 
     def _multi_set(self, keys, values):
         fields = []
         for k, v in zip(keys, values):
             fields += [k.encode(), v]
-        self._request(_MSET, fields)
+        self._request(MSET, fields)
 
     # ------------------------------------------------------------------ teardown
     def close(self) -> None:

@@ -760,4 +760,4 @@ def test_store_modules_use_only_the_standard_library():
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == (
         "['spmd.core.typing', 'spmd.store', 'spmd.store.base', 'spmd.store.file', "
-        "'spmd.store.tcp']")
+        "'spmd.store.tcp', 'spmd.store.tcp_admission', 'spmd.store.tcp_protocol']")
