@@ -7,6 +7,7 @@ raw mpi4py call and torch.distributed (gloo) in the same job, on the same buffer
     mpiexec -n 2 spmd bench --quick --json out.json --plot out.png
     mpiexec -n 2 python -m spmd.tools.bench --ops all_reduce --max-bytes 1M
     mpiexec -n 2 spmd bench --torch --min-bytes 16   # torch's calls: spmd, gloo, a no-op, mpi4py
+    spmd bench --one-rank --quick                # one process: per-call host cost, no targets
 
 For every op and message size, every implementation is warmed up, then timed call by
 call in interleaved rounds (so that noise on a shared machine hits them alike); a
@@ -21,7 +22,11 @@ persistent collective started each call (``spmd.api.persistent``).  A fusion sec
 many small all-reduces issued one by one against ``all_reduce_coalesced`` and
 ``coalescing_manager``.
 
-Every rank must run the bench with the same arguments.
+Every rank must run the bench with the same arguments.  It measures communication
+between ranks: in a world of one process (``spmd bench`` without a launcher, or
+``mpiexec -n 1``) it says how to start it and exits with status 2 before measuring
+anything, unless ``--one-rank`` asks for the one-rank figures (each call's host cost,
+spmd's beside mpi4py's), which it prints without target lines.
 """
 
 from __future__ import annotations
@@ -38,6 +43,8 @@ from types import SimpleNamespace
 import numpy as np
 from mpi4py import MPI
 
+from spmd.core.launch import singleton_problem
+from spmd.core.lines import write_lines
 from spmd.tools.bench_gpu import run_gpu
 from spmd.tools.bench_timing import measure
 from spmd.tools.bench_torch import run_torch
@@ -105,6 +112,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--torch", action="store_true",
                    help="torch.distributed's calls on the spmd backend beside gloo, a "
                         "do-nothing backend and mpi4py (spmd/tools/bench_torch.py)")
+    p.add_argument("--one-rank", action="store_true",
+                   help="run in a world of one process too: each call's host cost, spmd's "
+                        "beside mpi4py's, without target lines (without it, one process "
+                        "stops with exit status 2)")
     p.add_argument("--device", choices=["cpu", "cuda", "double"], default="cpu",
                    help="cpu: the host sweep (default); cuda: all_reduce on GPU arrays beside "
                         "torch's NCCL and raw CuPy NCCL, with the GPU targets; double: the "
@@ -117,6 +128,10 @@ class _Config:
         for o in self.ops:
             if o not in OPS:
                 raise SystemExit(f"spmd bench: unknown op {o!r}; expected some of {OPS}")
+        if n == 1:   # --one-rank: a ping-pong has no peer
+            self.ops = [o for o in self.ops if o != "send_recv"]
+            if not self.ops:
+                raise SystemExit("spmd bench: send_recv needs two ranks")
         self.impls = [i.strip() for i in (args.impls or ",".join(IMPLS)).split(",")
                       if i.strip()]
         for i in self.impls:
@@ -468,7 +483,7 @@ def run(args) -> dict | None:
     add_ratios(results)
     doc = {"format": "spmd-bench", "version": 1, "environment": env, "results": results,
            "fusion": fusion}
-    doc["targets"] = targets(doc)
+    doc["targets"] = targets(doc) if n > 1 else []   # their bounds are about ranks talking
     return doc
 
 
@@ -504,8 +519,20 @@ def _progress(on: bool, total: int):
         return _NoProgress()
 
 
+ONE_PROCESS = ("spmd bench measures communication between ranks, and this is a world of one "
+               "process.\nStart it with two or more ranks: mpiexec -n 2 spmd bench (under "
+               "SLURM: srun -n 2 spmd bench).\nspmd bench --one-rank measures one process "
+               "anyway: each call's host cost, with no target lines.")
+
+
 def bench_command(args) -> int:
-    """Entry point of ``spmd bench`` (after argument parsing)."""
+    """Entry point of ``spmd bench`` (after argument parsing): exit status 2, with what to
+    run instead, in a world of one process without ``--one-rank``."""
+    if MPI.COMM_WORLD.Get_size() == 1 and not args.one_rank:
+        problem = singleton_problem(1)   # a launcher's ranks that MPI made worlds of one
+        write_lines(ONE_PROCESS + (f"\nspmd bench: {problem}" if problem else ""),
+                    sys.stderr)
+        return 2
     if args.device != "cpu":
         return run_gpu(args)
     if args.torch:
@@ -513,13 +540,15 @@ def bench_command(args) -> int:
     doc = run(args)
     if doc is None:
         return 0
-    from spmd.core.lines import write_lines
     from spmd.tools.bench_report import plot, table, write_json
 
     if args.json is not None:
         write_json(doc, args.json)
     if args.json != "-":
         write_lines(table(doc))
+        if doc["environment"]["world_size"] == 1:
+            write_lines("one rank (--one-rank): no message leaves the process, so each time is "
+                        "the call's host cost; send_recv (no peer) and the targets left out")
     if args.plot:
         try:
             plot(doc, args.plot)

@@ -231,4 +231,6 @@ def _report(spmd, cp, n, big, host, back_to_back, one_call, bandwidth, missing) 
         lines.append(_ratio_line(f"{_size(b)} bus bandwidth", bandwidth[b], bandwidth[b],
                                  "spmd-cupy", "cupy-nccl", f">= {BANDWIDTH_TARGET:g}",
                                  lambda r: r >= BANDWIDTH_TARGET, missing))
+    if n == 1:   # one rank (--one-rank): the targets are about ranks talking
+        lines = [line for line in lines if not line.startswith("target:")]
     write_lines("\n".join(lines))

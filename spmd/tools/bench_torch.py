@@ -215,6 +215,8 @@ def run_torch(args) -> int:
     assert world is not None   # the spmd backend initialised spmd
     comm = world.comm
     rank, n = comm.Get_rank(), comm.Get_size()
+    if n == 1:   # --one-rank: a ping-pong has no peer
+        ops = [op for op in ops if op != "send_recv"]
     backends = {"torch-spmd": "spmd", "torch-gloo": "gloo", "torch-null": NULL_BACKEND}
     groups = {impl: dist.new_group(backend=b) for impl, b in backends.items() if impl in wanted}
     timing = _timing(args)
@@ -234,7 +236,8 @@ def run_torch(args) -> int:
     if rank != 0:
         return 0
     doc = {"format": "spmd-bench-torch", "version": 1, "world_size": n,
-           "torch": torch.__version__, "results": rows, "target": target(rows)}
+           "torch": torch.__version__, "results": rows,
+           "target": target(rows) if n > 1 else None}   # one rank (--one-rank): no target
     if args.json is not None:
         from spmd.tools.bench_report import write_json
 

@@ -84,7 +84,8 @@ def main(argv=None) -> int:
     from spmd.tools import bench, trace
 
     p_bench = sub.add_parser("bench", help="collective latency and bandwidth vs raw mpi4py "
-                             "and torch gloo (run under mpiexec)")
+                             "and torch gloo (run under mpiexec with 2 or more ranks: "
+                             "mpiexec -n 2 spmd bench)")
     bench.add_arguments(p_bench)
     p_bench.set_defaults(func=bench.bench_command)
     trace.add_merge_arguments(sub.add_parser("trace-merge", help="merge per-rank trace files "

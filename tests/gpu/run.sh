@@ -191,9 +191,9 @@ note "NCCL job idle past its timeout -n 2 (NCCL_HOSTID): exit $rc; $(grep -c 'nc
 short+=("idle n2 $rc")
 
 # -- per-call cost and bandwidth beside torch's NCCL and raw CuPy NCCL --------------------
-step bench_gpu 120 "${MPIRUN[@]}" -n 1 "$PYTHON" -m spmd bench --device cuda
+step bench_gpu 120 "${MPIRUN[@]}" -n 1 "$PYTHON" -m spmd bench --device cuda --one-rank
 rc=$?
-note "spmd bench --device cuda -n 1: exit $rc; $(grep -m1 'target' "$LOGS/bench_gpu.log")"
+note "spmd bench --device cuda --one-rank -n 1: exit $rc; $(grep -m1 '^spmd-cupy ' "$LOGS/bench_gpu.log")"
 grep -E 'target|us/call|GB/s' "$LOGS/bench_gpu.log" | head -n 20
 short+=("bench gpu $rc")
 

@@ -12,6 +12,7 @@ import pytest
 from _launch import mpiexec, run
 
 QUICK = ["--quick", "--no-progress"]
+ONE_RANK = ["--one-rank"]   # what a world of one process needs to be measured at all
 ROW_FIELDS = {"op", "bytes", "count", "impl", "iters", "median_us", "p10_us", "p90_us",
               "mean_us", "min_us", "algbw_gbps", "busbw_gbps", "vs_mpi4py"}
 
@@ -24,13 +25,16 @@ def _bench(n, *args, timeout=240):
 @pytest.mark.parametrize("n", [1, 3])
 def test_quick_json_has_every_field(n, tmp_path):
     out = tmp_path / "bench.json"
-    proc = _bench(n, *QUICK, "--impls", "spmd,mpi4py,spmd-persistent", "--json", str(out))
+    proc = _bench(n, *QUICK, *(ONE_RANK if n == 1 else []),
+                  "--impls", "spmd,mpi4py,spmd-persistent", "--json", str(out))
     assert proc.returncode == 0, proc.stdout[-3000:]
     doc = json.loads(out.read_text())
     assert doc["format"] == "spmd-bench" and doc["environment"]["world_size"] == n
     assert doc["environment"]["torch"] is None
     ops = {"all_reduce", "broadcast", "reduce", "all_gather_into_tensor",
-           "reduce_scatter_tensor", "all_to_all_single", "send_recv", "barrier"}
+           "reduce_scatter_tensor", "all_to_all_single", "barrier"}
+    if n > 1:   # a ping-pong has no peer at one rank
+        ops.add("send_recv")
     assert {r["op"] for r in doc["results"]} == ops
     sizes = sorted({r["bytes"] for r in doc["results"] if r["op"] == "all_reduce"})
     assert sizes == [8, 64, 512, 4096, 32768]
@@ -52,6 +56,12 @@ def test_quick_json_has_every_field(n, tmp_path):
                            "spmd all_reduce_coalesced", "spmd coalescing_manager",
                            "spmd persistent all_reduce_coalesced"}
     assert fusion["spmd all_reduce x N"]["speedup_vs_separate"] == 1.0
+    assert "== all_reduce" in proc.stdout
+    if n == 1:   # the targets' bounds are about ranks talking: none at one rank
+        assert doc["targets"] == [] and "== targets" not in proc.stdout
+        assert "MISS" not in proc.stdout and "met " not in proc.stdout
+        assert "one rank (--one-rank): no message leaves the process" in proc.stdout
+        return
     names = {t["name"].split(":")[0] for t in doc["targets"]}
     assert {"latency", "fusion"} <= names
     for t in doc["targets"]:
@@ -109,7 +119,7 @@ def test_bad_arguments():
     assert bench.parse_size("2 GB") == 2 * 1024**3
     with pytest.raises(Exception, match="not a size"):
         bench.parse_size("lots")
-    proc = _bench(1, "--ops", "all_reduce,nope", timeout=120)
+    proc = _bench(1, *ONE_RANK, "--ops", "all_reduce,nope", timeout=120)
     assert proc.returncode != 0 and "unknown op 'nope'" in proc.stdout
 
 
@@ -140,7 +150,7 @@ def test_env_switches_trace_and_comms_log(tmp_path):
 def test_gpu_bench_on_the_device_double(n):
     """The GPU bench's table and target lines (its figures are the double's, not a GPU's);
     what needs torch with CUDA is listed as not run, with the reason."""
-    proc = _bench(n, "--device", "double", "--quick")
+    proc = _bench(n, "--device", "double", "--quick", *(ONE_RANK if n == 1 else []))
     out = proc.stdout
     assert proc.returncode == 0, out[-3000:]
     assert f"GPU all_reduce (float32), {n} rank(s)" in out and "spmd device double" in out, out
@@ -148,6 +158,10 @@ def test_gpu_bench_on_the_device_double(n):
             if line.startswith(("spmd-cupy ", "cupy-nccl "))}
     assert set(rows) == {"spmd-cupy", "cupy-nccl"}, out
     assert all(len(v) == 5 and all(float(x) > 0 for x in v) for v in rows.values()), out
+    assert "not run: torch-nccl (" in out, out
+    if n == 1:   # --one-rank: the figures, no target lines
+        assert "target:" not in out, out
+        return
     assert "target: 8 B host cost per call, spmd-cupy - cupy-nccl = " in out, out
     assert out.count("target: 8 B back-to-back time per call") == 3, out
     assert "spmd-cupy / torch-nccl: not measured (torch-nccl:" in out
@@ -185,7 +199,34 @@ def test_torch_mode_table_and_json(tmp_path):
 
 def test_torch_mode_refuses_unknown_names():
     pytest.importorskip("torch.distributed")
-    proc = _bench(1, "--torch", "--quick", "--ops", "all_reduce,all_to_all_single",
+    proc = _bench(1, "--torch", *ONE_RANK, "--quick", "--ops", "all_reduce,all_to_all_single",
                   timeout=120)
     assert proc.returncode != 0
     assert "unknown op 'all_to_all_single'; expected some of all_reduce," in proc.stdout
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("launch", ["python", "mpiexec -n 1"])
+def test_one_process_is_told_how_to_start_it(launch):
+    """In a world of one process the bench measures nothing: it says how to start it,
+    and exits with status 2 before a single call is timed."""
+    cmd = [sys.executable, "-m", "spmd", "bench", "--quick", "--no-progress"]
+    proc = run(cmd if launch == "python" else mpiexec(1, *cmd), timeout=120)
+    assert proc.returncode == 2, proc.stdout[-3000:]
+    assert "spmd bench measures communication between ranks, and this is a world of one " \
+           "process." in proc.stdout
+    assert "mpiexec -n 2 spmd bench" in proc.stdout and "--one-rank" in proc.stdout
+    assert "==" not in proc.stdout and "MISS" not in proc.stdout, proc.stdout
+
+
+@pytest.mark.timeout(200)
+def test_one_rank_on_request_has_no_targets():
+    """``--one-rank``: the per-call host cost of a world of one, without send_recv (no
+    peer) and without target lines; ``--ops send_recv`` alone is refused."""
+    proc = _bench(1, *QUICK, *ONE_RANK, "--ops", "all_reduce,send_recv", "--max-bytes", "64",
+                  "--impls", "spmd,mpi4py", "--fusion-arrays", "0", timeout=120)
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    assert "spmd bench: 1 rank(s)" in proc.stdout and "== all_reduce" in proc.stdout
+    assert "== send_recv" not in proc.stdout and "== targets" not in proc.stdout
+    proc = _bench(1, *QUICK, *ONE_RANK, "--ops", "send_recv", timeout=120)
+    assert proc.returncode != 0 and "send_recv needs two ranks" in proc.stdout
