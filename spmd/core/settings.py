@@ -48,6 +48,9 @@ SETTINGS: dict[str, Setting] = _settings(
             "compares its arguments across ranks)", ("off", "info", "detail"), "debug"),
     Setting("SPMD_ABORT_ON_EXCEPTION", "bool", True, "an uncaught exception on one rank ends "
             "the whole job (MPI_Abort)", option="abort_on_exception"),
+    Setting("SPMD_TRACEBACK", "choice", "short", "an uncaught exception's traceback: short "
+            "ends at the program's call into spmd, full shows spmd's own frames too",
+            ("short", "full")),
     Setting("SPMD_DUMP_DIR", "text", None, "where each rank writes its flight recorder on a "
             "timeout or an uncaught exception", option="dump_dir"),
     Setting("SPMD_FLIGHT_RECORDER_SIZE", "count", DEFAULT_SIZE, "operations the flight recorder "

@@ -1,7 +1,9 @@
 """An exception that escapes to ``sys.excepthook`` on one rank ends the whole job: a
 rank-tagged traceback, a flight-recorder dump, then ``MPI_Abort``, so ``mpiexec`` or
 ``srun`` end instead of the other ranks waiting forever (``SPMD_ABORT_ON_EXCEPTION=0`` or
-``pg_options={"abort_on_exception": False}`` turns it off)."""
+``pg_options={"abort_on_exception": False}`` turns it off).  The traceback ends at the
+program's call into spmd (``spmd.runtime.tracebacks``; ``SPMD_TRACEBACK=full`` shows
+spmd's own frames)."""
 
 from __future__ import annotations
 
@@ -9,7 +11,6 @@ import contextlib
 import os
 import sys
 import time
-import traceback
 
 from mpi4py import MPI
 
@@ -18,6 +19,7 @@ from spmd.core import flight_recorder
 from spmd.core.errors import DistTimeoutError
 from spmd.core.lines import write_lines
 from spmd.runtime.reliability import state
+from spmd.runtime.tracebacks import format_uncaught
 
 __all__ = ["ABORT_GRACE", "abort_job", "after_device_timeout", "excepthook",
            "stays_up_after_device_timeout"]
@@ -28,10 +30,14 @@ ABORT_GRACE = 0.5  # seconds between an uncaught exception's traceback and MPI_A
 def excepthook(exc_type, exc, tb) -> None:
     """Uncaught exception: rank-tagged traceback, then abort the whole MPI job."""
     if not state.config.abort_on_exception:
-        (state.prev_hook or sys.__excepthook__)(exc_type, exc, tb)
+        hook = state.prev_hook or sys.__excepthook__
+        if hook is sys.__excepthook__:   # Python's own printing, with spmd's frames left out
+            write_lines(format_uncaught(exc_type, exc, tb), sys.stderr)
+        else:   # a hook the program installed gets the exception as it is
+            hook(exc_type, exc, tb)
         return
     tag = f"[rank {state.rank}] "
-    text = "".join(traceback.format_exception(exc_type, exc, tb))
+    text = format_uncaught(exc_type, exc, tb)
     with contextlib.suppress(Exception):  # a closed stdout must not stop the abort
         sys.stdout.flush()
     write_lines("\n".join(tag + line for line in text.splitlines()), sys.stderr)
