@@ -516,6 +516,8 @@ def _serialize(fn: Callable, args: tuple) -> tuple[bytes, str | None]:
     """Pickle ``(fn, args)``; the path of the main script ranks must load, if any."""
     main = sys.modules.get("__main__")
     main_file = getattr(main, "__file__", None)
+    if main_file is not None and not os.path.isfile(main_file):
+        main_file = None   # ``python - < script.py``: "<stdin>", no file the ranks could run
     try:
         import cloudpickle  # optional; looked up at each spawn, as it may come later
     except ImportError:
@@ -527,10 +529,12 @@ def _serialize(fn: Callable, args: tuple) -> tuple[bytes, str | None]:
             raise TypeError(f"spawn: cannot pickle fn={fn!r} and its args with cloudpickle: "
                             f"{type(exc).__name__}: {exc}") from exc
     if getattr(fn, "__module__", None) == "__main__" and not main_file:
-        raise TypeError(f"spawn: fn={getattr(fn, '__qualname__', fn)!r} is defined in an "
-                        "interactive session, which plain pickle cannot send to other "
-                        "processes; pip install cloudpickle (spmd uses it when installed), "
-                        "or define fn in a module")
+        raise TypeError(f"spawn: fn={getattr(fn, '__qualname__', fn)!r} is defined in a "
+                        "__main__ that has no file (an interactive session, python -c, or a "
+                        "script read from stdin as by `python - < script.py`), which plain "
+                        "pickle cannot send to other processes: run the script from its "
+                        "file (`python script.py`), pip install cloudpickle (spmd uses it "
+                        "when installed), or define fn in a module")
     try:
         payload = pickle.dumps((fn, args), protocol=pickle.HIGHEST_PROTOCOL)
     except Exception as exc:
