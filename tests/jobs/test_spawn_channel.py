@@ -66,7 +66,7 @@ def launcher_address():
 if __name__ == "__main__":
     seconds, fd_room, give_up = float(sys.argv[1]), int(sys.argv[2]), float(sys.argv[3])
     if give_up:   # seconds of failing accepts after which the caller gives up
-        importlib.import_module("spmd.spawn.parent")._ACCEPT_GIVE_UP = give_up
+        importlib.import_module("spmd.spawn.job")._ACCEPT_GIVE_UP = give_up
     ctx = spmd.spawn(nap, args=(seconds,), nprocs=2, join=False)
     print(json.dumps({"address": launcher_address()}), flush=True)
     assert sys.stdin.readline().strip() == "go"
