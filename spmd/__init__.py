@@ -14,143 +14,74 @@ The packages are the architecture (docs/architecture.md): ``core`` (foundations)
 
 from __future__ import annotations
 
-import ast
 import importlib
-import importlib.abc
-import importlib.machinery
-import pathlib
-import sys
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from spmd._version import __version__ as __version__
+from spmd.core.mpi_exit import prepare as _prepare_mpi_exit
 
-# The public API, as the type checker and the reader see it.  At run time nothing
-# here is imported: _LAZY (read from these very lines) says which module each name
-# comes from, and __getattr__ imports it when the name is first used.
-if TYPE_CHECKING:
-    from spmd import checkpoint, store
-    from spmd.api import coalescing, persistent
-    from spmd.api.coalescing import coalescing_manager
-    from spmd.api.collectives import (
-        all_gather,
-        all_gather_coalesced,
-        all_gather_into_tensor,
-        all_reduce,
-        all_reduce_coalesced,
-        all_to_all,
-        all_to_all_single,
-        barrier,
-        broadcast,
-        gather,
-        reduce,
-        reduce_scatter,
-        reduce_scatter_tensor,
-        scatter,
-    )
-    from spmd.api.monitored_barrier import monitored_barrier
-    from spmd.api.objects import (
-        all_gather_object,
-        broadcast_object_list,
-        gather_object,
-        recv_object_list,
-        scatter_object_list,
-        send_object_list,
-    )
-    from spmd.api.p2p import P2POp, batch_isend_irecv, irecv, isend, recv, send
-    from spmd.core import errors as errors
-    from spmd.core import futures
-    from spmd.core.errors import (
-        CollectiveMismatchError,
-        DistBackendError,
-        DistError,
-        DistNetworkError,
-        DistStoreError,
-        DistTimeoutError,
-        GroupBrokenError,
-        ProcessFailedError,
-    )
-    from spmd.core.flight_recorder import dump_flight_recorder
-    from spmd.core.futures import Future
-    from spmd.core.launch import LaunchInfo, launch_info
-    from spmd.core.ops import ReduceOp, make_premul_sum
-    from spmd.core.work import Work
-    from spmd.layouts import mesh as mesh
-    from spmd.layouts import mpmd, parallel_state, topology
-    from spmd.layouts.mesh import DeviceMesh, init_device_mesh, rebuild_device_mesh
-    from spmd.layouts.mpmd import Link, Program, get_programs, init_program, new_link
-    from spmd.layouts.topology import NodeTopology, bind_device, node_topology
-    from spmd.runtime import group as group
-    from spmd.runtime.debug import (
-        DebugLevel,
-        get_debug_level,
-        set_debug_level,
-        set_debug_level_from_env,
-    )
-    from spmd.runtime.group import (
-        GroupMember,
-        ProcessGroup,
-        get_global_rank,
-        get_group_rank,
-        get_process_group_ranks,
-        new_group,
-        new_subgroups,
-        new_subgroups_by_enumeration,
-        split_group,
-    )
-    from spmd.runtime.heal import heal, heal_state, is_replacement
-    from spmd.runtime.shrink import (
-        SHRINK_ABORT,
-        SHRINK_DEFAULT,
-        fault_tolerant,
-        get_failed_ranks,
-        shrink_group,
-    )
-    from spmd.runtime.world import (
-        Backend,
-        destroy_process_group,
-        get_backend,
-        get_node_local_rank,
-        get_rank,
-        get_world_size,
-        init_process_group,
-        is_available,
-        is_initialized,
-        is_mpi_available,
-        is_nccl_available,
-        register_backend,
-    )
-    from spmd.spawn import ProcessContext, spawn
-    from spmd.store import FileStore, HashStore, PrefixStore, Store, TCPStore
-    from spmd.tools import comms_log, trace
-    from spmd.training.bucket_reducer import BucketReducer
+# spmd.spawn is the function (torch's spawn); the subpackage of the same name is reached
+# by its import path (from spmd.spawn import ProcessRaisedException).  The import system
+# sets a subpackage on its parent when it is first imported: the function is bound after
+# it.  (spmd.spawn imports no MPI: only the ranks it starts do.)
+from spmd.spawn import spawn as spawn
 
+# In a job started with ULFM fault tolerance, spmd finalizes MPI itself (before MPI starts,
+# so at import): spmd.core.mpi_exit says why.  Elsewhere it does nothing.
+_prepare_mpi_exit()
 
-def _lazy_table() -> dict[str, tuple[str, str | None]]:
-    """{public name: (module, attribute or None for the module itself)}, read from the
-    TYPE_CHECKING imports above: one list of the public API, not two."""
-    tree = ast.parse(pathlib.Path(__file__).read_text())
-    block = next(node for node in tree.body if isinstance(node, ast.If)
-                 and isinstance(node.test, ast.Name) and node.test.id == "TYPE_CHECKING")
-    table: dict[str, tuple[str, str | None]] = {}
-    for node in block.body:
-        assert isinstance(node, ast.ImportFrom) and node.module is not None
-        for alias in node.names:
-            name = alias.asname or alias.name
-            if node.module == "spmd":   # a subpackage: from spmd import checkpoint
-                table[name] = (f"spmd.{alias.name}", None)
-            else:
-                table[name] = (node.module, alias.name)
-    return table
-
-
-_LAZY = _lazy_table()
-
-# Public modules by their short names: ``dist.group.WORLD``, ``from spmd import
-# parallel_state``, ``import spmd.parallel_state``, ``from spmd.mesh import DeviceMesh``.
-_SHORT_MODULES = {short: ".".join(_LAZY[short]) for short in (  # type: ignore[arg-type]
-    "group", "errors", "futures", "mesh", "parallel_state", "topology", "mpmd",
-    "coalescing", "persistent", "comms_log", "trace")}
+# The public API, the one list of it: the names each module gives spmd.  __all__,
+# dir(spmd) and the lazy imports below come from here; spmd/__init__.pyi is what type
+# checkers read instead, and tests/unit/test_package_face.py holds the two equal.
+_NAMES = {
+    "spmd.api.coalescing": "coalescing_manager",
+    "spmd.api.collectives": """all_gather all_gather_coalesced all_gather_into_tensor
+        all_reduce all_reduce_coalesced all_to_all all_to_all_single barrier broadcast
+        gather reduce reduce_scatter reduce_scatter_tensor scatter""",
+    "spmd.api.monitored_barrier": "monitored_barrier",
+    "spmd.api.objects": """all_gather_object broadcast_object_list gather_object
+        recv_object_list scatter_object_list send_object_list""",
+    "spmd.api.p2p": "P2POp batch_isend_irecv irecv isend recv send",
+    "spmd.core.errors": """CollectiveMismatchError DistBackendError DistError
+        DistNetworkError DistStoreError DistTimeoutError GroupBrokenError ProcessFailedError""",
+    "spmd.core.flight_recorder": "dump_flight_recorder",
+    "spmd.core.futures": "Future",
+    "spmd.core.launch": "LaunchInfo launch_info",
+    "spmd.core.ops": "ReduceOp make_premul_sum",
+    "spmd.core.work": "Work",
+    "spmd.layouts.mesh": "DeviceMesh init_device_mesh rebuild_device_mesh",
+    "spmd.layouts.mpmd": "Link Program get_programs init_program new_link",
+    "spmd.layouts.topology": "NodeTopology bind_device node_topology",
+    "spmd.runtime.debug": "DebugLevel get_debug_level set_debug_level set_debug_level_from_env",
+    "spmd.runtime.group": """GroupMember ProcessGroup get_global_rank get_group_rank
+        get_process_group_ranks new_group new_subgroups new_subgroups_by_enumeration
+        split_group""",
+    "spmd.runtime.heal": "heal heal_state is_replacement",
+    "spmd.runtime.shrink": "SHRINK_ABORT SHRINK_DEFAULT fault_tolerant get_failed_ranks "
+                           "shrink_group",
+    "spmd.runtime.world": """Backend destroy_process_group get_backend get_node_local_rank
+        get_rank get_world_size init_process_group is_available is_initialized
+        is_mpi_available is_nccl_available register_backend""",
+    "spmd.spawn": "ProcessContext spawn",
+    "spmd.store": "FileStore HashStore PrefixStore Store TCPStore",
+    "spmd.training.bucket_reducer": "BucketReducer",
+}
+# Public modules, named by their last part.  Those that live deeper than spmd.<name> are
+# also importable under that short name (import spmd.parallel_state, from spmd.mesh import
+# DeviceMesh): spmd/<name>.py puts the module itself into sys.modules under it, so either
+# path gives the same module object.
+_MODULES = """spmd.checkpoint spmd.store spmd.api.coalescing spmd.api.persistent
+    spmd.core.errors spmd.core.futures spmd.layouts.mesh spmd.layouts.mpmd
+    spmd.layouts.parallel_state spmd.layouts.topology spmd.runtime.group
+    spmd.tools.comms_log spmd.tools.trace""".split()
 _ALIASES = {"_make_nccl_premul_sum": "make_premul_sum"}  # torch's spelling
+
+# {public name: (module, attribute, or None for the module itself)}
+_LAZY: dict[str, tuple[str, str | None]] = {
+    **{name: (module, name) for module, names in _NAMES.items() for name in names.split()},
+    **{module.rpartition(".")[2]: (module, None) for module in _MODULES},
+}
+__all__ = sorted(_LAZY)
 
 
 def __getattr__(name: str) -> Any:
@@ -160,10 +91,7 @@ def __getattr__(name: str) -> Any:
         module, attribute = _LAZY[name]
         value = importlib.import_module(module)
         if attribute is not None:
-            try:
-                value = getattr(value, attribute)
-            except AttributeError:   # a submodule: from spmd.runtime import group
-                value = importlib.import_module(f"{module}.{attribute}")
+            value = getattr(value, attribute)
     else:
         raise AttributeError(f"module 'spmd' has no attribute {name!r}")
     globals()[name] = value    # the next lookup finds it without this function
@@ -173,147 +101,3 @@ def __getattr__(name: str) -> Any:
 def __dir__() -> list[str]:
     return sorted(set(globals()) | set(_LAZY) | set(_ALIASES))
 
-
-class _ShortNames(importlib.abc.MetaPathFinder, importlib.abc.Loader):
-    """``import spmd.parallel_state`` is ``spmd.layouts.parallel_state``: the same module
-    object under its short name, imported when first asked for."""
-
-    def find_spec(self, fullname, path=None, target=None):
-        package, _, short = fullname.rpartition(".")
-        if package != "spmd" or short not in _SHORT_MODULES:
-            return None
-        return importlib.machinery.ModuleSpec(fullname, self)
-
-    def create_module(self, spec):
-        module = importlib.import_module(_SHORT_MODULES[spec.name.rpartition(".")[2]])
-        spec.loader_state = (module.__spec__, module.__loader__)
-        return module
-
-    def exec_module(self, module) -> None:
-        # Already executed under its full name; the import machinery has just put this
-        # short name's spec on it: give it back its own.
-        module.__spec__, module.__loader__ = module.__spec__.loader_state
-
-
-sys.meta_path.append(_ShortNames())
-
-
-# spmd.spawn is the function (torch's spawn); the subpackage of the same name is reached
-# by its import path (from spmd.spawn import ProcessRaisedException).  Bound now, as the
-# import system sets a subpackage on its parent when it is first imported: the function
-# must come after it.  (spmd.spawn imports no MPI: only the ranks it starts do.)
-from spmd.spawn import spawn as spawn  # noqa: E402, I001 - after the finder (above)
-
-# In a job started with ULFM fault tolerance, spmd finalizes MPI itself (before MPI starts,
-# so at import): spmd.core.mpi_exit says why.  Elsewhere it does nothing.
-from spmd.core.mpi_exit import prepare as _prepare_mpi_exit  # noqa: E402, I001
-
-_prepare_mpi_exit()
-
-__all__ = [
-    "Backend",
-    "BucketReducer",
-    "CollectiveMismatchError",
-    "DebugLevel",
-    "DeviceMesh",
-    "DistBackendError",
-    "DistError",
-    "DistNetworkError",
-    "DistStoreError",
-    "DistTimeoutError",
-    "FileStore",
-    "Future",
-    "GroupBrokenError",
-    "GroupMember",
-    "ProcessFailedError",
-    "SHRINK_ABORT",
-    "SHRINK_DEFAULT",
-    "HashStore",
-    "LaunchInfo",
-    "Link",
-    "NodeTopology",
-    "P2POp",
-    "PrefixStore",
-    "ProcessContext",
-    "ProcessGroup",
-    "Program",
-    "ReduceOp",
-    "Store",
-    "TCPStore",
-    "Work",
-    "all_gather",
-    "all_gather_coalesced",
-    "all_gather_into_tensor",
-    "all_gather_object",
-    "all_reduce",
-    "all_reduce_coalesced",
-    "all_to_all",
-    "all_to_all_single",
-    "barrier",
-    "batch_isend_irecv",
-    "bind_device",
-    "broadcast",
-    "broadcast_object_list",
-    "checkpoint",
-    "coalescing",
-    "coalescing_manager",
-    "comms_log",
-    "destroy_process_group",
-    "dump_flight_recorder",
-    "futures",
-    "gather",
-    "gather_object",
-    "get_backend",
-    "get_debug_level",
-    "get_global_rank",
-    "get_group_rank",
-    "get_node_local_rank",
-    "get_process_group_ranks",
-    "get_programs",
-    "get_rank",
-    "get_failed_ranks",
-    "fault_tolerant",
-    "shrink_group",
-    "heal",
-    "heal_state",
-    "is_replacement",
-    "rebuild_device_mesh",
-    "get_world_size",
-    "init_device_mesh",
-    "init_process_group",
-    "init_program",
-    "irecv",
-    "is_available",
-    "is_initialized",
-    "is_mpi_available",
-    "is_nccl_available",
-    "isend",
-    "launch_info",
-    "make_premul_sum",
-    "monitored_barrier",
-    "mpmd",
-    "new_group",
-    "new_link",
-    "new_subgroups",
-    "new_subgroups_by_enumeration",
-    "node_topology",
-    "parallel_state",
-    "persistent",
-    "recv",
-    "recv_object_list",
-    "register_backend",
-    "reduce",
-    "reduce_scatter",
-    "reduce_scatter_tensor",
-    "scatter",
-    "scatter_object_list",
-    "send",
-    "send_object_list",
-    "spawn",
-    "set_debug_level",
-    "set_debug_level_from_env",
-    "split_group",
-    "store",
-    "topology",
-    "trace",
-]

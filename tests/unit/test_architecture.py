@@ -12,6 +12,12 @@ import pathlib
 
 ROOT = pathlib.Path(__file__).resolve().parents[2] / "spmd"
 
+# The short names the package gives public modules that live deeper: spmd/mesh.py makes
+# ``import spmd.mesh`` spmd.layouts.mesh (tests/unit/test_package_face.py).
+SHORT_NAMES = {f"spmd.{name}" for name in (
+    "coalescing", "comms_log", "errors", "futures", "group", "mesh", "mpmd", "parallel_state",
+    "persistent", "topology", "trace")}
+
 # The packages of each layer, bottom up.  A module takes the layer of its package.
 LAYERS = {
     1: ["spmd.core"],                                   # foundations
@@ -20,11 +26,11 @@ LAYERS = {
     4: ["spmd.runtime"],                                # groups, world, watchdog
     5: ["spmd.api", "spmd.torch", "spmd.training"],     # what programs call
     6: ["spmd.layouts", "spmd.checkpoint", "spmd.spawn"],
-    7: ["spmd.tools", "spmd.testing", "spmd", "spmd.__main__"],
+    7: ["spmd.tools", "spmd.testing", "spmd", "spmd.__main__", *sorted(SHORT_NAMES)],
 }
-# The only modules outside a layer's package: the version (read by the build) and the
-# package itself.
-TOP_LEVEL = {"spmd", "spmd.__main__", "spmd._version"}
+# The only modules outside a layer's package: the version (read by the build), the
+# package itself and its short names.
+TOP_LEVEL = {"spmd", "spmd.__main__", "spmd._version"} | SHORT_NAMES
 
 
 def _modules() -> dict[str, pathlib.Path]:
@@ -153,7 +159,7 @@ MPI_MODULES = {
     "spmd.backends.shm.engine", "spmd.backends.shm.reduce", "spmd.backends.shm.window",
     "spmd.backends.cuda_mpi", "spmd.backends.gpu_aware_mpi",
     "spmd.backends.checked",                            # debug mode's own communicator
-    "spmd.runtime.world", "spmd.runtime.group", "spmd.layouts.mesh",   # Split, Create_group
+    "spmd.runtime.world", "spmd.runtime.group", "spmd.layouts.mesh_groups",  # Split, Create_group
     "spmd.runtime.shrink",                              # the survivors' communicator
     "spmd.runtime.heal", "spmd.runtime.replacement",    # Spawn, Merge, the healed world
     "spmd.layouts.mpmd",                                # programs: APPNUM, Create_intercomm

@@ -1,6 +1,7 @@
 """Importing spmd starts nothing: no MPI until a name that needs it is used
 (mpi4py's own rule: ``from mpi4py import MPI`` is what starts it), and every public name
-still resolves.  Each check runs in a new interpreter."""
+still resolves.  Each check runs in a new interpreter; tests/unit/test_package_face.py
+checks the names themselves."""
 
 from __future__ import annotations
 
@@ -42,13 +43,7 @@ def test_every_public_name_resolves_and_init_starts_mpi():
         import sys, spmd
         missing = [n for n in spmd.__all__ if getattr(spmd, n, None) is None]
         assert not missing, missing
-        assert set(spmd.__all__) <= set(dir(spmd))
-        import spmd.parallel_state, spmd.group
-        from spmd.mesh import DeviceMesh
-        from spmd.layouts import parallel_state, mesh
-        assert spmd.parallel_state is parallel_state and DeviceMesh is mesh.DeviceMesh
-        assert parallel_state.__spec__.name == "spmd.layouts.parallel_state"
-        assert spmd._make_nccl_premul_sum is spmd.make_premul_sum
+        import spmd.group       # a short module name (tests/unit/test_package_face.py)
         spmd.init_process_group()
         from mpi4py import MPI
         print(MPI.Is_initialized(), spmd.get_world_size(), spmd.group.WORLD is not None)
