@@ -47,6 +47,10 @@ def pytest_collection_modifyitems(config, items):
         elif item.get_closest_marker("mpi") is not None:
             raise pytest.UsageError(f"{item.nodeid} is marked mpi but lives in tests/{kind}/: "
                                     f"MPI tests go in tests/{{{','.join(MPI_KINDS)}}}/")
+        if item.get_closest_marker("slurm") is not None:
+            # The cluster's two nodes and its list of job steps are shared: under
+            # pytest-xdist (tests/run.sh, --dist loadgroup) these run on one worker in turn.
+            item.add_marker(pytest.mark.xdist_group("slurm"))
 
 
 # SPMD_TEST_DEVICE=double: the GPU tests run on spmd.testing.device_double (CuPy, CUDA

@@ -19,6 +19,8 @@
 #                              virtual environment with spmd and that MPI's wheel in it
 #                              (OTHER_MPI_SIZES, OTHER_MPI_SHM_SIZES: where it runs); on
 #                              Open MPI also the jobs that lose a rank (ULFM)
+#   JOB_WORKERS=0 tests/run.sh  the job-launching tests in one process (default: 3
+#                              pytest-xdist workers side by side)
 #   TORCH_VENVS="VENV..." tests/run.sh
 #                              the torch-facing tests at 2 ranks again with other torch
 #                              releases, each from a virtual environment with spmd[mpich,
@@ -223,9 +225,12 @@ for venv in ${TORCH_VENVS:-}; do
     mpi_flags
 done
 
+# Most of these tests wait on jobs of their own (launches, timeouts, a rank that never
+# comes): JOB_WORKERS pytest-xdist workers run them side by side (0: in this process).
 echo "=== tests that launch their own jobs ==="
 start=$SECONDS
-timeout -k 10 "$LIMIT" "$PYTHON" -m pytest -q -p no:cacheprovider -m "not mpi" -rs tests/unit tests/jobs
+timeout -k 10 "$LIMIT" "$PYTHON" -m pytest -q -p no:cacheprovider -m "not mpi" -rs \
+    -n "${JOB_WORKERS:-3}" --dist loadgroup tests/unit tests/jobs
 rc=$?
 [ $rc -ne 0 ] && failed+=("plain pytest (exit $rc)")
 summary+=("plain: exit $rc ($((SECONDS - start)) s)")

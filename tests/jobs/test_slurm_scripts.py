@@ -45,7 +45,7 @@ def _timeout_marks():
     return [pytest.mark.timeout(JOB_TIMEOUT + 60)]
 
 
-pytestmark = _timeout_marks()
+pytestmark = [*_timeout_marks(), pytest.mark.slurm]
 
 SBATCH_SCRIPTS = ["cpu.sbatch", "gpu.sbatch", "mpmd.sbatch", "hetjob.sbatch"]
 SHELL_SCRIPTS = ["setup_local_cluster.sh", "teardown_local_cluster.sh"]

@@ -206,6 +206,7 @@ def test_a_job_of_one_rank_spawns_a_job_of_its_own():
     assert rows and rows[0]["ok"] is True and rows[0]["workers"] == [], proc.stdout
 
 
+@pytest.mark.slurm
 @pytest.mark.timeout(300)
 def test_inside_a_slurm_allocation_srun_runs_the_ranks_on_its_nodes():
     """From an salloc of two nodes: srun places the ranks on both, the collectives match

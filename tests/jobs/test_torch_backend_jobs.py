@@ -69,6 +69,7 @@ def test_unmodified_ddp_script(n):
         assert f"rank {r} of {n}: DDP matches single-process training" in proc.stdout
 
 
+@pytest.mark.slurm
 @pytest.mark.parametrize("nodes, n", [(1, 2), (2, 4)])
 def test_unmodified_ddp_script_under_srun(nodes, n):
     if reason := slurm_unavailable() or srun_cannot_start_ranks():

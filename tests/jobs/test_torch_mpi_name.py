@@ -95,6 +95,7 @@ def test_a_script_for_torchs_mpi_backend_runs_on_spmd(n):
     _script(mpiexec(n), n)
 
 
+@pytest.mark.slurm
 def test_a_script_for_torchs_mpi_backend_runs_on_spmd_under_srun():
     if reason := slurm_unavailable() or srun_cannot_start_ranks():
         pytest.skip(reason)
