@@ -3,8 +3,9 @@
 Semantics are torch's (``torch.distributed.device_mesh``): ranks are laid out
 row-major (last dimension fastest) and the group along a dimension holds the ranks
 that differ only in that coordinate.  Every group of one dimension comes from one
-``Comm.Split`` of WORLD, so building a mesh costs one split per dimension whatever
-the number of groups.  Group ranks follow global ranks, as torch's ``new_group`` does.
+``Comm.Split`` of WORLD (``spmd.layouts.mesh_groups``), so building a mesh costs one
+split per dimension whatever the number of groups.  Group ranks follow global ranks, as
+torch's ``new_group`` does.
 
 Meshes derived from a root mesh (slices, ``_flatten``, ``_unflatten``, ``_concatenate``)
 describe each dimension by where its ranks sit in the root's ranks (``_mesh_layout``),
@@ -19,7 +20,6 @@ from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
-from mpi4py import MPI
 from numpy.typing import ArrayLike
 
 from spmd.core.typing import Timeout
@@ -31,16 +31,8 @@ from spmd.layouts.mesh_args import (
     check_overrides,
     check_sizes,
 )
-from spmd.runtime.group import (
-    GroupMember,
-    ProcessGroup,
-    _NonGroupMember,
-    backend_name_of,
-    default_group,
-    register_group,
-    split_comm,
-    timeout_seconds,
-)
+from spmd.layouts.mesh_groups import dim_group
+from spmd.runtime.group import GroupMember, ProcessGroup, _NonGroupMember, default_group
 
 __all__ = ["DeviceMesh", "MeshDimError", "init_device_mesh", "rebuild_device_mesh"]
 
@@ -59,35 +51,6 @@ class MeshDimError(KeyError, ValueError):
 def _locate(full: np.ndarray, rank: int) -> tuple[int, ...] | None:
     hit = np.argwhere(full == rank)
     return tuple(int(i) for i in hit[0]) if len(hit) else None
-
-
-def _dim_group(root: DeviceMesh, modes: lay.Modes, label: str, backend, timeout):
-    """This rank's group along a dimension of ``root``'s rank map (``modes``), or None.
-
-    Every rank of WORLD must call it: one ``Comm.Split`` (group.py's ``split_comm``, so split
-    hooks such as NCCL's run too), except where no message is needed (groups of one
-    rank; one group spanning the world, which is WORLD itself, as in torch).
-    """
-    op = "DeviceMesh"
-    world = default_group(op)
-    size = lay.size(modes)
-    if size == world.context.size and backend is None and timeout is None:
-        return world
-    # The groups are the copies of the dimension; name each by its copy's index, which
-    # for a root dimension is the row-major index of the other coordinates.
-    _, bases = lay.digit_base(np.arange(root._rank_map.size), modes)
-    copies = np.unique(bases)
-    color = MPI.UNDEFINED  # ranks outside the mesh take part in the split, in no group
-    if root._pos is not None:
-        color = int(np.searchsorted(copies, bases[root._pos]))
-    if size == 1:  # every rank decides alike, from the layout: no message needed
-        if root._pos is None:
-            return None
-        return register_group(MPI.COMM_SELF.Dup(), [world.context.rank], f"{label}:{color}",
-                         timeout_seconds(timeout, op), backend_name_of(backend, op),
-                         f"mesh_{label}")
-    return split_comm(world, color, world.context.rank, lambda m: f"{label}:{color}", timeout, backend,
-                  f"mesh_{label}", op)
 
 
 class DeviceMesh:
@@ -117,7 +80,7 @@ class DeviceMesh:
         names = check_names(mesh_dim_names, full.ndim, op)
         backends = check_overrides(backend_override, full.ndim, names, op)
         self._init_root(device_type, full, names, world.context.rank)
-        self._groups = tuple(_dim_group(self, self._layout[d], self._label(d), backends[d], None)
+        self._groups = tuple(self._split(self._layout[d], self._label(d), backends[d], None)
                              for d in range(full.ndim))
 
     # -- construction helpers ----------------------------------------------------
@@ -145,7 +108,7 @@ class DeviceMesh:
         mesh._init_root(device_type, full, names, default_group("DeviceMesh").context.rank)
         mesh._timeout = timeout
         mesh._groups = tuple(g if g is not None else
-                             _dim_group(mesh, mesh._layout[d], mesh._label(d), None, timeout)
+                             mesh._split(mesh._layout[d], mesh._label(d), None, timeout)
                              for d, g in enumerate(groups))
         return mesh
 
@@ -167,6 +130,11 @@ class DeviceMesh:
 
     def _root_mesh(self) -> DeviceMesh:
         return self if self._root is None else self._root
+
+    def _split(self, modes: lay.Modes, label: str, backend, timeout) -> Any:
+        """This rank's group along a dimension (``modes``) of this root mesh's rank map;
+        every rank of WORLD calls it (see ``dim_group``)."""
+        return dim_group(self._rank_map.size, self._pos, modes, label, backend, timeout)
 
     def _get_root_mesh(self) -> DeviceMesh:
         """The mesh this one was sliced, flattened, unflattened or concatenated from.
@@ -364,7 +332,7 @@ class DeviceMesh:
             if known._layout == (whole,):
                 return known
             raise ValueError(f"{op}: a different flattened dimension is already named {name!r}")
-        group = _dim_group(root, whole, name, None, root._timeout)
+        group = root._split(whole, name, None, root._timeout)
         flat = self._view((whole,), (name,), (group,))
         root._flat[name] = flat
         return flat
@@ -419,7 +387,7 @@ class DeviceMesh:
         check_names(all_names, len(all_names), op)
         backends = check_overrides(backend_override, len(sizes), names, op)
         root = self._root_mesh()
-        made = [_dim_group(root, m, n, b, root._timeout) for m, n, b in zip(parts, names, backends)]
+        made = [root._split(m, n, b, root._timeout) for m, n, b in zip(parts, names, backends)]
         root._made.extend(g for g in made if g is not None)
         return self._view(self._layout[:dim] + parts + self._layout[dim + 1:], all_names,
                           self._groups[:dim] + tuple(made) + self._groups[dim + 1:])
