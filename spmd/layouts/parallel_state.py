@@ -3,7 +3,9 @@
 ``initialize_model_parallel`` lays the world out as Megatron-LM's ``RankGenerator``
 does and builds every group on :class:`spmd.DeviceMesh`: the ``order`` string lists
 the axes fastest-varying first, so the mesh shape is that list reversed (row-major).
-Each kind of group costs one ``Comm.Split``, whatever the number of groups.  Group
+Each kind of group costs one ``Comm.Split``, whatever the number of groups
+(``spmd.layouts.megatron_groups`` builds them; this module keeps them and answers
+Megatron's getters).  Group
 ranks are the sorted global ranks, exactly Megatron's rank lists.
 
 Virtual pipeline parallelism and the embedding / position-embedding groups follow
@@ -19,15 +21,11 @@ group; a rank may be in one embedding group only; group timeouts default to WORL
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable
-from datetime import timedelta
 
-from spmd.layouts import megatron_layout as ml
-from spmd.layouts.mesh import DeviceMesh
-from spmd.runtime.group import ProcessGroup, new_subgroups_by_enumeration
+from spmd.layouts import megatron_groups
+from spmd.layouts.megatron_groups import ModelParallelLayout, RanksFn
+from spmd.runtime.group import ProcessGroup
 from spmd.runtime.group import world_state as _world_state
-
-RanksFn = Callable[[list[int]], list[int]]  # pipeline ranks -> embedding ranks
 
 __all__ = [
     "rebuild_model_parallel",
@@ -88,19 +86,7 @@ __all__ = [
     "set_virtual_pipeline_model_parallel_world_size",
 ]
 
-class _Layout:
-    """What initialize_model_parallel built: meshes and groups by Megatron token."""
-
-    def __init__(self, world: ProcessGroup, decoder: DeviceMesh, expert: DeviceMesh,
-                 groups: dict[str, ProcessGroup | None], embedding: dict[str, list[int] | None]):
-        self.world = world
-        self.decoder = decoder
-        self.expert = expert
-        self.groups = groups
-        self.embedding = embedding  # "embd"/"pos-embd": this rank's list as the rule gave it
-
-
-_layout: _Layout | None = None
+_layout: ModelParallelLayout | None = None
 _last_call: dict | None = None   # initialize_model_parallel's arguments, for a rebuild
 # Megatron keeps these as plain globals that its setters may change at any time.
 _vp_world_size: int | None = None
@@ -153,84 +139,18 @@ def initialize_model_parallel(tensor_model_parallel_size: int = 1,
     if model_parallel_is_initialized():
         raise RuntimeError(f"{op}: model parallel groups are already initialized; call "
                            "destroy_model_parallel() first")
-    tp = ml.positive(tensor_model_parallel_size, "tensor_model_parallel_size", op)
-    pp = ml.positive(pipeline_model_parallel_size, "pipeline_model_parallel_size", op)
-    cp = ml.positive(context_parallel_size, "context_parallel_size", op)
-    ep = ml.positive(expert_model_parallel_size, "expert_model_parallel_size", op)
-    etp = tp if expert_tensor_parallel_size is None else ml.positive(
-        expert_tensor_parallel_size, "expert_tensor_parallel_size", op)
-    vp = virtual_pipeline_model_parallel_size
-    if vp is not None:
-        vp = ml.positive(vp, "virtual_pipeline_model_parallel_size", op)
-        if pp <= 1:  # Megatron's check and exception type
-            raise RuntimeError(f"{op}: virtual_pipeline_model_parallel_size ({vp}) needs "
-                               f"pipeline_model_parallel_size > 1, got {pp}")
-    n = world.context.size
-    if n % (tp * pp * cp):
-        raise ValueError(f"{op}: world size {n} is not divisible by tensor_model_parallel_size "
-                         f"({tp}) x pipeline_model_parallel_size ({pp}) x context_parallel_size "
-                         f"({cp}) = {tp * pp * cp}")
-    if n % (etp * ep * pp):
-        raise ValueError(f"{op}: world size {n} is not divisible by expert_tensor_parallel_size "
-                         f"({etp}) x expert_model_parallel_size ({ep}) x "
-                         f"pipeline_model_parallel_size ({pp}) = {etp * ep * pp}")
-    dp, edp = n // (tp * pp * cp), n // (etp * ep * pp)
-    decoder_sizes = {"tp": tp, "pp": pp, "dp": dp, "cp": cp, "ep": 1}
-    expert_sizes = {"tp": etp, "pp": pp, "dp": edp, "cp": 1, "ep": ep}
-    full_order = ml.full_order(order, decoder_sizes, op)
-    ml.full_order(order, expert_sizes, op)
-    if not (full_order[-1] == "pp" or pp == 1 or edp == dp):
-        raise ValueError(f"{op}: with order {order!r} (pp not last), the expert data-parallel "
-                         f"size ({edp}) must equal the data-parallel size ({dp})")
-    timeout = None
-    if distributed_timeout_minutes is not None:
-        timeout = timedelta(minutes=float(distributed_timeout_minutes))
-
-    decoder_pp, expert_pp = ml.pp_lines(full_order, decoder_sizes), ml.pp_lines(full_order, expert_sizes)
-    if decoder_pp != expert_pp:
-        raise ValueError(f"{op}: the pipeline groups of the expert layout {expert_pp} differ "
-                         f"from the decoder's {decoder_pp}; use an order that ends with 'pp'")
-    embd = ml.embedding_lists(decoder_pp, get_embedding_ranks or ml.default_embedding_ranks,
-                              "get_embedding_ranks", n, op)
-    pos_embd = ml.embedding_lists(decoder_pp, get_position_embedding_ranks
-                                  or ml.default_position_embedding_ranks,
-                                  "get_position_embedding_ranks", n, op)
-    # Every check is done: from here on every rank splits.
-    decoder = ml.layout_mesh(full_order, decoder_sizes, "ep", {}, timeout)
-    expert_names = {"tp": "etp", "dp": "edp"}
-    groups: dict[str, ProcessGroup | None] = {
-        "tp": decoder.get_group("tp"),
-        "pp": decoder.get_group("pp"),
-        "dp": decoder.get_group("dp"),
-        "cp": decoder.get_group("cp"),
-        "dp-cp": ml.flat_group(decoder, ["dp", "cp"], "dp_cp"),
-        "tp-pp": ml.flat_group(decoder, ["tp", "pp"], "mp"),
-        "tp-cp": ml.flat_group(decoder, ["tp", "cp"], "tp_cp"),
-        "tp-dp": ml.flat_group(decoder, ["tp", "dp"], "tp_dp"),
-        "tp-dp-cp": ml.flat_group(decoder, ["tp", "dp", "cp"], "tp_dp_cp"),
-    }
-    expert = ml.layout_mesh(full_order, expert_sizes, "cp", expert_names, timeout,
-                          given={"pp": groups["pp"]})
-    groups.update({
-        "ep": expert.get_group("ep"),
-        "etp": expert.get_group("etp"),
-        "edp": expert.get_group("edp"),
-        "etp-ep": ml.flat_group(expert, ["etp", "ep"], "etp_ep"),
-        "etp-ep-pp": ml.flat_group(expert, ["etp", "ep", "pp"], "etp_ep_pp"),
-    })
-    mine = {}
-    for token, lists, desc in (("embd", embd, "embedding"), ("pos-embd", pos_embd,
-                                                               "position_embedding")):
-        groups[token], _ = new_subgroups_by_enumeration(lists, timeout=timeout, group_desc=desc)
-        mine[token] = next((r for r in lists if world.context.rank in r), None)
-    _layout = _Layout(world, decoder, expert, groups, mine)
-    _last_call = dict(
-        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-        context_parallel_size=cp, expert_model_parallel_size=ep, order=order,
+    _layout = megatron_groups.build(
+        world, op, tensor_model_parallel_size=tensor_model_parallel_size,
+        pipeline_model_parallel_size=pipeline_model_parallel_size,
+        context_parallel_size=context_parallel_size,
+        expert_model_parallel_size=expert_model_parallel_size, order=order,
         expert_tensor_parallel_size=expert_tensor_parallel_size,
-        virtual_pipeline_model_parallel_size=vp, get_embedding_ranks=get_embedding_ranks,
+        virtual_pipeline_model_parallel_size=virtual_pipeline_model_parallel_size,
+        get_embedding_ranks=get_embedding_ranks,
         get_position_embedding_ranks=get_position_embedding_ranks,
         distributed_timeout_minutes=distributed_timeout_minutes)
+    _last_call = _layout.arguments
+    vp = _layout.virtual_pipeline_size
     if vp is not None:  # as Megatron: without it, the globals are left as they are
         _vp_world_size, _vp_rank = vp, 0
 
