@@ -3,6 +3,7 @@ tests/engines/test_fastcall.py)."""
 
 from __future__ import annotations
 
+import glob
 import os
 import shutil
 import sysconfig
@@ -41,3 +42,22 @@ def test_an_extension_of_another_version_turns_the_path_off(monkeypatch):
     fastcall.bind()
     assert fastcall.compiled is None
     assert "does not match spmd" in fastcall.reason and "18 arguments" in fastcall.reason
+
+
+def test_the_build_lists_every_file_of_the_extension():
+    """pyproject.toml names each C file of the extension as a source and each header as a
+    dependency (which also puts it in the sdist): a file left out fails a fresh build, or
+    a changed header leaves a stale one."""
+    tomllib = pytest.importorskip("tomllib")   # Python 3.11+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    with open(os.path.join(root, "pyproject.toml"), "rb") as f:
+        modules = tomllib.load(f)["tool"]["setuptools"]["ext-modules"]
+    (ext,) = [m for m in modules if m["name"] == "spmd.backends.mpi._fastcall"]
+    here = os.path.join(root, "spmd", "backends", "mpi")
+
+    def on_disk(pattern):
+        return sorted(os.path.relpath(f, root).replace(os.sep, "/")
+                      for f in glob.glob(os.path.join(here, pattern)))
+
+    assert sorted(ext["sources"]) == on_disk("_fastcall*.c")
+    assert sorted(ext["depends"]) == on_disk("_fastcall*.h")
