@@ -156,7 +156,7 @@ MPI_MODULES = {
     "spmd.backends.mpi.orphans",                        # given-up requests: cancel, hold
     "spmd.backends.setup",                              # first-use set-up: its Ibarrier gate
     "spmd.backends.reduction",                          # the MPI ops of each reduction
-    "spmd.backends.shm.engine", "spmd.backends.shm.reduce", "spmd.backends.shm.window",
+    "spmd.backends.shm.algorithms", "spmd.backends.shm.reduce", "spmd.backends.shm.window",
     "spmd.backends.cuda_mpi", "spmd.backends.gpu_aware_mpi",
     "spmd.backends.checked",                            # debug mode's own communicator
     "spmd.runtime.world", "spmd.runtime.group", "spmd.layouts.mesh_groups",  # Split, Create_group
