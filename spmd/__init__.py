@@ -18,7 +18,7 @@ import importlib
 from typing import Any
 
 from spmd._version import __version__ as __version__
-from spmd.core.mpi_exit import prepare as _prepare_mpi_exit
+from spmd.backends.mpi.finalize import prepare as _prepare_mpi_finalize
 
 # spmd.spawn is the function (torch's spawn); the subpackage of the same name is reached
 # by its import path (from spmd.spawn import ProcessRaisedException).  The import system
@@ -27,8 +27,8 @@ from spmd.core.mpi_exit import prepare as _prepare_mpi_exit
 from spmd.spawn import spawn as spawn
 
 # In a job started with ULFM fault tolerance, spmd finalizes MPI itself (before MPI starts,
-# so at import): spmd.core.mpi_exit says why.  Elsewhere it does nothing.
-_prepare_mpi_exit()
+# so at import): spmd.backends.mpi.finalize says why.  Elsewhere it does nothing.
+_prepare_mpi_finalize()
 
 # The public API, the one list of it: the names each module gives spmd.  __all__,
 # dir(spmd) and the lazy imports below come from here; spmd/__init__.pyi is what type

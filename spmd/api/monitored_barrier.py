@@ -7,11 +7,11 @@ import time
 import weakref
 import zlib
 
+from spmd.backends.mpi.control import TAG_BARRIER
 from spmd.core.errors import DistTimeoutError
 from spmd.core.timeouts import to_seconds
 from spmd.core.typing import Timeout
 from spmd.runtime import diagnosis, reliability
-from spmd.runtime.control import TAG_BARRIER
 from spmd.runtime.group import GroupArg, resolve
 
 __all__ = ["monitored_barrier"]

@@ -113,30 +113,22 @@ def launch_info(environ: Mapping[str, str] | None = None) -> LaunchInfo:
     return LaunchInfo(SINGLETON, slurm_job, slurm_nodes, 1, 0, 0)
 
 
-def _library() -> str:
-    try:
-        from mpi4py import MPI
-
-        return MPI.Get_library_version().splitlines()[0].strip()
-    except Exception:  # noqa: BLE001 - only for a message
-        return "unknown"
-
-
-def singleton_problem(world_size: int, environ=None) -> str | None:
+def singleton_problem(world_size: int, environ=None, *, library: str) -> str | None:
     """Why a world of ``world_size`` looks wrong for this environment, or None.
 
     Only a singleton (``world_size == 1``) started where the launcher says it started
-    several processes is flagged.
+    several processes is flagged.  ``library`` names the MPI library this process loaded
+    (the first line of ``MPI_Get_library_version``), for the message: the caller, which
+    has MPI, asks it.
     """
     if world_size != 1:
         return None
     env = os.environ if environ is None else environ
     info = launch_info(env)
-    lib = _library()
     if info.launcher == SLURM and (info.ntasks or 1) > 1:
         return (f"srun started {info.ntasks} tasks (SLURM_STEP_NUM_TASKS/SLURM_NTASKS) but MPI "
                 f"made this process a world of 1: srun probably used a PMI plugin this MPI "
-                f"({lib}) does not speak; run `srun --mpi=pmi2 ...` (MPICH) or "
+                f"({library}) does not speak; run `srun --mpi=pmi2 ...` (MPICH) or "
                 f"`srun --mpi=pmix ...` (Open MPI), see `srun --mpi=list`")
     if info.launcher == SINGLETON and (_int(env.get("SLURM_NTASKS")) or 1) > 1:
         return (f"this allocation has SLURM_NTASKS={env.get('SLURM_NTASKS')} but python was "
@@ -144,19 +136,19 @@ def singleton_problem(world_size: int, environ=None) -> str | None:
                 "`srun --mpi=pmi2 python ...`")
     if info.launcher == HYDRA and (info.ntasks or 1) > 1:
         return (f"an mpiexec using PMI started {info.ntasks} processes (PMI_SIZE) but MPI made "
-                f"this process a world of 1: mpi4py's MPI ({lib}) is probably not the MPI of "
+                f"this process a world of 1: mpi4py's MPI ({library}) is probably not the MPI of "
                 "that mpiexec; use the mpiexec of the same installation (for the mpich wheel: "
                 "the one next to python in the virtual environment)")
     if info.launcher == OPENMPI and (info.ntasks or 1) > 1:
         return (f"Open MPI's mpirun started {info.ntasks} processes (OMPI_COMM_WORLD_SIZE) but "
-                f"MPI made this process a world of 1: mpi4py's MPI ({lib}) is probably not "
+                f"MPI made this process a world of 1: mpi4py's MPI ({library}) is probably not "
                 "Open MPI; use the mpiexec of the MPI mpi4py was built with")
     return None
 
 
-def check_world_size(world_size: int, environ=None) -> None:
+def check_world_size(world_size: int, environ=None, *, library: str) -> None:
     """Warn (RuntimeWarning) when ``singleton_problem`` finds one."""
-    problem = singleton_problem(world_size, environ)
+    problem = singleton_problem(world_size, environ, library=library)
     if problem:
         warnings.warn(f"spmd: {problem}", RuntimeWarning, stacklevel=3)
 

@@ -22,13 +22,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from mpi4py import MPI
-
+from spmd.backends.mpi import job as mpi_job
 from spmd.backends.mpi.link import Link
 from spmd.core.typing import Timeout
 from spmd.runtime.group import ProcessGroup, default_group, split_comm, timeout_seconds, world_state
 
 __all__ = ["Link", "Program", "get_program", "get_programs", "init_program", "new_link"]
+
 
 @dataclass(frozen=True)
 class Program:
@@ -60,11 +60,6 @@ class _Job:
 _job: _Job | None = None
 
 
-def _appnum() -> int | None:
-    value = MPI.COMM_WORLD.Get_attr(MPI.APPNUM)
-    return None if value is None else int(value)
-
-
 def init_program(name: str | None = None, *, timeout: Timeout | None = None,
                  backend: str | None = None) -> ProcessGroup:
     """Find the programs of this job and return the group of this rank's program.
@@ -86,7 +81,7 @@ def init_program(name: str | None = None, *, timeout: Timeout | None = None,
     world = default_group(op)
     if name is not None and (not isinstance(name, str) or not name.strip()):
         raise TypeError(f"{op}: name must be a non-empty str or None, got {name!r}")
-    rows = world.context.comm.allgather((name, _appnum()))
+    rows = world.context.comm.allgather((name, mpi_job.app_number()))
     # Every rank sees the same rows, so every rank raises the same error.
     unnamed = [r for r, (n, a) in enumerate(rows) if n is None and a is None]
     if unnamed:

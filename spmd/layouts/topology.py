@@ -1,6 +1,6 @@
 """Which ranks share a node: node-local and cross-node groups, and a GPU for each rank.
 
-Where ranks sit among nodes, as groups (spmd.core.nodes decides which ranks share a node).  MPI says it
+Where ranks sit among nodes, as groups (spmd.backends.mpi.nodes decides which ranks share a node).  MPI says it
 (``Split_type(COMM_TYPE_SHARED)``: the ranks that can share memory); for tests on one
 machine, ``SPMD_PSEUDO_NODE_SIZE=k`` cuts every node further into pseudo-nodes of
 ``k`` consecutive ``COMM_WORLD`` ranks, so that multi-node code paths run on a laptop.
@@ -13,7 +13,7 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from spmd.core.nodes import PSEUDO_NODE_ENV, node_layout, pseudo_node_size, split_node
+from spmd.backends.mpi.nodes import PSEUDO_NODE_ENV, node_layout, pseudo_node_size, split_node
 from spmd.core.typing import Timeout
 from spmd.runtime.group import (
     GroupArg,

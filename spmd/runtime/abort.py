@@ -12,8 +12,7 @@ import os
 import sys
 import time
 
-from mpi4py import MPI
-
+from spmd.backends.mpi import job
 from spmd.backends.nccl import communicator as nccl_communicator
 from spmd.core import flight_recorder
 from spmd.core.errors import DistTimeoutError
@@ -63,7 +62,7 @@ def abort_job(text: str) -> None:
     # The launcher forwards output through pipes and stops reading them when the abort
     # reaches it: give it a moment to pass the text on first.
     time.sleep(ABORT_GRACE)
-    MPI.COMM_WORLD.Abort(1)
+    job.abort(1)
     # MPICH's MPI_Abort returns while the launcher tears the job down: this rank must not
     # go on meanwhile (its program would get the error and run on with it).
     os._exit(1)

@@ -22,8 +22,8 @@ import os
 import threading
 import time
 
-from spmd.backends.mpi import faults
-from spmd.core import flight_recorder, mpi_exit
+from spmd.backends.mpi import faults, finalize
+from spmd.core import flight_recorder
 from spmd.runtime.group import world_state
 from spmd.runtime.reliability import state
 
@@ -56,7 +56,7 @@ def announce() -> None:
         # Leave without MPI_Finalize, as a failed rank: Open MPI's finalize fence with
         # ranks still at work waits forever about one run in five (and a healed world
         # ends through destroy_process_group before this runs).
-        mpi_exit.note_failure()
+        finalize.note_failure()
     # Not to the ranks that exited already: nobody would receive it, and a send left
     # pending at MPI_Finalize can keep Open MPI's finalize waiting.
     with _lock:
@@ -73,7 +73,7 @@ def heard(rank: int, text: str) -> None:
     if faults.ulfm():
         # Open MPI's finalize fence with a rank that left early waits forever about one
         # run in five (as after a failure): this process leaves without it.
-        mpi_exit.note_failure()
+        finalize.note_failure()
     for pg in list(world_state.groups):
         ctx = pg.context
         if ctx.comm is not None and rank in ctx.index:

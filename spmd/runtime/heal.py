@@ -5,7 +5,7 @@ capacity.  Every member of the (shrunk) default group calls it; together they st
 new process per lost rank, running this same program (``MPI_Comm_spawn`` from the
 default group's communicator), merge with them and renumber, so that the new processes
 hold the ranks the lost ones held and every survivor its rank from before the failures
-(:mod:`spmd.runtime.replacement` has the new processes' side).  Every other group ends,
+(:mod:`spmd.backends.mpi.replacement` has the new processes' side).  Every other group ends,
 as when shrinking WORLD; layouts rebuilt afterwards (a DeviceMesh, parallel_state) are
 the ones from before, and their NCCL communicators are made anew.
 
@@ -43,10 +43,10 @@ from typing import Any, cast
 from mpi4py import MPI
 from mpi4py.util import pkl5
 
-from spmd.backends.mpi import faults
+from spmd.backends.mpi import faults, replacement
 from spmd.core.context import GroupContext
 from spmd.core.errors import located
-from spmd.runtime import exits, failures, replacement, supervision
+from spmd.runtime import exits, failures, supervision
 from spmd.runtime.group import ProcessGroup, default_group, world_state
 from spmd.runtime.reliability import state as reliability_state
 from spmd.runtime.world import end_healed_world_at_exit, open_world

@@ -10,11 +10,10 @@ from collections.abc import Callable
 from types import TracebackType
 from typing import Any
 
-from mpi4py import MPI
-
+from spmd.backends.mpi import job
+from spmd.backends.mpi.control import Channel
 from spmd.core.lines import write_lines
 from spmd.core.settings import Config
-from spmd.runtime.control import Channel
 
 __all__ = ["Config", "Reliability", "config", "report", "reports", "state"]
 
@@ -36,8 +35,8 @@ class Reliability:
         self.watchdog: Any = None  # the Watchdog thread, when it runs
         self.prev_hook: ExceptHook | None = None
         self.dumped_at = -1e9      # when a peer's request last made this rank dump
-        self.rank = MPI.COMM_WORLD.Get_rank()
-        self.size = MPI.COMM_WORLD.Get_size()
+        self.rank = job.world_rank()
+        self.size = job.world_size()
 
 
 state = Reliability()

@@ -28,6 +28,7 @@ import atexit
 import dataclasses
 import sys
 
+from spmd.backends.mpi.control import Channel
 from spmd.core import flight_recorder
 from spmd.core import wait as _wait
 from spmd.core import work as _work
@@ -35,7 +36,6 @@ from spmd.core.context import set_broken_notice
 from spmd.core.lines import write_lines
 from spmd.runtime import debug, exits, failures, hangs
 from spmd.runtime.abort import excepthook
-from spmd.runtime.control import Channel
 from spmd.runtime.diagnosis import answer, diagnose_timeout, tell_broken
 from spmd.runtime.group import ProcessGroup, world_state
 from spmd.runtime.reliability import Config, config, reports, state

@@ -10,18 +10,19 @@ from datetime import timedelta
 from mpi4py import MPI
 
 from spmd.backends import registry
+from spmd.backends.bootstrap import check_same_installation
+from spmd.backends.mpi import finalize, replacement
+from spmd.backends.mpi.nodes import node_layout
 from spmd.backends.registry import Backend, register_backend
 from spmd.core import cuda as _gpu
-from spmd.core import mpi_exit, settings
+from spmd.core import settings
 from spmd.core import wait as _wait
-from spmd.core.bootstrap import check_same_installation
 from spmd.core.context import GroupContext
 from spmd.core.launch import LOCAL_RANK_VARS, check_world_size, local_rank_from_env
-from spmd.core.nodes import node_layout
 from spmd.core.settings import Config, parse_options
 from spmd.core.timeouts import DEFAULT_PG_TIMEOUT, to_seconds
 from spmd.core.typing import Timeout
-from spmd.runtime import replacement, supervision
+from spmd.runtime import supervision
 from spmd.runtime.group import (
     GroupArg,
     GroupMember,
@@ -97,8 +98,12 @@ def _installation() -> dict:
 
     from spmd._version import __version__
 
-    return {"spmd": __version__, "mpi4py": mpi4py.__version__,
-            "MPI": MPI.Get_library_version().splitlines()[0].strip()}
+    return {"spmd": __version__, "mpi4py": mpi4py.__version__, "MPI": _library_name()}
+
+
+def _library_name() -> str:
+    """The MPI library this process loaded: the first line of its version string."""
+    return MPI.Get_library_version().splitlines()[0].strip()
 
 
 def _usable_cores() -> int:
@@ -179,14 +184,14 @@ def init_process_group(backend: str | None = None, init_method: str | None = Non
         size, me = comm.Get_size(), comm.Get_rank()
         world_state.full_size, world_state.replaced = plan.full_size, plan.lost
         world_state.is_replacement = True
-        mpi_exit.note_replacement()
+        finalize.note_replacement()
         end_healed_world_at_exit()
         group_name = group_name or plan.name
     else:
         comm = MPI.COMM_WORLD
         size, me = comm.Get_size(), comm.Get_rank()
         world_state.full_size, world_state.replaced = size, ()
-    check_world_size(size)
+    check_world_size(size, library=_library_name())
     if world_size not in (-1, None) and world_size != size:
         raise ValueError(f"init_process_group: world_size={world_size} but MPI started {size} "
                          f"ranks [rank {me}]")

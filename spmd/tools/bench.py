@@ -529,7 +529,8 @@ def bench_command(args) -> int:
     """Entry point of ``spmd bench`` (after argument parsing): exit status 2, with what to
     run instead, in a world of one process without ``--one-rank``."""
     if MPI.COMM_WORLD.Get_size() == 1 and not args.one_rank:
-        problem = singleton_problem(1)   # a launcher's ranks that MPI made worlds of one
+        problem = singleton_problem(   # a launcher's ranks that MPI made worlds of one
+            1, library=MPI.Get_library_version().splitlines()[0].strip())
         write_lines(ONE_PROCESS + (f"\nspmd bench: {problem}" if problem else ""),
                     sys.stderr)
         return 2

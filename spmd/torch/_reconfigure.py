@@ -33,7 +33,8 @@ from typing import Any
 import torch.distributed as dist
 
 import spmd
-from spmd.runtime import heal, replacement
+from spmd.backends.mpi import replacement
+from spmd.runtime import heal
 from spmd.torch._handles import Handle, plan
 from spmd.torch._store import claim_world, owns_world, release_world, store_address
 from spmd.torch._work import SpmdWork

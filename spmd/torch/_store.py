@@ -12,7 +12,7 @@ from datetime import timedelta
 from typing import Any
 
 import spmd
-from spmd.runtime import replacement
+from spmd.backends.mpi import replacement
 
 __all__ = ["mpi_rendezvous", "owns_world", "store_address"]
 

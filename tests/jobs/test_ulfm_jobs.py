@@ -143,7 +143,7 @@ def test_a_hung_rank_is_ended_and_the_survivors_go_on(how, n):
 
 # Open MPI 5.0.11's launcher ends a job healed twice with status 255 about one run in
 # two: a process the first heal started outlives the second failure, and its
-# MPI_Finalize aborts (spmd.core.mpi_exit.note_replacement says more).  Every process
+# MPI_Finalize aborts (spmd.backends.mpi.finalize.note_replacement says more).  Every process
 # has finished its work by then; the checks below still see all of it.
 _FINALIZE_ABORT = 'prterun has exited due to process rank 0 with PID 0 on node'
 

@@ -84,7 +84,7 @@ def test_store_keys_never_repeat(dist):
 
     from mpi4py import MPI
 
-    from spmd.core.bootstrap import _key
+    from spmd.backends.bootstrap import _key
 
     n = dist.get_world_size()
     keys = []
@@ -112,7 +112,7 @@ def test_store_keys_never_repeat(dist):
 def test_two_ranks_on_one_gpu_are_refused_before_nccl(dist, tmp_path_factory, via_store):
     """The duplicate-GPU check over the group, with each rank's (host, bus id) given:
     the same verdict on every rank, naming the ranks and the fixes."""
-    from spmd.core.bootstrap import check_distinct_gpus
+    from spmd.backends.bootstrap import check_distinct_gpus
 
     n, me = dist.get_world_size(), dist.get_rank()
     store = _file_store(dist, tmp_path_factory) if via_store else None
@@ -139,7 +139,7 @@ def test_two_ranks_on_one_gpu_are_refused_before_nccl(dist, tmp_path_factory, vi
 
 
 def test_duplicate_gpus_rule():
-    from spmd.core.bootstrap import duplicate_gpus
+    from spmd.backends.bootstrap import duplicate_gpus
 
     assert duplicate_gpus([("a", "1"), ("b", "1"), ("a", "2")], [4, 5, 6]) == ""
     why = duplicate_gpus([("a", "1"), ("b", "1"), ("a", "2"), ("b", "1")], [4, 5, 6, 7])

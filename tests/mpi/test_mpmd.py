@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from spmd.backends import gpu_aware_mpi as _aware
+from spmd.backends.mpi import job as mpi_job
 from spmd.backends.mpi import link as link_module
 from spmd.layouts import mpmd
 
@@ -52,7 +53,7 @@ def test_program_group_and_table(dist, programs):
 
 @pytest.mark.mpi
 def test_appnum_names_the_program(dist):
-    appnum = mpmd._appnum()
+    appnum = mpi_job.app_number()
     if appnum is None:
         pytest.skip("this launcher does not set MPI_APPNUM")
     group = dist.init_program()
@@ -62,7 +63,7 @@ def test_appnum_names_the_program(dist):
 
 @pytest.mark.mpi
 def test_no_name_and_no_appnum_fails_everywhere(dist, monkeypatch):
-    monkeypatch.setattr(mpmd, "_appnum", lambda: None)
+    monkeypatch.setattr(mpi_job, "app_number", lambda: None)
     me = dist.get_rank()
     with pytest.raises(ValueError, match=r"ranks \[0\] passed no program name and the launcher "
                                          r"did not set MPI_APPNUM"):
@@ -73,11 +74,11 @@ def test_no_name_and_no_appnum_fails_everywhere(dist, monkeypatch):
 def test_names_and_appnums_must_agree(dist, monkeypatch):
     _two_programs(dist)
     me = dist.get_rank()
-    monkeypatch.setattr(mpmd, "_appnum", lambda: me % 2)
+    monkeypatch.setattr(mpi_job, "app_number", lambda: me % 2)
     with pytest.raises(ValueError, match="program name 'same' is used by the programs started "
                                          "as MPI_APPNUM 0 and 1"):
         dist.init_program("same")
-    monkeypatch.setattr(mpmd, "_appnum", lambda: 0)  # one launched script, two roles: fine
+    monkeypatch.setattr(mpi_job, "app_number", lambda: 0)  # one launched script, two roles: fine
     group = dist.init_program(_name(me))
     assert [p.name for p in dist.get_programs()] == ["even", "odd"]
     dist.destroy_process_group(group)

@@ -145,53 +145,119 @@ def test_c_code_reads_no_python_attribute_by_name():
     assert not found, "\n".join(found)
 
 
-# Modules whose job is MPI itself: the engines that run on it, world setup,
-# communicator creation and the start-up exchange, the reliability machinery (abort, the
-# control channel), MPI-IO, spawn, and the tools that compare with or report on MPI.
+# Modules whose job is MPI itself: the engines that run on it and the rest of backends/
+# (node splits, the start-up exchange, the control channel, the job as a whole, joining
+# replacements, finalizing), world setup and communicator creation, shrinking and
+# healing, MPI-IO, spawn's ranks, and the tools that compare with or report on MPI.
 MPI_MODULES = {
     "spmd.backends.mpi.engine", "spmd.backends.mpi.fastcall", "spmd.backends.mpi.packing",
     "spmd.backends.mpi.work", "spmd.backends.mpi.persistent", "spmd.backends.mpi.objects",
     "spmd.backends.mpi.link",                           # MPMD links: intercommunicators
     "spmd.backends.mpi.faults",                         # ULFM: revoke, shrink, failed ranks
     "spmd.backends.mpi.orphans",                        # given-up requests: cancel, hold
+    "spmd.backends.mpi.nodes",                          # Split_type: which ranks share a node
+    "spmd.backends.mpi.control",                        # the control channel's messages
+    "spmd.backends.mpi.job",                            # COMM_WORLD, MPI_APPNUM, MPI_Abort
+    "spmd.backends.mpi.replacement",                    # Merge, Split: a spawned process joins
+    "spmd.backends.mpi.finalize",                       # mpi4py.rc.finalize, before MPI starts
     "spmd.backends.setup",                              # first-use set-up: its Ibarrier gate
     "spmd.backends.reduction",                          # the MPI ops of each reduction
+    "spmd.backends.bootstrap",                          # the start-up exchange's sequence
     "spmd.backends.shm.algorithms", "spmd.backends.shm.reduce", "spmd.backends.shm.window",
     "spmd.backends.cuda_mpi", "spmd.backends.gpu_aware_mpi",
     "spmd.backends.checked",                            # debug mode's own communicator
     "spmd.runtime.world", "spmd.runtime.group", "spmd.layouts.mesh_groups",  # Split, Create_group
     "spmd.runtime.shrink",                              # the survivors' communicator
-    "spmd.runtime.heal", "spmd.runtime.replacement",    # Spawn, Merge, the healed world
-    "spmd.layouts.mpmd",                                # programs: APPNUM, Create_intercomm
-    "spmd.core.nodes", "spmd.core.bootstrap", "spmd.core.launch",
-    "spmd.core.mpi_exit",                               # mpi4py.rc.finalize, before MPI starts
-    "spmd.runtime.abort", "spmd.runtime.control", "spmd.runtime.reliability",
+    "spmd.runtime.heal",                                # Spawn, Merge, the healed world
     "spmd.checkpoint.mpiio", "spmd.checkpoint.save_load",
     "spmd.spawn.child",                                 # the ranks; the caller has no MPI
     "spmd.tools.bench", "spmd.tools.bench_gpu", "spmd.tools.bench_timing",
     "spmd.tools.bench_torch", "spmd.tools.cli", "spmd.tools.trace",
 }
+
+
+def _mpi4py_imports(tree: ast.AST, typing_too: bool) -> list[int]:
+    """The lines of the import statements in ``tree`` that name mpi4py (at any depth:
+    inside functions too); with ``typing_too`` False, those under ``if TYPE_CHECKING:``
+    left out."""
+    typing_only = set() if typing_too else {
+        id(n) for block in ast.walk(tree) if isinstance(block, ast.If)
+        and isinstance(block.test, ast.Name) and block.test.id == "TYPE_CHECKING"
+        for n in ast.walk(block)}
+    lines = []
+    for node in ast.walk(tree):
+        if id(node) in typing_only:
+            continue
+        names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+            [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else []
+        if any(n == "mpi4py" or n.startswith("mpi4py.") for n in names):
+            lines.append(node.lineno)
+    return sorted(lines)
+
+
 def test_mpi_only_where_mpi_is_the_job():
     """mpi4py is imported (at any depth; type annotations under TYPE_CHECKING aside)
     only by the modules listed above; a module that stops needing it leaves the list,
     one that starts needing it fails here."""
-    mods = _modules()
-    importing = set()
-    for mod, path in mods.items():
-        tree = ast.parse(path.read_text())
-        typing_only = {id(n) for block in ast.walk(tree) if isinstance(block, ast.If)
-                       and isinstance(block.test, ast.Name) and block.test.id == "TYPE_CHECKING"
-                       for n in ast.walk(block)}
-        for node in ast.walk(tree):
-            if id(node) in typing_only:
-                continue
-            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
-                [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else []
-            if any(n == "mpi4py" or n.startswith("mpi4py.") for n in names):
-                importing.add(mod)
+    importing = {mod for mod, path in _modules().items()
+                 if _mpi4py_imports(ast.parse(path.read_text()), typing_too=False)}
     expected = MPI_MODULES
     assert importing == expected, (f"import mpi4py, not listed: {sorted(importing - expected)}; "
                                    f"listed, no longer import it: {sorted(expected - importing)}")
+
+
+# Where MPI may be imported freely: the engines' layer, the tools that measure it, and
+# the two modules that make the world and its groups.  Everywhere else MPI is reached
+# through them, and the files that still import it stay few.
+MPI_HOMES = ("backends/", "tools/", "runtime/world.py", "runtime/group.py")
+MPI_IMPORTERS_ELSEWHERE_MAX = 8
+
+
+def _mpi_importers_elsewhere(root: pathlib.Path) -> list[str]:
+    """Files under ``root`` outside MPI_HOMES with any import statement that names
+    mpi4py (type-checking ones too), as ``spmd/path:line`` of the first."""
+    found = []
+    for path in sorted(root.rglob("*.py")):
+        rel = path.relative_to(root).as_posix()
+        if rel.startswith(MPI_HOMES):
+            continue
+        lines = _mpi4py_imports(ast.parse(path.read_text()), typing_too=True)
+        if lines:
+            found.append(f"spmd/{rel}:{lines[0]}")
+    return found
+
+
+def test_mpi_sealed_in_backends_but_for_a_few_files():
+    """At most MPI_IMPORTERS_ELSEWHERE_MAX files outside backends/, tools/,
+    runtime/world.py and runtime/group.py import mpi4py at all (an import under
+    TYPE_CHECKING counts: it still ties the file to MPI's types)."""
+    found = _mpi_importers_elsewhere(ROOT)
+    assert len(found) <= MPI_IMPORTERS_ELSEWHERE_MAX, (
+        f"{len(found)} files outside {', '.join(MPI_HOMES)} import mpi4py (at most "
+        f"{MPI_IMPORTERS_ELSEWHERE_MAX}; reach MPI through backends/ instead):\n  "
+        + "\n  ".join(found))
+
+
+def test_the_mpi_import_count_sees_every_kind_of_import(tmp_path):
+    """The count above finds a plain, a dotted, a nested and a TYPE_CHECKING import, and
+    passes over files in MPI_HOMES, a relative import and a mention in a string."""
+    files = {
+        "core/plain.py": "import mpi4py\n",
+        "core/dotted.py": "import os, mpi4py.util.pkl5\n",
+        "core/nested.py": "def f():\n    from mpi4py import MPI\n    return MPI\n",
+        "core/typed.py": ("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
+                          "    from mpi4py import MPI\n"),
+        "core/none.py": "'from mpi4py import MPI'\nfrom . import mpi4py\n",
+        "backends/engine.py": "from mpi4py import MPI\n",
+        "runtime/world.py": "from mpi4py import MPI\n",
+        "runtime/other.py": "x = 1\n\n\nfrom mpi4py import MPI\n",
+    }
+    for name, text in files.items():
+        (tmp_path / name).parent.mkdir(exist_ok=True)
+        (tmp_path / name).write_text(text)
+    assert _mpi_importers_elsewhere(tmp_path) == [
+        "spmd/core/dotted.py:1", "spmd/core/nested.py:2", "spmd/core/plain.py:1",
+        "spmd/core/typed.py:3", "spmd/runtime/other.py:4"]
 
 
 def _foreign_private_reads(path: pathlib.Path) -> list[tuple[int, str]]:

@@ -24,7 +24,7 @@ from collections.abc import Callable
 
 from mpi4py import MPI
 
-from spmd.core import mpi_exit
+from spmd.backends.mpi import finalize
 from spmd.core.context import GroupContext
 
 __all__ = ["ulfm", "ulfm_missing", "is_failure", "failure", "shrink_agreement",
@@ -122,7 +122,7 @@ def known_failed(ctx: GroupContext) -> tuple[int, ...]:
         dead.Free()
         everyone.Free()
     if mine:
-        mpi_exit.note_failure()
+        finalize.note_failure()
     return tuple(sorted(ctx.ranks[r] for r in mine if r >= 0))
 
 
@@ -143,7 +143,7 @@ def shrink_agreement(ctx: GroupContext) -> tuple[tuple[int, ...], MPI.Intracomm]
     alive = set(back)
     dead = tuple(ctx.ranks[r] for r in range(ctx.size) if r not in alive)
     if dead:
-        mpi_exit.note_failure()
+        finalize.note_failure()
     return dead, shrunk
 
 

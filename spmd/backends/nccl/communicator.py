@@ -31,10 +31,10 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from spmd.backends.bootstrap import broadcast_value, check_distinct_gpus
 from spmd.backends.nccl.uniqueid import host_identity, uid_for_cupy, uid_to_bytes
 from spmd.backends.setup import set_up
 from spmd.core import cuda as _gpu
-from spmd.core.bootstrap import broadcast_value, check_distinct_gpus
 from spmd.core.context import GroupContext
 from spmd.core.errors import DistBackendError, DistTimeoutError, GroupBrokenError, located
 from spmd.core.flight_recorder import NCCL_ENGINE, recorder

@@ -29,8 +29,8 @@ import time
 import numpy as np
 from mpi4py import MPI
 
+from spmd.backends.mpi.nodes import split_node
 from spmd.core import wait as _wait
-from spmd.core.nodes import split_node
 
 __all__ = ["NodeWindow", "nap", "open_window"]
 
