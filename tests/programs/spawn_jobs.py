@@ -293,15 +293,25 @@ def where(rank):
             **collectives(rank, 3)}
 
 
+# Marks the ranks this program spawns (they inherit its environment, through srun too):
+# other jobs' spawned ranks on this host (tests running side by side) are not its own.
+RUN_MARK = f"SPMD_SPAWN_JOBS_RUN={os.getpid()}.{time.time_ns()}"
+os.environ["SPMD_SPAWN_JOBS_RUN"] = RUN_MARK.partition("=")[2]
+
+
 def spawned_anywhere() -> list[int]:
-    """Spawned ranks running anywhere on this host (srun's ranks are slurmstepd's
-    children, not the caller's), from /proc."""
+    """This program's spawned ranks still running anywhere on this host (srun's ranks
+    are slurmstepd's children, not the caller's), from /proc."""
     found = []
+    mark = RUN_MARK.encode() + b"\0"
     for name in os.listdir("/proc"):
         if name.isdigit() and int(name) != os.getpid():
             try:
                 with open(f"/proc/{name}/cmdline", "rb") as f:
-                    if b"spmd.spawn.child" in f.read() and running(int(name)):
+                    if b"spmd.spawn.child" not in f.read():
+                        continue
+                with open(f"/proc/{name}/environ", "rb") as f:
+                    if mark in f.read() + b"\0" and running(int(name)):
                         found.append(int(name))
             except OSError:
                 continue
