@@ -135,7 +135,7 @@ def spawn(fn: Callable[..., Any], args: Sequence = (), nprocs: int = 1, join: bo
         args: extra positional arguments (pickled).
         nprocs: number of ranks.
         join: wait for the job and return the results (True) or return a
-            :class:`~spmd.spawn.ProcessContext` at once (False).  The ranks get their job while
+            :class:`~spmd.ProcessContext` at once (False).  The ranks get their job while
             ``join`` runs: they wait for it up to ``protocol.HANDSHAKE_TIMEOUT`` (5
             minutes), then give up.
         timeout: seconds (or a timedelta) the whole job may take, start-up included.
@@ -150,7 +150,7 @@ def spawn(fn: Callable[..., Any], args: Sequence = (), nprocs: int = 1, join: bo
         RuntimeError: called inside a multi-rank MPI job, no MPI launcher found, or no
             address to listen at (see :func:`~spmd.spawn.launcher.caller_host`).
         ProcessRaisedException, ProcessExitedException, spmd.DistTimeoutError: see
-            :meth:`~spmd.spawn.ProcessContext.join`.
+            :meth:`~spmd.ProcessContext.join`.
     """
     if not callable(fn):
         raise TypeError(f"spawn: fn must be callable, got {type(fn).__name__}")
