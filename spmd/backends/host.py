@@ -17,7 +17,7 @@ from spmd.backends.mpi.fastcall import pieces as fastcall_pieces
 from spmd.backends.mpi.faults import failure
 from spmd.backends.mpi.packing import ArrayPieces, get_bucket_bytes
 from spmd.backends.reduction import simple_plan
-from spmd.backends.shm.engine import engine_for
+from spmd.backends.shm.engine import shm_engine_beside
 from spmd.core.context import GroupContext
 from spmd.core.optable import ENGINE_OPS
 
@@ -58,7 +58,7 @@ class HostEngine(Engine):
         super().__init__(group)
         self.mpi = MPIEngine(group)
         # The engine falls back to MPI for a call its window cannot take.
-        self.shm = engine_for(self.mpi)
+        self.shm = shm_engine_beside(self.mpi)
         if self.shm is not None:
             self.shm.stream = streamer()
         # The compiled call path (None when it is off): blocking calls of the common

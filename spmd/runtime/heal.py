@@ -144,7 +144,7 @@ def heal(timeout: float | None = None) -> list[int]:
     inter = _start_processes(ctx, len(lost), f"for ranks {lost}", _OP)
     t_spawn = time.monotonic()
     merged = inter.Merge(high=False)
-    replacement.send_plan(merged, replacement.Plan(full, tuple(lost), ctx.name))
+    replacement.send_plan(merged, replacement.HealPlan(full, tuple(lost), ctx.name))
     comm = replacement.regroup(merged, me)
     merged.Free()
     t_merge = time.monotonic()

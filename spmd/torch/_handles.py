@@ -4,7 +4,8 @@ A handle names a process of a *world*, the communicator it is in now: the world'
 (agreed when the group was made), the process's rank and the world's size; for processes
 ``spmd.torch.spawn_peers`` started, the world that started them; on a world's rank 0, an
 MPI port other worlds can connect to.  From the handles alone every process derives the
-same :class:`Plan` (:func:`plan`), so a reconfigure needs no exchange to agree on it:
+same :class:`ReconfigurePlan` (:func:`plan`), so a reconfigure needs no exchange to agree
+on it:
 
 1. the *base*: the world that started the spawned processes among the handles, else
    the world with the most processes listed (the first of those);
@@ -23,7 +24,7 @@ import json
 from collections.abc import Sequence
 from typing import Any
 
-__all__ = ["Handle", "Plan", "plan"]
+__all__ = ["Handle", "ReconfigurePlan", "plan"]
 
 _PREFIX = "spmd:"
 _OP = "reconfigure"
@@ -66,7 +67,7 @@ class Handle:
 
 
 @dataclasses.dataclass(frozen=True)
-class Plan:
+class ReconfigurePlan:
     """How a reconfigure builds its group (the same on every process: see the module)."""
 
     base: str                          # the world the others join
@@ -91,7 +92,7 @@ class Plan:
         return steps
 
 
-def plan(handles: Sequence[Handle], ordered: bool) -> Plan:
+def plan(handles: Sequence[Handle], ordered: bool) -> ReconfigurePlan:
     """The plan for ``handles`` (``ordered``: a list, whose order gives the ranks).
 
     Raises:
@@ -146,5 +147,6 @@ def plan(handles: Sequence[Handle], ordered: bool) -> Plan:
         rest = [h for w, hs in worlds.items() if w not in (base, child) for h in hs]
         order = tuple(sorted(worlds[base], key=lambda h: h.rank) +
                       sorted(worlds.get(child, []), key=lambda h: h.rank) + rest)
-    return Plan(base, worlds[base][0].size, tuple(sorted(h.rank for h in worlds[base])),
-                child, tuple(by_port), order)
+    return ReconfigurePlan(base, worlds[base][0].size,
+                           tuple(sorted(h.rank for h in worlds[base])), child, tuple(by_port),
+                           order)

@@ -5,7 +5,7 @@ with ``MPI_Comm_spawn`` from the survivors' world and merges with them.  This mo
 both ends of what follows the spawn, so the two cannot drift apart:
 
 1. the merged communicator: the survivors first, in their order, then the new processes;
-2. the survivors' rank 0 sends the plan (:class:`Plan`): the world's full size and the
+2. the survivors' rank 0 sends the plan (:class:`HealPlan`): the world's full size and the
    ranks the lost processes held, which the new ones take in order;
 3. every process splits the merged communicator by its rank in the full world, so the
    world has its old numbering again and layouts rebuilt on it are the ones from before.
@@ -27,7 +27,7 @@ from typing import Any, cast
 
 from mpi4py import MPI
 
-__all__ = ["Plan", "PeerPlan", "join", "joined_as_peer", "links", "parent", "regroup",
+__all__ = ["HealPlan", "PeerPlan", "join", "joined_as_peer", "links", "parent", "regroup",
            "send_peer_plan", "send_plan"]
 
 _MAGIC = "spmd-heal-1"   # what the plan says first: a parent that is not spmd's healing is refused
@@ -39,7 +39,7 @@ links: dict[str, MPI.Intracomm] = {}
 
 
 @dataclasses.dataclass(frozen=True)
-class Plan:
+class HealPlan:
     """What the survivors tell the processes they started."""
 
     full_size: int               # the world's size before the failures
@@ -77,7 +77,7 @@ def regroup(merged: MPI.Intracomm, rank: int) -> MPI.Intracomm:
     return world
 
 
-def join(inter: MPI.Intercomm) -> tuple[MPI.Intracomm, Plan]:
+def join(inter: MPI.Intercomm) -> tuple[MPI.Intracomm, HealPlan]:
     """A new process's end of the healing: merge with the survivors, learn the plan and
     its rank, and return the world in its old numbering (a communicator of its own)."""
     # Errors come back as exceptions, as on every communicator of spmd's: the parent's
@@ -92,19 +92,19 @@ def join(inter: MPI.Intercomm) -> tuple[MPI.Intracomm, Plan]:
         _joined[:] = [PeerPlan(plan["link"], dict(plan["extra"]))]
         world = MPI.COMM_WORLD.Dup()
         world.Set_errhandler(MPI.ERRORS_RETURN)
-        return world, Plan(world.Get_size(), (), plan["name"])
+        return world, HealPlan(world.Get_size(), (), plan["name"])
     if not isinstance(plan, dict) or plan.get("magic") != _MAGIC:
         raise RuntimeError("init_process_group: this process was started by MPI_Comm_spawn, "
                            "but not by spmd.heal() (its parent sent no healing plan); a "
                            "program spawned by other means cannot be an spmd replacement")
-    p = Plan(plan["full_size"], tuple(plan["lost"]), plan["name"])
+    p = HealPlan(plan["full_size"], tuple(plan["lost"]), plan["name"])
     mine = p.lost[merged.Get_rank() - (merged.Get_size() - len(p.lost))]
     world = regroup(merged, mine)
     merged.Free()
     return world, p
 
 
-def send_plan(merged: MPI.Intracomm, plan: Plan) -> None:
+def send_plan(merged: MPI.Intracomm, plan: HealPlan) -> None:
     """The survivors' end of step 2 (every survivor calls it; rank 0's plan goes out)."""
     merged.bcast({"magic": _MAGIC, **dataclasses.asdict(plan)}, root=0)
 

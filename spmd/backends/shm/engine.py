@@ -67,7 +67,7 @@ from spmd.core import wait as _wait
 from spmd.core.arrays import contiguous
 from spmd.core.work import Work
 
-__all__ = ["SHM_ENV", "ShmEngine", "engine_for", "shm_mode", "status"]
+__all__ = ["SHM_ENV", "ShmEngine", "shm_engine_beside", "shm_mode", "status"]
 
 # Windows of groups a member of died: never freed (MPI_Win_free would wait for the dead
 # member), kept referenced so nothing frees them behind MPI's back.
@@ -76,12 +76,13 @@ abandoned_windows: list = []
 _U8 = np.dtype(np.uint8)
 
 
-def engine_for(backend) -> ShmEngine | None:
-    """The engine for an MPI backend's group, or None where it cannot help."""
+def shm_engine_beside(mpi_engine) -> ShmEngine | None:
+    """The shared-memory engine beside ``mpi_engine`` (its group's MPI engine), or None
+    where it cannot help (SPMD_SHM off, or a group of one process in auto mode)."""
     mode = shm_mode()
-    if mode == "off" or (mode == "auto" and backend.size < 2):
+    if mode == "off" or (mode == "auto" and mpi_engine.size < 2):
         return None
-    return ShmEngine(backend, mode)
+    return ShmEngine(mpi_engine, mode)
 
 
 def _flat(a: np.ndarray) -> np.ndarray:
