@@ -1,13 +1,14 @@
 """Backend names and the registry of backend factories: which engine serves which device.
 
 ``Backend`` is torch's name for a validated backend string (``"mpi"``, ``"nccl"``,
-``"cpu:mpi,cuda:nccl"``); the tables map each name (and device) to the factory that
-makes a group's engine.  The built-in engines are registered by ``spmd.runtime.world``; users
-add their own with :func:`~spmd.register_backend`.
+``"cpu:mpi,cuda:nccl"``); the tables map each name (and device) to what makes a group's
+engine: the built-in engines are declared here (``BUILT_IN``), users add their own with
+:func:`~spmd.register_backend`.
 """
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -18,11 +19,22 @@ __all__ = ["Backend", "register_backend", "DEVICES"]
 
 DEVICES = ("cpu", "cuda")
 
-# name -> factory(group) -> engine; (name, device) -> factory where one name has a class
-# per device ("mpi" for cuda arrays is the GPU-aware/staging MPI engine).
+# The built-in engines, (name, device) -> "module:class", imported when a group first
+# meets an array of that device: a program of host arrays never loads CuPy, and naming an
+# engine starts no MPI.  "mpi" has a class per device (for cuda arrays: GPU-aware MPI, or
+# staging through host memory).
+BUILT_IN: dict[tuple[str, str], str] = {
+    ("mpi", "cpu"): "spmd.backends.host:HostEngine",
+    ("mpi", "cuda"): "spmd.backends.cuda_mpi:CudaMPIEngine",
+    ("nccl", "cuda"): "spmd.backends.nccl.engine:NCCLEngine",
+}
+# c10d's default for GPU arrays, decided at a group's first one (checking NCCL sooner would
+# load CuPy in every run): NCCL where it can run here, else MPI.
+UNDEFINED = "undefined"
+
+# User backends (register_backend): name -> factory(group) -> engine, and their devices.
 backend_factories: dict[str, Callable] = {}
-device_factories: dict[tuple[str, str], Callable] = {}
-backend_devices: dict[str, tuple[str, ...]] = {}  # devices of user-registered backends
+backend_devices: dict[str, tuple[str, ...]] = {}
 # Debug mode: wraps each new engine so its calls are checked across ranks (None: off).
 wrapper: Callable | None = None
 
@@ -98,7 +110,7 @@ def register_backend(name: str, factory: Callable[[Any], Any],
     if not isinstance(name, str) or not name.strip().isidentifier():
         raise ValueError(f"register_backend: name must be an identifier, got {name!r}")
     key = name.strip().lower()
-    if key in ("mpi", "nccl", "gloo", "undefined") or key in backend_factories:
+    if key in names() or key == "gloo":
         raise ValueError(f"register_backend: backend {key!r} is already registered")
     if not callable(factory):
         raise TypeError(f"register_backend: factory must be callable, got {type(factory).__name__}")
@@ -114,9 +126,14 @@ def register_backend(name: str, factory: Callable[[Any], Any],
 Backend.register_backend = staticmethod(register_backend)  # type: ignore[attr-defined]
 
 
+def names() -> list[str]:
+    """Every backend name a group can be made with: the built-in ones and the users'."""
+    return sorted({name for name, _ in BUILT_IN} | {UNDEFINED} | set(backend_factories))
+
+
 def unavailable(name: str) -> str | None:
     """Why backend ``name`` cannot run here (None when it can)."""
-    if name not in backend_factories:
+    if name not in names():
         return "it is not registered"
     if name == "nccl":
         return _gpu.nccl_problem()
@@ -129,8 +146,13 @@ def make_engine(group: GroupContext, device: str):
     if name is None:
         raise RuntimeError(f"no backend handles {device} arrays in group {group.name} "
                            f"(backend {group.backend_name!r})")
-    factory = device_factories.get((name, device)) or backend_factories[name]
-    backend = factory(group)
+    if name == UNDEFINED:
+        name = "nccl" if unavailable("nccl") is None else "mpi"
+    factory = backend_factories.get(name)
+    if factory is None:
+        module, _, cls = BUILT_IN[(name, device)].partition(":")
+        factory = getattr(importlib.import_module(module), cls)
+    engine = factory(group)
     if wrapper is not None:
-        backend = wrapper(backend)
-    return backend
+        engine = wrapper(engine)
+    return engine

@@ -17,7 +17,6 @@ from spmd.backends.registry import Backend, register_backend
 from spmd.core import cuda as _gpu
 from spmd.core import settings
 from spmd.core import wait as _wait
-from spmd.core.context import GroupContext
 from spmd.core.launch import LOCAL_RANK_VARS, check_world_size, local_rank_from_env
 from spmd.core.settings import Config, parse_options
 from spmd.core.timeouts import DEFAULT_PG_TIMEOUT, to_seconds
@@ -47,31 +46,6 @@ __all__ = [
     "get_world_size",
     "get_node_local_rank",
 ]
-
-def _mpi_backend(group: GroupContext):
-    from spmd.backends.host import HostEngine
-    return HostEngine(group)
-
-
-def _cuda_mpi_backend(group: GroupContext):
-    from spmd.backends.cuda_mpi import CudaMPIEngine
-    return CudaMPIEngine(group)
-
-
-def _nccl_backend(group: GroupContext):
-    from spmd.backends.nccl.engine import NCCLEngine
-    return NCCLEngine(group)
-
-
-def _default_cuda_backend(group: GroupContext):
-    # Decided at the group's first GPU array, so host-only programs never load CuPy.
-    return _nccl_backend(group) if is_nccl_available() else _cuda_mpi_backend(group)
-
-
-registry.backend_factories["mpi"] = _mpi_backend
-registry.device_factories[("mpi", "cuda")] = _cuda_mpi_backend
-registry.backend_factories["nccl"] = _nccl_backend
-registry.backend_factories["undefined"] = _default_cuda_backend
 
 
 def is_available() -> bool:
@@ -170,7 +144,7 @@ def init_process_group(backend: str | None = None, init_method: str | None = Non
         if why is not None:
             raise RuntimeError(f"init_process_group: backend {name!r} for {device} arrays is not "
                                f"available in this installation: {why} (registered: "
-                               f"{sorted(registry.backend_factories)})")
+                               f"{registry.names()})")
     if device_id is not None:
         _gpu.device_index(device_id)  # a ValueError for a bad one, before anything is created
         if devices.get("cuda") == Backend.UNDEFINED and is_nccl_available():
