@@ -35,7 +35,6 @@ import numpy as np
 
 from spmd.api import collectives as _c
 from spmd.backends import checked as _checked
-from spmd.backends.host import HostEngine
 from spmd.backends.mpi import persistent as native
 from spmd.backends.mpi.packing import PackPlan
 from spmd.backends.reduction import AVERAGE, PLANS, checked_plan
@@ -228,7 +227,7 @@ def all_reduce_coalesced(tensors: list[Array], op: ReduceOp = _SUM,
     # The shared-memory engine's fused all-reduce beats MPI's persistent one where it
     # takes the arrays (one bucket at its sizes): the plan then starts it (not native).
     engine = pg.engine_for(dev)
-    fused = engine.fused_start(arrays, op) if isinstance(engine, HostEngine) else None
+    fused = engine.fused_start(arrays, op)
     direct = fused is None and dev == "cpu" and \
         all(p.upcast is None and not p.premul for p in plans.values()) and \
         all(a.flags.c_contiguous for a in arrays)

@@ -61,6 +61,12 @@ class Engine:
     def __init__(self, group: GroupContext):
         self.group = group
 
+    def fused_start(self, tensors: list, op: Any) -> Callable[[], Any] | None:
+        """For a persistent plan of all_reduce_coalesced (the same arrays at every
+        start): a function that starts it fused by this engine, checked and laid out
+        once; None (here: every engine but the host's) where the plan's own start serves."""
+        return None
+
     def run(self, op: str, async_op: bool, *args: Any) -> Any:
         """Run ``op`` (a name of the op table) on validated ``args``: the one entry of the
         public ops.  Returns the Work with ``async_op``, else None once the op has

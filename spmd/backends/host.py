@@ -11,6 +11,7 @@ from collections.abc import Callable
 from typing import Any
 
 from spmd.backends.base import Engine, reraise
+from spmd.backends.mpi import fastcall
 from spmd.backends.mpi.engine import MPIEngine
 from spmd.backends.mpi.fastcall import COMPILED_OPS, comm_of, streamer
 from spmd.backends.mpi.fastcall import pieces as fastcall_pieces
@@ -22,6 +23,10 @@ from spmd.core.context import GroupContext
 from spmd.core.optable import ENGINE_OPS
 
 __all__ = ["HostEngine"]
+
+# The compiled call path, bound once, at the first host engine (MPI has started: importing
+# fastcall started it); each host engine makes its group's FastComm.
+fastcall.bind()
 
 # The ops the shared-memory engine may take (the methods below).
 _DISPATCHED = ("all_reduce", "reduce", "reduce_scatter_tensor", "broadcast", "all_gather",

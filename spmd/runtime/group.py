@@ -10,7 +10,7 @@ from typing import Any, TypeAlias
 from mpi4py import MPI
 
 from spmd.backends.checked import free_check_comm
-from spmd.backends.mpi import fastcall, faults
+from spmd.backends.mpi import faults
 from spmd.backends.registry import Backend, make_engine
 from spmd.core.context import GroupContext
 from spmd.core.timeouts import to_seconds
@@ -180,8 +180,6 @@ world_state = WorldState()
 aborted: list = []
 NON_GROUP_MEMBER = GroupMember.NON_GROUP_MEMBER
 
-# The compiled call path: bound once; each group's host engine makes its FastComm.
-fastcall.bind()
 
 
 def __getattr__(name: str):

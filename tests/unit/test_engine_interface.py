@@ -21,7 +21,7 @@ from spmd.backends.shm.thresholds import Thresholds
 from spmd.core.optable import ENGINE_OPS, OPS
 
 # Engine's methods that are not ops of the table.
-NOT_OPS = {"run", "failure", "shutdown", "abort", "on_split", "batch_p2p"}
+NOT_OPS = {"run", "failure", "shutdown", "abort", "on_split", "batch_p2p", "fused_start"}
 
 
 def _declared_ops() -> list[str]:
