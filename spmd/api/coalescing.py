@@ -79,11 +79,11 @@ class _Pending:
 
 
 class _Recorder:
-    """Stands in for a group's backend inside the block: records the fusable ops."""
+    """Stands in for a group's engine inside the block: records the fusable ops."""
 
-    def __init__(self, cm: CoalescingManager, backend):
+    def __init__(self, cm: CoalescingManager, engine):
         self._cm = cm
-        self.backend = backend
+        self.engine = engine
 
     def run(self, op: str, async_op: bool, *args):
         """What the public ops call (:meth:`spmd.backends.base.Engine.run`): the op is
@@ -150,20 +150,20 @@ class CoalescingManager:
         self._ops.append((out, inp))
         return _Pending(self)
 
-    def _issue(self, backend) -> None:
+    def _issue(self, engine) -> None:
         self._issued = True
         if not self._ops:
             return
         if self._kind == "all_reduce":
-            self.append(backend.all_reduce_coalesced([o for o, _ in self._ops], self._op))
+            self.append(engine.all_reduce_coalesced([o for o, _ in self._ops], self._op))
         elif self._kind == "all_gather_into_tensor":
-            self.append(_all_gather(backend, self._ops, self.group.context.size))
+            self.append(_all_gather(engine, self._ops, self.group.context.size))
         else:
             by_dtype: dict = {}
             for out, inp in self._ops:
                 by_dtype.setdefault(inp.dtype, []).append((out, inp))
             for pairs in by_dtype.values():
-                self.append(_reduce_scatter(backend, pairs, self._op, self.group.context.size))
+                self.append(_reduce_scatter(engine, pairs, self._op, self.group.context.size))
 
     def __repr__(self) -> str:
         state = "issued" if self._issued else "recording"
@@ -171,7 +171,7 @@ class CoalescingManager:
                 f"group={getattr(self.group, 'name', self.group)}>")
 
 
-def _all_gather(backend, ops, n: int):
+def _all_gather(engine, ops, n: int):
     # Each output viewed as n rows; rank i's input lands in row i of every output.
     lists: list[list] = [[] for _ in range(n)]
     inputs, copies = [], []
@@ -183,7 +183,7 @@ def _all_gather(backend, ops, n: int):
         for i in range(n):
             lists[i].append(rows[i])
         inputs.append(inp)
-    work = backend.all_gather_coalesced(lists, inputs)
+    work = engine.all_gather_coalesced(lists, inputs)
     if copies:
         def copy_back() -> None:
             for o, t in copies:
@@ -192,13 +192,13 @@ def _all_gather(backend, ops, n: int):
     return work
 
 
-def _reduce_scatter(backend, pairs, op, n: int):
+def _reduce_scatter(engine, pairs, op, n: int):
     # Packed so that chunk i of the packed input is chunk i of every input, in order:
     # one reduce-scatter then leaves each output's share contiguous in the result.
     ins = [inp.reshape(n, -1) for _, inp in pairs]
     packed = np.concatenate(ins, axis=1).reshape(-1)
     result = np.empty(packed.size // n, packed.dtype)
-    work = backend.reduce_scatter_tensor(result, packed, op)
+    work = engine.reduce_scatter_tensor(result, packed, op)
     outs = [out for out, _ in pairs]
 
     def unpack():
@@ -235,7 +235,7 @@ def coalescing_manager(group: GroupArg = None, device: object = None,
 
     Args:
         group: the group (WORLD if None).
-        device: which backend to fuse on ("cpu" if None).
+        device: which engine to fuse on ("cpu" if None).
         async_ops: if False the block waits for the batch when it ends; if True it
             returns at once and ``cm.wait()`` (or ``cm.works``) completes it.
 
@@ -251,16 +251,16 @@ def coalescing_manager(group: GroupArg = None, device: object = None,
         yield CoalescingManager(group)
         return
     key = _device_key(device)
-    backend = pg.engine_for(key)
-    if isinstance(backend, _Recorder):
+    engine = pg.engine_for(key)
+    if isinstance(engine, _Recorder):
         raise RuntimeError(f"coalescing_manager: a block is already open on group {pg.context.name} "
                            "(they do not nest)")
     cm = CoalescingManager(pg)
-    pg.set_engine(key, _Recorder(cm, backend))
+    pg.set_engine(key, _Recorder(cm, engine))
     try:
         yield cm
     finally:
-        pg.set_engine(key, backend)
-    cm._issue(backend)
+        pg.set_engine(key, engine)
+    cm._issue(engine)
     if not async_ops:
         cm.wait()

@@ -139,17 +139,17 @@ def batch_isend_irecv(p2p_op_list: Sequence[P2POp]) -> list[Work | None]:
         check = array_in if sending else array_out
         a = check(p.tensor, f"batch_isend_irecv[{i}] {name}", "tensor", pg.context)
         started.append((pg, sending, a, peer, check_tag(p.tag, "batch_isend_irecv", pg.context)))
-    # One batch per backend: NCCL must see a group's sends and receives together.
+    # One batch per engine: NCCL must see a group's sends and receives together.
     works: list[Work | None] = [None] * len(started)
     batches: dict = {}
     for i, item in enumerate(started):
         if item is not None:
             pg, sending, a, peer, tag = item
-            backend = pg.engine_for(array_device(a))
-            positions, ops = batches.setdefault(id(backend), (backend, [], []))[1:]
+            engine = pg.engine_for(array_device(a))
+            positions, ops = batches.setdefault(id(engine), (engine, [], []))[1:]
             positions.append(i)
             ops.append(P2PItem(sending, a, peer, tag))
-    for backend, positions, ops in batches.values():
-        for i, work in zip(positions, backend.batch_p2p(ops)):
+    for engine, positions, ops in batches.values():
+        for i, work in zip(positions, engine.batch_p2p(ops)):
             works[i] = work
     return works

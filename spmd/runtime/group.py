@@ -85,11 +85,11 @@ class ProcessGroup:
     def engine_for(self, device: str) -> Any:
         """The group's engine for arrays on ``device`` ("cpu", "cuda"), made on first use
         (what the public ops hand validated arrays to)."""
-        backend = self._engines.get(device)
-        if backend is None:
-            backend = make_engine(self.context, device)
-            self.set_engine(device, backend)
-        return backend
+        engine = self._engines.get(device)
+        if engine is None:
+            engine = make_engine(self.context, device)
+            self.set_engine(device, engine)
+        return engine
 
     def set_engine(self, device: str, engine: Any) -> None:
         """Make ``engine`` the group's engine for ``device`` (coalescing_manager puts its
@@ -108,8 +108,8 @@ class ProcessGroup:
                 ctx.comm is not None and faults.ulfm() and ctx.comm.Is_revoked()):
             self.abort()
             return
-        for backend in self._engines.values():
-            backend.shutdown()
+        for engine in self._engines.values():
+            engine.shutdown()
         self._engines.clear()
         free_check_comm(ctx)  # debug mode's, also where no engine was made (objects)
         if ctx.comm is not None:
@@ -325,8 +325,8 @@ def split_comm(parent: ProcessGroup, color: int, key: int, name_of, timeout, bac
         members = [parent.context.ranks[r] for r in comm.allgather(parent.context.rank)]
         pg = register_group(comm, members, name_of(members), timeout_seconds(timeout, op),
                        backend_name_of(backend, op), desc)
-    for backend in list(parent._engines.values()):  # e.g. NCCL's commSplit, collective
-        backend.on_split(pg.context if pg is not None else None, color, key)  # over the parent
+    for engine in list(parent._engines.values()):  # e.g. NCCL's commSplit, collective
+        engine.on_split(pg.context if pg is not None else None, color, key)  # over the parent
     return pg
 
 

@@ -20,7 +20,7 @@ combined by MPI's all_reduce, whose result is the same on every rank (MPICH's is
 MPI standard advises it).  Chunks cycle through a ring of slots, so the window does
 not grow with the message.
 
-The MPI backend hands an op to the engine when its size passes the engine's threshold
+The MPI engine hands an op to the engine when its size passes the engine's threshold
 for that op (the ``*_from`` attributes; the all-gathers also have an upper bound):
 sizes where the engine measured faster than the MPI library (see AUTO_FROM).
 ``SPMD_SHM=0`` turns the engine off, ``SPMD_SHM=force`` uses it at every size.  Where
@@ -107,11 +107,11 @@ class ShmEngine:
     all_gather_from: int
     all_gather_to: int
 
-    def __init__(self, backend, mode: str):
+    def __init__(self, mpi_engine, mode: str):
         # Told the new thresholds whenever they change: the compiled call path keeps a copy.
         self.on_thresholds: list[Callable[[Thresholds], None]] = []
-        self._backend = backend
-        self._group = backend.group
+        self._mpi = mpi_engine
+        self._group = mpi_engine.group
         self.mode = mode
         self.slot_bytes = SLOT_BYTES_OVERSUBSCRIBED if _wait.oversubscribed else SLOT_BYTES
         self.nslots = SLOTS
@@ -248,7 +248,7 @@ class ShmEngine:
 
     def _start(self, nbytes: int, steps, fallback, op: str, outputs, keep) -> Work:
         """Queue an op: its ``steps`` (a generator), or run ``fallback()`` (the MPI
-        backend's op) if the window's set-up shows that the engine does not take it."""
+        engine's op) if the window's set-up shows that the engine does not take it."""
         self._scheduler.check(op)
         if self._win is None and self._reason is None:
             self._setup(op)
@@ -281,44 +281,44 @@ class ShmEngine:
         else:
             np.copyto(dst, src)
 
-    # -- ops (same arguments as the MPI backend's; arguments already validated) ------
+    # -- ops (same arguments as the MPI engine's; arguments already validated) ------
 
     def all_reduce(self, a, op):
-        backend = self._backend
-        plan = backend.reduction_plan(a.dtype, op, "all_reduce")
+        mpi = self._mpi
+        plan = mpi.reduction_plan(a.dtype, op, "all_reduce")
         steps = self._reduce_steps(a, plan.view, self._reduction(plan, op), None)
         return self._start(a.nbytes, steps,
-                           lambda: backend.all_reduce(a, op), "all_reduce", [a], a)
+                           lambda: mpi.all_reduce(a, op), "all_reduce", [a], a)
 
     def all_reduce_coalesced(self, pieces, op):
         """All-reduce the arrays of ``pieces`` (a ``_fastcall.Pieces`` or
         ``packing.ArrayPieces``: one dtype, one fusion bucket) as one array."""
-        backend = self._backend
+        mpi = self._mpi
         dt = pieces.dtype
-        plan = backend.reduction_plan(dt, op, "all_reduce_coalesced")
+        plan = mpi.reduction_plan(dt, op, "all_reduce_coalesced")
         steps = self._fused_steps(pieces, plan.view, self._reduction(plan, op))
         return self._start(pieces.nbytes, steps,
-                           lambda: backend.all_reduce_coalesced(pieces.arrays, op),
+                           lambda: mpi.all_reduce_coalesced(pieces.arrays, op),
                            "all_reduce", pieces.arrays, pieces)
 
     def reduce(self, a, root, op):
-        backend = self._backend
-        plan = backend.reduction_plan(a.dtype, op, "reduce")
+        mpi = self._mpi
+        plan = mpi.reduction_plan(a.dtype, op, "reduce")
         steps = self._reduce_steps(a, plan.view, self._reduction(plan, op), root)
         return self._start(a.nbytes, steps,
-                           lambda: backend.reduce(a, root, op), "reduce", [a], a)
+                           lambda: mpi.reduce(a, root, op), "reduce", [a], a)
 
     def reduce_scatter_tensor(self, out, a, op):
-        backend = self._backend
-        plan = backend.reduction_plan(a.dtype, op, "reduce_scatter_tensor")
+        mpi = self._mpi
+        plan = mpi.reduction_plan(a.dtype, op, "reduce_scatter_tensor")
         steps = self._reduce_scatter_steps(out, a, plan.view, self._reduction(plan, op))
         return self._start(a.nbytes, steps,
-                           lambda: backend.reduce_scatter_tensor(out, a, op),
+                           lambda: mpi.reduce_scatter_tensor(out, a, op),
                            "reduce_scatter_tensor", [out], (a, out))
 
     def broadcast(self, a, root):
         return self._start(a.nbytes, self._broadcast_steps(a, root),
-                           lambda: self._backend.broadcast(a, root), "broadcast", [a], a)
+                           lambda: self._mpi.broadcast(a, root), "broadcast", [a], a)
 
     def all_gather_into_tensor(self, out, a):
         if out.flags.c_contiguous:
@@ -328,13 +328,13 @@ class ShmEngine:
         else:
             steps = self._gather_steps(a, None, out)
         return self._start(out.nbytes, steps,
-                           lambda: self._backend.all_gather_into_tensor(out, a),
+                           lambda: self._mpi.all_gather_into_tensor(out, a),
                            "all_gather_into_tensor", [out], (a, out))
 
     def all_gather(self, outputs, a):
         steps = self._gather_steps(a, list(outputs))
         return self._start(sum(o.nbytes for o in outputs), steps,
-                           lambda: self._backend.all_gather(outputs, a), "all_gather",
+                           lambda: self._mpi.all_gather(outputs, a), "all_gather",
                            list(outputs), (a, outputs))
 
     # -- what each op does once the window is there ---------------------------------
