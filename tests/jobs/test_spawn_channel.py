@@ -48,18 +48,27 @@ def nap(rank, seconds):
 
 
 def launcher_address():
-    """SPMD_SPAWN_ADDRESS in the environment of this process's child, the launcher."""
-    for tid in os.listdir("/proc/self/task"):
-        with open(f"/proc/self/task/{tid}/children") as f:
-            for pid in f.read().split():
-                try:
-                    with open(f"/proc/{pid}/environ", "rb") as e:
-                        items = e.read().split(b"\0")
-                except OSError:
-                    continue   # a child that has just ended
-                for item in items:
-                    if item.startswith(b"SPMD_SPAWN_ADDRESS="):
-                        return item.split(b"=", 1)[1].decode()
+    """SPMD_SPAWN_ADDRESS in the environment of this process's child, the launcher.
+    Children are found by their parent pid in /proc/PID/stat: /proc/self/task/*/children
+    can miss one while processes come and go (proc(5): reliable only when they are
+    frozen), as they do with other tests' jobs beside this one."""
+    me = os.getpid()
+    for _ in range(100):   # a few tries, in case the system is slow to list it
+        for name in os.listdir("/proc"):
+            if not name.isdigit():
+                continue
+            try:
+                with open(f"/proc/{name}/stat") as f:
+                    if int(f.read().rpartition(")")[2].split()[1]) != me:
+                        continue
+                with open(f"/proc/{name}/environ", "rb") as e:
+                    items = e.read().split(b"\0")
+            except (OSError, ValueError, IndexError):
+                continue   # a process that has just ended
+            for item in items:
+                if item.startswith(b"SPMD_SPAWN_ADDRESS="):
+                    return item.split(b"=", 1)[1].decode()
+        time.sleep(0.05)
     raise SystemExit("no launcher with SPMD_SPAWN_ADDRESS below this process")
 
 
