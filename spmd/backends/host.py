@@ -16,8 +16,8 @@ from spmd.backends.mpi.engine import MPIEngine
 from spmd.backends.mpi.fastcall import COMPILED_OPS, comm_of, streamer
 from spmd.backends.mpi.fastcall import pieces as fastcall_pieces
 from spmd.backends.mpi.faults import failure
-from spmd.backends.mpi.packing import ArrayPieces, get_bucket_bytes
-from spmd.backends.reduction import simple_plan
+from spmd.backends.mpi.packing import ArrayPieces
+from spmd.backends.mpi.routes import fuses
 from spmd.backends.shm.engine import shm_engine_beside
 from spmd.core.context import GroupContext
 from spmd.core.optable import ENGINE_OPS
@@ -31,21 +31,6 @@ fastcall.bind()
 # The ops the shared-memory engine may take (the methods below).
 _DISPATCHED = ("all_reduce", "reduce", "reduce_scatter_tensor", "broadcast", "all_gather",
                "all_gather_into_tensor", "all_reduce_coalesced")
-
-
-def fused_on_shm(tensors: list, op: Any, shm_from: int) -> bool:
-    """True if all_reduce_coalesced of ``tensors`` runs as one all_reduce of the
-    engine: two or more arrays of one dtype MPI reduces itself, one fusion bucket of
-    ``shm_from`` bytes or more.  The compiled path (spmd/backends/mpi/_fastcall.c) makes the same
-    choice from the same facts, so ranks taking either path meet in the same call."""
-    if len(tensors) < 2:
-        return False
-    dt = tensors[0].dtype
-    if any(t.dtype is not dt for t in tensors):
-        return False
-    if simple_plan(dt, op) is None:
-        return False
-    return shm_from <= sum(t.nbytes for t in tensors) <= get_bucket_bytes()
 
 
 def _pieces(tensors: list) -> Any:
@@ -69,24 +54,29 @@ class HostEngine(Engine):
         # The compiled call path (None when it is off): blocking calls of the common
         # case without the Python, and without a Work.
         self.fast = comm_of(group, self.mpi.comm, self.shm)
-        self.compiled: dict[str, Callable[..., bool]] = {} if self.fast is None else \
-            {op: getattr(self.fast, op) for op in COMPILED_OPS}
+        compiled = {} if self.fast is None else {op: getattr(self.fast, op) for op in COMPILED_OPS}
+        # Each op's route, decided here once: the compiled call (None: none) and the
+        # method that starts a Work, this engine's dispatcher for the ops the
+        # shared-memory engine may take, the MPI engine's for the others.  The methods
+        # are also this engine's attributes, for callers that start a Work directly
+        # (coalescing blocks, batched point-to-point).
+        self.routes: dict[str, tuple[Callable[..., bool] | None, Callable[..., Any]]] = {}
         for name in (*ENGINE_OPS, "batch_p2p"):
             if self.shm is None or name not in _DISPATCHED:
                 setattr(self, name, getattr(self.mpi, name))
+            self.routes[name] = (compiled.get(name), getattr(self, name))
 
     def run(self, op: str, async_op: bool, *args: Any) -> Any:
         """A blocking call the compiled path takes runs there (it declines, having done
         nothing, any other: a view, a dtype or reduce op MPI cannot apply itself, a size
         the shared-memory engine takes, an observer that needs a Work); every other call
-        goes to this engine's method and its Work.  MPI's report of a dead rank (ULFM)
+        goes to its route's method and its Work.  MPI's report of a dead rank (ULFM)
         becomes the group's ProcessFailedError (``failure``)."""
         try:
-            if not async_op:
-                compiled = self.compiled.get(op)
-                if compiled is not None and compiled(*args):
-                    return None
-            work = getattr(self, op)(*args)
+            compiled, start = self.routes[op]
+            if not async_op and compiled is not None and compiled(*args):
+                return None
+            work = start(*args)
             if async_op:
                 return work
             work.wait()
@@ -116,14 +106,14 @@ class HostEngine(Engine):
         start): a function that starts it as the shared-memory engine's fused all-reduce,
         checked and laid out once; None where the engine does not fuse ``tensors`` (there
         MPI's persistent collective serves the plan; here the engine is the faster)."""
-        if self.shm is None or not fused_on_shm(tensors, op, self.shm.all_reduce_from):
+        if self.shm is None or not fuses(tensors, op, self.shm.all_reduce_from):
             return None
         pieces, shm = _pieces(tensors), self.shm
         return lambda: shm.all_reduce_coalesced(pieces, op)
 
     def all_reduce_coalesced(self, tensors, op):
-        if fused_on_shm(tensors, op, self.shm.all_reduce_from):
-            # One bucket (fused_on_shm checked its size), gathered into the engine's
+        if fuses(tensors, op, self.shm.all_reduce_from):
+            # One bucket (fuses checked its size), gathered into the engine's
             # window and reduced back into the arrays (the compiled path's call: the
             # same steps).
             return self.shm.all_reduce_coalesced(_pieces(tensors), op)

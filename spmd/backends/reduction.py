@@ -17,7 +17,7 @@ from spmd.core.dtypes import SUPPORTED_DTYPES, family
 from spmd.core.errors import located
 from spmd.core.ops import ReduceOp
 
-__all__ = ["ReductionPlan", "PLANS", "AVERAGE", "premul_factor", "simple_plan", "checked_plan", "mpi_view",
+__all__ = ["ReductionPlan", "PLANS", "AVERAGE", "premul_factor", "checked_plan", "mpi_view",
            "counts_displs"]
 
 _F32 = np.dtype(np.float32)
@@ -112,16 +112,6 @@ def premul_factor(op: ReduceOp):
     if hasattr(f, "shape"):
         f = f.reshape(()).item() if hasattr(f, "reshape") else f.item()
     return f
-
-
-def simple_plan(dtype, op) -> ReductionPlan | None:
-    """The plan of ``dtype`` and ``op`` where MPI reduces the array itself (no upcast,
-    average or pre-scaling step), else None (also for an ``op`` that is not a ReduceOp)."""
-    try:
-        plan = PLANS[op.name].get(dtype)
-    except (KeyError, AttributeError):
-        return None
-    return plan if type(plan) is ReductionPlan and plan.simple else None
 
 
 def checked_plan(plans: dict, dtype, op, opname: str, group: GroupContext):

@@ -114,7 +114,7 @@ class Ring:
     Operation ``n`` (numbers drawn from ``numbers``, shared by every writer) lives in
     slot ``n % capacity`` until operation ``n + capacity`` takes it.  The Python path
     writes the columns by index, the compiled call path through their buffers
-    (``storage()``); nothing is allocated per operation.
+    (``columns()``, handed over by name); nothing is allocated per operation.
     """
 
     __slots__ = ("capacity", "numbers", "next_number", "ops", "groups", "seqs", "sizes",
@@ -136,11 +136,9 @@ class Ring:
         self.engines: list[Any] = [None] * capacity     # str once used
         self.devices: list[Any] = [None] * capacity
 
-    def storage(self) -> tuple:
-        """What the compiled call path writes: every column, in one tuple."""
-        return (self.capacity, self.next_number, self.numbers, self.ops, self.groups,
-                self.seqs, self.sizes, self.dtypes, self.t0, self.t1, self.flags,
-                self.engines, self.devices)
+    def columns(self) -> dict[str, Any]:
+        """Every column by its name: what the compiled call path writes."""
+        return {name: getattr(self, name) for name in Ring.__slots__}
 
     def read(self, i: int) -> Entry | None:
         """Slot ``i`` as an Entry; None if it is empty or being written meanwhile.

@@ -156,6 +156,7 @@ MPI_MODULES = {
     "spmd.backends.mpi.engine", "spmd.backends.mpi.fastcall", "spmd.backends.mpi.packing",
     "spmd.backends.mpi.work", "spmd.backends.mpi.persistent", "spmd.backends.mpi.objects",
     "spmd.backends.mpi.link",                           # MPMD links: intercommunicators
+    "spmd.backends.mpi.routes",                         # the MPI datatype and op of each call
     "spmd.backends.mpi.faults",                         # ULFM: revoke, shrink, failed ranks
     "spmd.backends.mpi.orphans",                        # given-up requests: cancel, hold
     "spmd.backends.mpi.nodes",                          # Split_type: which ranks share a node

@@ -80,12 +80,20 @@ static void fastcomm_dealloc(FastComm *self) {
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
 
-/* set_thresholds(all_reduce_from, reduce_from, reduce_scatter_from, broadcast_from,
- * all_gather_from, all_gather_to): the shared-memory engine's, whenever they change. */
-static PyObject *fastcomm_set_thresholds(FastComm *self, PyObject *args) {
+/* set_thresholds(*, all_reduce_from, reduce_from, reduce_scatter_from, broadcast_from,
+ * all_gather_from, all_gather_to): the shared-memory engine's sizes (the fields of its
+ * spmd.backends.shm.thresholds.Thresholds, by keyword), whenever they change. */
+static PyObject *fastcomm_set_thresholds(FastComm *self, PyObject *args, PyObject *kw) {
+    static char *names[] = {"all_reduce_from", "reduce_from", "reduce_scatter_from",
+                            "broadcast_from", "all_gather_from", "all_gather_to", NULL};
     long long v[6];
-    if (!PyArg_ParseTuple(args, "LLLLLL", &v[0], &v[1], &v[2], &v[3], &v[4], &v[5]))
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "|$LLLLLL", names, &v[0], &v[1], &v[2], &v[3],
+                                     &v[4], &v[5]))
         return NULL;
+    if (kw == NULL || PyDict_GET_SIZE(kw) != 6) {
+        PyErr_SetString(PyExc_TypeError, "set_thresholds: every size is required, by keyword");
+        return NULL;
+    }
     self->from[O_ALL_REDUCE] = v[0];
     self->from[O_COALESCED] = v[0];
     self->from[O_REDUCE] = v[1];
@@ -414,9 +422,9 @@ static PyObject *fastcomm_taken(FastComm *self, void *unused) {
 #define FASTCALL(name, f, doc) {name, (PyCFunction)(void (*)(void))f, METH_FASTCALL, doc}
 
 static PyMethodDef fastcomm_methods[] = {
-    {"set_thresholds", (PyCFunction)fastcomm_set_thresholds, METH_VARARGS,
-     "set_thresholds(all_reduce_from, reduce_from, reduce_scatter_from, broadcast_from, "
-     "all_gather_from, all_gather_to): the shared-memory engine's sizes."},
+    {"set_thresholds", (PyCFunction)(void (*)(void))fastcomm_set_thresholds,
+     METH_VARARGS | METH_KEYWORDS,
+     "set_thresholds(*, all_reduce_from, ...): the shared-memory engine's sizes, by name."},
     {"close", (PyCFunction)fastcomm_close, METH_NOARGS,
      "close(): the group is broken or destroyed; this path takes no more of its calls."},
     FASTCALL("all_reduce", fc_all_reduce, "all_reduce(tensor, op) -> bool"),
@@ -485,9 +493,11 @@ static PyMethodDef methods[] = {
     {"host_arrays", (PyCFunction)(void (*)(void))fc_host_arrays, METH_FASTCALL,
      "host_arrays(items, dtypes) -> bool: every item an exact, writable numpy array of a "
      "dtype in dtypes."},
-    {"bind", (PyCFunction)fc_bind, METH_VARARGS, "Bind the MPI library and spmd's objects."},
-    {"set_ring", (PyCFunction)fc_set_ring, METH_O,
-     "set_ring(storage): the flight recorder's ring (Ring.storage())."},
+    {"bind", (PyCFunction)(void (*)(void))fc_bind, METH_VARARGS | METH_KEYWORDS,
+     "bind(*, functions, handle_size, ...): the MPI library and spmd's objects, by keyword."},
+    {"set_ring", (PyCFunction)(void (*)(void))fc_set_ring, METH_VARARGS | METH_KEYWORDS,
+     "set_ring(*, capacity, next_number, numbers, ...): the flight recorder's ring, its "
+     "columns by name (Ring.columns())."},
     {"stream", (PyCFunction)(void (*)(void))fc_stream, METH_FASTCALL,
      "stream(dst, src): copy src's bytes to the start of dst past the cache (into the "
      "shared window, which other processes read next)."},

@@ -25,21 +25,49 @@ static void set_ref(PyObject **slot, PyObject *v) {
     Py_XSETREF(*slot, v);
 }
 
-/* bind(functions, handle_size, in_place, moved, reduced, ndarray, observers, recorder,
- *      push_out, end, given_up, mpi_error, tag_ub, bucket_bytes, shm_all_reduce)
+/* The sum kernels by the names spmd.backends.mpi.routes.SUMMED gives dtypes; their
+ * index here is the code Pieces keeps (0: none). */
+static const char *const KERNEL_NAMES[] = {"", "float32", "float64", "uint8", "uint16", "uint32",
+                                           "uint64"};
+
+static int kernel_code(PyObject *name) {
+    const char *text = PyUnicode_Check(name) ? PyUnicode_AsUTF8(name) : NULL;
+    if (text == NULL) {
+        if (!PyErr_Occurred()) PyErr_SetString(PyExc_TypeError, "bind: a kernel name must be a str");
+        return -1;
+    }
+    for (int i = 1; i < (int)(sizeof KERNEL_NAMES / sizeof KERNEL_NAMES[0]); i++)
+        if (strcmp(text, KERNEL_NAMES[i]) == 0) return i;
+    PyErr_Format(PyExc_ValueError, "bind: no sum kernel is named %R", name);
+    return -1;
+}
+
+/* bind(*, functions, handle_size, in_place, moved, reduced_types, reduced_ops, summed,
+ *      tag_ub, ndarray, observers, recorder, push_out, end, given_up, mpi_error,
+ *      bucket_bytes, shm_all_reduce): keywords only.  Called once, by
+ *      spmd.backends.mpi.fastcall, with the tables of spmd.backends.mpi.routes.
  *
- * functions: {MPI function name: address}; moved: [(dtype, type handle)]; reduced:
- * [(op, [(dtype, type handle, op handle)])].  Called once, by spmd.backends.mpi.fastcall. */
-PyObject *fc_bind(PyObject *m, PyObject *args) {
-    PyObject *functions, *mv, *rd, *nd, *obs, *rec, *po, *eo, *exp, *me, *bb, *sa, *sm;
+ * functions: {MPI function name: address}; moved: {dtype: datatype handle};
+ * reduced_types and reduced_ops: {ReduceOp: {dtype: datatype handle}} and {ReduceOp:
+ * {dtype: op handle}}, the same keys; summed: {dtype: kernel name}. */
+PyObject *fc_bind(PyObject *m, PyObject *args, PyObject *kw) {
+    static char *names[] = {"functions", "handle_size", "in_place", "moved", "reduced_types",
+                            "reduced_ops", "summed", "tag_ub", "ndarray", "observers", "recorder",
+                            "push_out", "end", "given_up", "mpi_error", "bucket_bytes",
+                            "shm_all_reduce", NULL};
+    PyObject *functions, *mv, *rd, *ro, *sm, *nd, *obs, *rec, *po, *eo, *exp, *me, *bb, *sa;
     int hsize;
     long long ip;
     long ub;
-    if (!PyArg_ParseTuple(args, "O!iLO!O!O!O!OOOOOlOOO!", &PyDict_Type, &functions, &hsize,
-                          &ip, &PyList_Type, &mv, &PyList_Type, &rd, &PyType_Type, &nd,
-                          &PyList_Type, &obs, &rec, &po, &eo, &exp, &me, &ub, &bb, &sa,
-                          &PyDict_Type, &sm))
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "|$O!iLO!O!O!O!lO!O!OOOOOOO", names, &PyDict_Type,
+                                     &functions, &hsize, &ip, &PyDict_Type, &mv, &PyDict_Type, &rd,
+                                     &PyDict_Type, &ro, &PyDict_Type, &sm, &ub, &PyType_Type, &nd,
+                                     &PyList_Type, &obs, &rec, &po, &eo, &exp, &me, &bb, &sa))
         return NULL;
+    if (kw == NULL || PyDict_GET_SIZE(kw) != (Py_ssize_t)(sizeof names / sizeof *names) - 1) {
+        PyErr_SetString(PyExc_TypeError, "bind: every argument is required, by keyword");
+        return NULL;
+    }
     if (hsize != 4 && hsize != (int)sizeof(void *)) {
         PyErr_Format(PyExc_ValueError, "bind: MPI handles of %d bytes are not supported", hsize);
         return NULL;
@@ -54,42 +82,69 @@ PyObject *fc_bind(PyObject *m, PyObject *args) {
             return NULL;
         }
     }
-    Py_ssize_t nm = PyList_GET_SIZE(mv), nr = PyList_GET_SIZE(rd);
-    if (nm > MAX_DTYPES || nr > MAX_OPS) {
+    if (PyDict_GET_SIZE(mv) > MAX_DTYPES || PyDict_GET_SIZE(rd) > MAX_OPS) {
         PyErr_SetString(PyExc_ValueError, "bind: too many dtypes or ops");
         return NULL;
     }
     Moved new_moved[MAX_DTYPES];
+    int nm = 0, nr = 0;
     Reduced *new_reduced = PyMem_Calloc(MAX_OPS, sizeof(Reduced));
-    if (new_reduced == NULL) return PyErr_NoMemory();
-    for (Py_ssize_t i = 0; i < nm; i++) {
-        PyObject *d;
-        long long h;
-        if (!PyArg_ParseTuple(PyList_GET_ITEM(mv, i), "OL", &d, &h)) goto fail;
-        new_moved[i].dtype = d;
-        new_moved[i].type = (intptr_t)h;
+    PyObject *codes = PyDict_New();
+    if (new_reduced == NULL || codes == NULL) {
+        PyMem_Free(new_reduced);
+        Py_XDECREF(codes);
+        return PyErr_NoMemory();
     }
-    for (Py_ssize_t i = 0; i < nr; i++) {
-        PyObject *op, *lst;
-        if (!PyArg_ParseTuple(PyList_GET_ITEM(rd, i), "OO!", &op, &PyList_Type, &lst)) goto fail;
-        if (PyList_GET_SIZE(lst) > MAX_DTYPES) {
-            PyErr_SetString(PyExc_ValueError, "bind: too many dtypes");
+    Py_ssize_t pos = 0;
+    PyObject *key, *value;
+    long long h;
+    while (PyDict_Next(mv, &pos, &key, &value)) {
+        h = PyLong_AsLongLong(value);
+        if (h == -1 && PyErr_Occurred()) goto fail;
+        new_moved[nm].dtype = key;
+        new_moved[nm++].type = (intptr_t)h;
+    }
+    pos = 0;
+    while (PyDict_Next(rd, &pos, &key, &value)) {
+        PyObject *ops = PyDict_GetItemWithError(ro, key);   /* {dtype: op handle} */
+        if (!PyDict_Check(value) || PyDict_GET_SIZE(value) > MAX_DTYPES || ops == NULL
+                || !PyDict_Check(ops)) {
+            if (!PyErr_Occurred())
+                PyErr_SetString(PyExc_ValueError, "bind: reduced_types[op] and reduced_ops[op] "
+                                "must be dicts of at most MAX_DTYPES handles");
             goto fail;
         }
-        new_reduced[i].op = op;
-        new_reduced[i].n = (int)PyList_GET_SIZE(lst);
-        for (Py_ssize_t j = 0; j < PyList_GET_SIZE(lst); j++) {
-            PyObject *d;
-            long long th, oh;
-            if (!PyArg_ParseTuple(PyList_GET_ITEM(lst, j), "OLL", &d, &th, &oh)) goto fail;
-            new_reduced[i].dt[j].dtype = d;
-            new_reduced[i].dt[j].type = (intptr_t)th;
-            new_reduced[i].mop[j] = (intptr_t)oh;
+        Reduced *r = &new_reduced[nr++];
+        r->op = key;
+        Py_ssize_t inner = 0;
+        PyObject *dt, *type;
+        while (PyDict_Next(value, &inner, &dt, &type)) {
+            PyObject *mop = PyDict_GetItemWithError(ops, dt);
+            if (mop == NULL) {
+                if (!PyErr_Occurred())
+                    PyErr_Format(PyExc_ValueError, "bind: reduced_ops has no handle for %R", dt);
+                goto fail;
+            }
+            long long th = PyLong_AsLongLong(type), oh = PyLong_AsLongLong(mop);
+            if (PyErr_Occurred()) goto fail;
+            r->dt[r->n].dtype = dt;
+            r->dt[r->n].type = (intptr_t)th;
+            r->mop[r->n++] = (intptr_t)oh;
         }
     }
+    pos = 0;
+    while (PyDict_Next(sm, &pos, &key, &value)) {
+        int code = kernel_code(value);
+        PyObject *c = code < 0 ? NULL : PyLong_FromLong(code);
+        if (c == NULL || PyDict_SetItem(codes, key, c) < 0) {
+            Py_XDECREF(c);
+            goto fail;
+        }
+        Py_DECREF(c);
+    }
     /* Keep every dtype and op alive for the process's life (the table holds pointers). */
-    for (Py_ssize_t i = 0; i < nm; i++) Py_INCREF(new_moved[i].dtype);
-    for (Py_ssize_t i = 0; i < nr; i++) {
+    for (int i = 0; i < nm; i++) Py_INCREF(new_moved[i].dtype);
+    for (int i = 0; i < nr; i++) {
         Py_INCREF(new_reduced[i].op);
         for (int j = 0; j < new_reduced[i].n; j++) Py_INCREF(new_reduced[i].dt[j].dtype);
     }
@@ -97,9 +152,9 @@ PyObject *fc_bind(PyObject *m, PyObject *args) {
     h4 = hsize == 4;
     in_place = (void *)(intptr_t)ip;
     memcpy(moved, new_moved, sizeof(Moved) * (size_t)nm);
-    n_moved = (int)nm;
+    n_moved = nm;
     memcpy(reduced, new_reduced, sizeof(Reduced) * (size_t)nr);
-    n_reduced = (int)nr;
+    n_reduced = nr;
     PyMem_Free(new_reduced);
     set_ref((PyObject **)&ndarray_type, nd);
     set_ref(&observers, obs);
@@ -110,11 +165,12 @@ PyObject *fc_bind(PyObject *m, PyObject *args) {
     set_ref(&mpi_error, me);
     set_ref(&bucket_bytes, bb);
     set_ref(&shm_all_reduce, sa);
-    set_ref(&summed, sm);
+    Py_XSETREF(summed, codes);
     tag_ub = ub;
     bound = 1;
     Py_RETURN_NONE;
 fail:
     PyMem_Free(new_reduced);
+    Py_DECREF(codes);
     return NULL;
 }

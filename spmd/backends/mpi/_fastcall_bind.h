@@ -102,7 +102,8 @@ extern INTERNAL PyObject *mpi_error;
 extern INTERNAL PyObject *bucket_bytes;
 /* (engine, pieces, op): its fused all_reduce, waited */
 extern INTERNAL PyObject *shm_all_reduce;
-/* {dtype: SUM_* kernel}: the dtypes Pieces.sum_from adds */
+/* {dtype: kernel code}: the dtypes Pieces.sum_from adds (made by bind() from the names
+ * spmd.backends.mpi.routes.SUMMED gives, _fastcall_bind.c's KERNEL_NAMES) */
 extern INTERNAL PyObject *summed;
 extern INTERNAL long tag_ub;
 extern INTERNAL int bound;
@@ -137,6 +138,6 @@ static inline int check_bound(void) {
 }
 
 /* bind(...): the module-level function (_fastcall_bind.c says its arguments). */
-INTERNAL PyObject *fc_bind(PyObject *m, PyObject *args);
+INTERNAL PyObject *fc_bind(PyObject *m, PyObject *args, PyObject *kw);
 
 #endif

@@ -28,7 +28,7 @@ SUM_KERNEL(sum_u16, uint16_t)
 SUM_KERNEL(sum_u32, uint32_t)
 SUM_KERNEL(sum_u64, uint64_t)
 typedef void (*sum_fn)(char *, char *const *, int, Py_ssize_t);
-/* The kernels by the codes spmd.backends.mpi.fastcall.SUM_KERNELS gives dtypes (0: none). */
+/* The kernels by code (0: none), in the order of _fastcall_bind.c's KERNEL_NAMES. */
 #define SUM_KERNELS 7
 static const sum_fn sum_kernels[SUM_KERNELS] = {NULL, sum_f32, sum_f64, sum_u8, sum_u16,
                                                 sum_u32, sum_u64};

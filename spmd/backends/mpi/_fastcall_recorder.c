@@ -11,16 +11,10 @@ static void ring_release(void) {
     ring.capacity = 0;
 }
 
-/* set_ring(storage): the recorder's ring, as Ring.storage() gives it (again at every
- * resize). */
-PyObject *fc_set_ring(PyObject *m, PyObject *storage) {
-    Py_ssize_t cap;
-    PyObject *count, *col[N_COLUMNS], *ops, *groups, *dtypes, *engines, *devices;
-    if (!PyArg_ParseTuple(storage, "nOOO!OOOOOOOO!O!", &cap, &count, &col[C_NUMBERS],
-                          &PyList_Type, &ops, &groups, &col[C_SEQS], &col[C_SIZES], &dtypes,
-                          &col[C_T0], &col[C_T1], &col[C_FLAGS], &PyList_Type, &engines,
-                          &PyList_Type, &devices))
-        return NULL;
+/* The ring's columns, checked, taken as the ring the writer uses. */
+static PyObject *hand_over(PyObject *storage, Py_ssize_t cap, PyObject *count,
+                           PyObject *col[N_COLUMNS], PyObject *ops, PyObject *groups,
+                           PyObject *dtypes, PyObject *engines, PyObject *devices) {
     static const char *const formats[N_COLUMNS] = {"q", "q", "q", "d", "d", "B"};
     Py_buffer views[N_COLUMNS];
     int held = 0;
@@ -34,7 +28,7 @@ PyObject *fc_set_ring(PyObject *m, PyObject *storage) {
             goto fail;
         }
     }
-    if (!PyList_Check(groups) || !PyList_Check(dtypes) || PyList_GET_SIZE(ops) != cap
+    if (PyList_GET_SIZE(ops) != cap
             || PyList_GET_SIZE(groups) != cap || PyList_GET_SIZE(dtypes) != cap
             || PyList_GET_SIZE(engines) != cap || PyList_GET_SIZE(devices) != cap || cap < 1) {
         PyErr_SetString(PyExc_ValueError, "set_ring: lists of the wrong length");
@@ -60,4 +54,32 @@ PyObject *fc_set_ring(PyObject *m, PyObject *storage) {
 fail:
     for (int i = 0; i < held; i++) PyBuffer_Release(&views[i]);
     return NULL;
+}
+
+/* set_ring(*, capacity, next_number, numbers, ops, groups, seqs, sizes, dtypes, t0, t1,
+ * flags, engines, devices): the recorder's ring (spmd.core.flight_recorder.Ring), its
+ * columns by keyword (Ring.columns()), again at every resize. */
+PyObject *fc_set_ring(PyObject *m, PyObject *args, PyObject *kw) {
+    static char *names[] = {"capacity", "next_number", "numbers", "ops", "groups", "seqs",
+                            "sizes", "dtypes", "t0", "t1", "flags", "engines", "devices", NULL};
+    Py_ssize_t cap;
+    PyObject *count, *col[N_COLUMNS], *ops, *groups, *dtypes, *engines, *devices;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "|$nOOO!O!OOO!OOOO!O!", names, &cap, &count,
+                                     &col[C_NUMBERS], &PyList_Type, &ops, &PyList_Type, &groups,
+                                     &col[C_SEQS], &col[C_SIZES], &PyList_Type, &dtypes,
+                                     &col[C_T0], &col[C_T1], &col[C_FLAGS], &PyList_Type,
+                                     &engines, &PyList_Type, &devices))
+        return NULL;
+    if (kw == NULL || PyDict_GET_SIZE(kw) != (Py_ssize_t)(sizeof names / sizeof *names) - 1) {
+        PyErr_SetString(PyExc_TypeError, "set_ring: every column is required, by keyword");
+        return NULL;
+    }
+    /* The columns, held together: the writer keeps pointers to them (and the Ring may
+     * rebind its attributes later). */
+    PyObject *held = PyTuple_Pack(12, count, col[0], col[1], col[2], col[3], col[4], col[5],
+                                  ops, groups, dtypes, engines, devices);
+    if (held == NULL) return NULL;
+    PyObject *ret = hand_over(held, cap, count, col, ops, groups, dtypes, engines, devices);
+    Py_DECREF(held);
+    return ret;
 }

@@ -14,7 +14,7 @@ enum { C_NUMBERS, C_SEQS, C_SIZES, C_T0, C_T1, C_FLAGS, N_COLUMNS };
 
 typedef struct {
     Py_ssize_t capacity;          /* 0: no ring handed over yet */
-    PyObject *storage;            /* Ring.storage(): holds every column alive */
+    PyObject *storage;            /* what set_ring read of the Ring: holds every column alive */
     PyObject *next_number;        /* itertools.count shared with the Python writer */
     PyObject *ops, *groups, *dtypes, *engines, *devices;   /* lists */
     Py_buffer view[N_COLUMNS];
@@ -24,8 +24,8 @@ typedef struct {
 } Ring;
 extern INTERNAL Ring ring;
 
-/* set_ring(storage): the module-level function. */
-INTERNAL PyObject *fc_set_ring(PyObject *m, PyObject *storage);
+/* set_ring(*, capacity, ...): the module-level function. */
+INTERNAL PyObject *fc_set_ring(PyObject *m, PyObject *args, PyObject *kw);
 
 /* Put v in list[i]; the old item goes to *old (released by the caller once the slot is
  * whole: releasing it may run Python code). */

@@ -13,6 +13,7 @@ from mpi4py import MPI
 
 from spmd.backends.base import Engine
 from spmd.backends.mpi.packing import pack_buckets
+from spmd.backends.mpi.routes import reduced_route
 from spmd.backends.mpi.work import MPIWork
 from spmd.backends.reduction import (
     AVERAGE,
@@ -132,15 +133,13 @@ class MPIEngine(Engine):
     # -- reductions --------------------------------------------------------------
 
     def all_reduce(self, a, op):
-        # The common case (a plain op on a contiguous array) takes two dict lookups;
-        # anything else, refusals included, goes through the checked path below.
-        try:
-            plan = PLANS[op.name][a.dtype]
-        except (KeyError, AttributeError):
-            plan = None
-        if type(plan) is ReductionPlan and plan.simple and a.flags.c_contiguous:
-            req = self.comm.Iallreduce(_IN_PLACE, a if plan.view is None else a.view(plan.view),
-                                       plan.mpi_op)
+        # The common case (a pair MPI reduces itself, a contiguous array) takes its
+        # route (two dict lookups); anything else, refusals included, goes through the
+        # checked path below.
+        route = reduced_route(a.dtype, op)
+        if route is not None and a.flags.c_contiguous:
+            req = self.comm.Iallreduce(_IN_PLACE, a if route.view is None else a.view(route.view),
+                                       route.mpi_op)
             return MPIWork([req], "all_reduce", self.group, [a], keep=a)
         plan = self.reduction_plan(a.dtype, op, "all_reduce")
         buf = self._stage(a, plan, op, True)
@@ -177,16 +176,13 @@ class MPIEngine(Engine):
         return MPIWork(reqs, "all_reduce_coalesced", self.group, list(tensors), finish=finish, keep=packed)
 
     def reduce(self, a, root, op):
-        try:
-            plan = PLANS[op.name][a.dtype]
-        except (KeyError, AttributeError):
-            plan = None
-        if type(plan) is ReductionPlan and plan.simple and a.flags.c_contiguous:
-            m = a if plan.view is None else a.view(plan.view)
+        route = reduced_route(a.dtype, op)
+        if route is not None and a.flags.c_contiguous:
+            m = a if route.view is None else a.view(route.view)
             if self.rank == root:
-                req = self.comm.Ireduce(_IN_PLACE, m, plan.mpi_op, root)
+                req = self.comm.Ireduce(_IN_PLACE, m, route.mpi_op, root)
             else:
-                req = self.comm.Ireduce(m, None, plan.mpi_op, root)
+                req = self.comm.Ireduce(m, None, route.mpi_op, root)
             return MPIWork([req], "reduce", self.group, [a], keep=a)
         plan = self.reduction_plan(a.dtype, op, "reduce")
         is_root = self.rank == root
@@ -198,16 +194,12 @@ class MPIEngine(Engine):
         return self._work([req], "reduce", [a], keep=buf)
 
     def reduce_scatter_tensor(self, out, a, op):
-        try:
-            plan = PLANS[op.name][a.dtype]
-        except (KeyError, AttributeError):
-            plan = None
-        if type(plan) is ReductionPlan and plan.simple and a.flags.c_contiguous \
-                and out.flags.c_contiguous:
-            view = plan.view
+        route = reduced_route(a.dtype, op)
+        if route is not None and a.flags.c_contiguous and out.flags.c_contiguous:
+            view = route.view
             req = self.comm.Ireduce_scatter_block(a if view is None else a.view(view),
                                                   out if view is None else out.view(view),
-                                                  plan.mpi_op)
+                                                  route.mpi_op)
             return MPIWork([req], "reduce_scatter_tensor", self.group, [out], keep=(a, out))
         plan = self.reduction_plan(a.dtype, op, "reduce_scatter_tensor")
         buf = self._stage(a, plan, op, False)

@@ -29,14 +29,13 @@ import numpy as np
 from mpi4py import MPI
 
 from spmd.backends.mpi import orphans, packing
-from spmd.backends.reduction import MPI_OPS, PLANS, simple_plan
+from spmd.backends.mpi.routes import MOVED, SUMMED, handle, reduced_by_op
 from spmd.core import settings
 from spmd.core import wait as _wait
 from spmd.core.context import GroupContext
-from spmd.core.dtypes import FAMILY, MOVE_AS
+from spmd.core.dtypes import FAMILY
 from spmd.core.flight_recorder import Ring, recorder
 from spmd.core.launch import loaded_libmpi
-from spmd.core.ops import ReduceOp
 from spmd.core.work import observers
 
 __all__ = ["COMPILED_OPS", "compiled", "reason", "bind", "comm_of", "host_arrays"]
@@ -94,61 +93,6 @@ def _addresses() -> dict[str, int]:
     return found
 
 
-def _handle(obj: Any) -> int:
-    """The MPI handle of an mpi4py object as a signed integer of the handle's width
-    (mpi4py answers MPICH's negative int handles as unsigned numbers)."""
-    # mpi4py's handle helpers (_sizeof, _handleof, _typedict: its documented low-level
-    # interface for code that hands MPI handles to C)
-    bits = 8 * MPI._sizeof(obj)
-    h = MPI._handleof(obj) & ((1 << bits) - 1)  # (mpi4py's, as above)
-    return h - (1 << bits) if h >> (bits - 1) else h
-
-
-def _type_handle(dtype: np.dtype) -> int:
-    """The handle of the MPI datatype mpi4py sends an array of ``dtype`` as (it names
-    the datatype by the buffer's format)."""
-    return _handle(MPI._typedict[np.empty(1, dtype).data.format])  # (mpi4py's, as above)
-
-
-def _moved() -> list[tuple[np.dtype, int]]:
-    out = []
-    for dt, view in MOVE_AS.items():
-        try:
-            out.append((dt, _type_handle(view or dt)))
-        except KeyError:  # a format mpi4py does not map: the Python path moves it
-            pass
-    return out
-
-
-def _reduced() -> list[tuple[ReduceOp, list[tuple[np.dtype, int, int]]]]:
-    """(op, [(dtype, MPI datatype, MPI op)]) for every pair MPI reduces itself."""
-    out = []
-    for name in MPI_OPS:
-        op = getattr(ReduceOp, name)
-        pairs = []
-        for dt in PLANS[name]:
-            plan = simple_plan(dt, op)
-            if plan is not None:
-                try:
-                    pairs.append((dt, _type_handle(plan.view or dt), _handle(plan.mpi_op)))
-                except KeyError:
-                    pass
-        out.append((op, pairs))
-    return out
-
-
-def _summed() -> dict[np.dtype, int]:
-    """The dtypes ``Pieces.sum_from`` adds in C, with their kernels (``_fastcall.c``'s
-    ``sum_kernels``): float32, float64, and integers of each width, added as unsigned
-    ones (the bits of numpy's wrap-around)."""
-    ints = (np.byte, np.ubyte, np.short, np.ushort, np.intc, np.uintc, np.int_, np.uint,
-            np.longlong, np.ulonglong)
-    kernels: dict[np.dtype, int] = {np.dtype(np.float32): 1, np.dtype(np.float64): 2}
-    for t in ints:
-        kernels[np.dtype(t)] = {1: 3, 2: 4, 4: 5, 8: 6}[np.dtype(t).itemsize]
-    return kernels
-
-
 # Why a compiled wait ended without its op (_fastcall.c's GAVE_UP_*).
 _TIMEOUT, _ENDED, _INTERRUPTED = 0, 1, 2
 
@@ -198,7 +142,7 @@ def _mpi_error(code: int) -> None:
     raise MPI.Exception(code)
 
 
-def _shm_all_reduce(shm: Any, pieces: Any, op: ReduceOp) -> None:
+def _shm_all_reduce(shm: Any, pieces: Any, op: Any) -> None:
     """A fused all_reduce_coalesced of the engine's size: its fused all_reduce of the
     arrays (a ``_fastcall.Pieces``), as HostEngine.all_reduce_coalesced runs it."""
     shm.all_reduce_coalesced(pieces, op).wait()
@@ -215,7 +159,7 @@ def bind() -> None:
     if _disabled():
         reason = "turned off (SPMD_FASTCALL=0)"
         return
-    # (mpi4py's handle size, as in _handle)
+    # (mpi4py's handle size, as in routes.handle)
     sizes = {MPI._sizeof(t) for t in (MPI.Comm, MPI.Datatype, MPI.Op, MPI.Request)}
     if len(sizes) != 1:
         reason = f"MPI handles of unequal sizes {sorted(sizes)}"
@@ -227,10 +171,18 @@ def bind() -> None:
         return
     tag_ub = int(MPI.COMM_WORLD.Get_attr(MPI.TAG_UB) or 32767)   # 32767: MPI's minimum
     try:
-        _module.bind(functions, sizes.pop(), int(MPI.IN_PLACE), _moved(), _reduced(),
-                     np.ndarray, observers, recorder, recorder.push_out, recorder.end,
-                     _given_up, _mpi_error, tag_ub, packing.get_bucket_bytes, _shm_all_reduce,
-                     _summed())
+        _module.bind(
+            functions=functions, handle_size=sizes.pop(), in_place=int(MPI.IN_PLACE),
+            moved={dt: route.type_handle for dt, route in MOVED.items()},
+            reduced_types={op: {dt: route.type_handle for dt, route in routes.items()}
+                           for op, routes in reduced_by_op().items()},
+            reduced_ops={op: {dt: route.op_handle for dt, route in routes.items()}
+                         for op, routes in reduced_by_op().items()},
+            summed=SUMMED, tag_ub=tag_ub,
+            ndarray=np.ndarray, observers=observers, recorder=recorder,
+            push_out=recorder.push_out, end=recorder.end, given_up=_given_up,
+            mpi_error=_mpi_error, bucket_bytes=packing.get_bucket_bytes,
+            shm_all_reduce=_shm_all_reduce)
     except TypeError as err:  # an extension built from another version of this module
         reason = f"the built extension does not match spmd ({err}); reinstall spmd"
         return
@@ -242,7 +194,7 @@ def bind() -> None:
 
 
 def _hand_ring(ring: Ring) -> None:
-    compiled.set_ring(ring.storage())
+    compiled.set_ring(**ring.columns())
 
 
 def host_arrays(items: Any) -> bool:
@@ -270,12 +222,12 @@ def comm_of(context: GroupContext, comm: MPI.Intracomm, shm: Any) -> Any:
     and the end of the group (broken or destroyed), after which it takes no more calls."""
     if compiled is None:
         return None
-    fast = compiled.FastComm(_handle(comm), context.rank, context.size, context,
+    fast = compiled.FastComm(handle(comm), context.rank, context.size, context,
                              context.index, context.op_counters, context.timeout,
                              _wait.oversubscribed, shm)
     if shm is not None:
-        shm.on_thresholds.append(lambda sizes: fast.set_thresholds(*sizes))
-        fast.set_thresholds(*shm.thresholds())
+        shm.on_thresholds.append(lambda sizes: fast.set_thresholds(**sizes.by_name()))
+        fast.set_thresholds(**shm.thresholds().by_name())
     context.on_end.append(fast.close)
     if context.error is not None or context.comm is None:
         fast.close()

@@ -141,7 +141,7 @@ class Link:
     def _isend(self, tensor, dst, tag, op: str) -> Work:
         comm = self._live(op)
         peer = self._peer(dst, op, "dst")
-        a = array_in(tensor, op, "tensor", self._ctx)
+        a, _ = array_in(tensor, op, "tensor", self._ctx)
         tag = check_tag(tag, op, self._ctx)
         if is_device_array(a):
             buf = self._device_source(a, op, collective=False)
@@ -152,7 +152,7 @@ class Link:
     def _irecv(self, tensor, src, tag, op: str) -> Work:
         comm = self._live(op)
         peer = self._peer(src, op, "src", any_source=True)
-        a = array_out(tensor, op, "tensor", self._ctx)
+        a, _ = array_out(tensor, op, "tensor", self._ctx)
         tag = check_tag(tag, op, self._ctx)
         if is_device_array(a):
             buf, finish = self._device_target(a, op, collective=False)
@@ -213,9 +213,9 @@ class Link:
         sending = self._source(src, src_program, op)
         if sending and self._ctx.rank != src:
             if _checked.active:
-                self._check(op, array_in(tensor, op, "tensor", self._ctx), src, src_program)
+                self._check(op, array_in(tensor, op, "tensor", self._ctx)[0], src, src_program)
             return
-        a = (array_in if sending else array_out)(tensor, op, "tensor", self._ctx)
+        a, _ = (array_in if sending else array_out)(tensor, op, "tensor", self._ctx)
         if _checked.active:
             self._check(op, a, src, src_program)
         if sending:

@@ -46,6 +46,10 @@ class Thresholds(NamedTuple):
     all_gather_from: int
     all_gather_to: int = NEVER
 
+    def by_name(self) -> dict[str, int]:
+        """Every size by its field's name (as the compiled call path takes them)."""
+        return self._asdict()
+
 
 # The thresholds of SPMD_SHM=auto mode.  Measured with benchmarks/shm_allreduce.py (float32, medians,
 # load average 4-6 on the 2-core test machine, so +-30% is noise):
