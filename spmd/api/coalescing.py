@@ -251,16 +251,16 @@ def coalescing_manager(group: GroupArg = None, device: object = None,
         yield CoalescingManager(group)
         return
     key = _device_key(device)
-    engine = pg.engine_for(key)
+    engine = pg.engines[key]
     if isinstance(engine, _Recorder):
         raise RuntimeError(f"coalescing_manager: a block is already open on group {pg.context.name} "
                            "(they do not nest)")
     cm = CoalescingManager(pg)
-    pg.set_engine(key, _Recorder(cm, engine))
+    pg.engines[key] = _Recorder(cm, engine)
     try:
         yield cm
     finally:
-        pg.set_engine(key, engine)
+        pg.engines[key] = engine
     cm._issue(engine)
     if not async_ops:
         cm.wait()

@@ -22,7 +22,6 @@ from spmd.core.arrays import (
     array_list,
     array_out,
     common_device,
-    device_of,
     same_dtype,
     same_size,
 )
@@ -55,15 +54,6 @@ __all__ = [
 _ndarray = np.ndarray  # the exact type the host paths take (a global: one lookup)
 
 _SUM = ReduceOp.SUM
-
-def array_device(a) -> str:
-    """The device of an array the argument checks returned (never None for one)."""
-    if type(a) is _ndarray:
-        return "cpu"
-    dev = device_of(a)
-    assert dev is not None  # the checks return arrays only
-    return dev
-
 
 def group_rank_of(pg: ProcessGroup, op: str, rank, group_rank, arg: str) -> int | None:
     """The group rank named by a global rank (``src``/``dst``/``peer``) or by a group rank
@@ -157,9 +147,8 @@ def broadcast(tensor: Array, src: int | None = None, group: GroupArg = None,
     if pg is None:
         return None
     root = root_rank(pg, "broadcast", src, group_src, "src")
-    a = array_out(tensor, "broadcast", "tensor", pg.context)
-    engine = pg.engine_for("cpu" if type(a) is _ndarray else array_device(a))
-    return engine.run("broadcast", async_op, a, root)
+    a, dev = array_out(tensor, "broadcast", "tensor", pg.context)
+    return pg.engines[dev].run("broadcast", async_op, a, root)
 
 
 def all_reduce(tensor: Array, op: ReduceOp = _SUM, group: GroupArg = None,
@@ -168,9 +157,8 @@ def all_reduce(tensor: Array, op: ReduceOp = _SUM, group: GroupArg = None,
     pg = resolve(group, "all_reduce")
     if pg is None:
         return None
-    a = array_out(tensor, "all_reduce", "tensor", pg.context)
-    engine = pg.engine_for("cpu" if type(a) is _ndarray else array_device(a))
-    return engine.run("all_reduce", async_op, a, op)
+    a, dev = array_out(tensor, "all_reduce", "tensor", pg.context)
+    return pg.engines[dev].run("all_reduce", async_op, a, op)
 
 
 def all_reduce_coalesced(tensors: Sequence[Array], op: ReduceOp = _SUM, group: GroupArg = None,
@@ -190,7 +178,7 @@ def all_reduce_coalesced(tensors: Sequence[Array], op: ReduceOp = _SUM, group: G
                             out=True)
     if not arrays:
         raise located(ValueError, "all_reduce_coalesced", "tensors is empty", pg.context)
-    work = pg.engine_for(dev).run("all_reduce_coalesced", async_op, arrays, op)
+    work = pg.engines[dev].run("all_reduce_coalesced", async_op, arrays, op)
     # torch returns the Future here, not the Work: its value is the list of arrays.
     return work.get_future() if async_op else None
 
@@ -202,9 +190,9 @@ def reduce(tensor: Array, dst: int | None = None, op: ReduceOp = _SUM, group: Gr
     if pg is None:
         return None
     root = root_rank(pg, "reduce", dst, group_dst, "dst")
-    a = (array_out if pg.context.rank == root else array_in)(tensor, "reduce", "tensor", pg.context)
-    engine = pg.engine_for("cpu" if type(a) is _ndarray else array_device(a))
-    return engine.run("reduce", async_op, a, root, op)
+    a, dev = (array_out if pg.context.rank == root else array_in)(tensor, "reduce", "tensor",
+                                                                   pg.context)
+    return pg.engines[dev].run("reduce", async_op, a, root, op)
 
 
 def all_gather(tensor_list: Sequence[Array], tensor: Array, group: GroupArg = None,
@@ -217,9 +205,9 @@ def all_gather(tensor_list: Sequence[Array], tensor: Array, group: GroupArg = No
     if pg is None:
         return None
     dev = common_device("all_gather", pg.context, ("tensor", tensor), ("tensor_list", tensor_list))
-    a = array_in(tensor, "all_gather", "tensor", pg.context)
+    a, _ = array_in(tensor, "all_gather", "tensor", pg.context)
     outs = _one_per_rank(tensor_list, a, "all_gather", "tensor_list", "tensor", True, pg.context)
-    return pg.engine_for(dev).run("all_gather", async_op, outs, a)
+    return pg.engines[dev].run("all_gather", async_op, outs, a)
 
 
 def all_gather_into_tensor(output_tensor: Array, input_tensor: Array, group: GroupArg = None,
@@ -235,8 +223,8 @@ def all_gather_into_tensor(output_tensor: Array, input_tensor: Array, group: Gro
     dev = "cpu" if type(output_tensor) is _ndarray and type(input_tensor) is _ndarray else \
         common_device("all_gather_into_tensor", pg.context, ("output_tensor", output_tensor),
                       ("input_tensor", input_tensor))
-    a = array_in(input_tensor, "all_gather_into_tensor", "input_tensor", pg.context)
-    out = array_out(output_tensor, "all_gather_into_tensor", "output_tensor", pg.context)
+    a, _ = array_in(input_tensor, "all_gather_into_tensor", "input_tensor", pg.context)
+    out, _ = array_out(output_tensor, "all_gather_into_tensor", "output_tensor", pg.context)
     if out.dtype != a.dtype:
         raise located(TypeError, "all_gather_into_tensor", f"output_tensor has dtype {out.dtype}, "
                       f"expected {a.dtype} (the dtype of input_tensor)", pg.context)
@@ -244,7 +232,7 @@ def all_gather_into_tensor(output_tensor: Array, input_tensor: Array, group: Gro
         raise located(ValueError, "all_gather_into_tensor", f"output_tensor has {out.size} "
                       f"elements, expected world_size ({pg.context.size}) x input ({a.size}) = "
                       f"{pg.context.size * a.size}", pg.context)
-    return pg.engine_for(dev).run("all_gather_into_tensor", async_op, out, a)
+    return pg.engines[dev].run("all_gather_into_tensor", async_op, out, a)
 
 
 def all_gather_coalesced(output_tensor_lists: Sequence[Sequence[Array]],
@@ -278,7 +266,7 @@ def all_gather_coalesced(output_tensor_lists: Sequence[Sequence[Array]],
                               f"{o.size} elements, expected {x.dtype} with {x.size} (like "
                               f"input_tensor_list[{j}])", pg.context)
         outs.append(arrays)
-    work = pg.engine_for(dev).run(op, async_op, outs, ins)
+    work = pg.engines[dev].run(op, async_op, outs, ins)
     # torch returns the Future here: its value is output_tensor_lists.
     return work.get_future() if async_op else None
 
@@ -296,10 +284,10 @@ def gather(tensor: Array, gather_list: Sequence[Array] | None = None, dst: int |
         return None
     root = root_rank(pg, "gather", dst, group_dst, "dst", default=0)
     dev = common_device("gather", pg.context, ("tensor", tensor), ("gather_list", gather_list))
-    a = array_in(tensor, "gather", "tensor", pg.context)
+    a, _ = array_in(tensor, "gather", "tensor", pg.context)
     outs = _root_list(gather_list, a, pg.context.rank == root, "gather", "gather_list", "destination",
                       True, pg)
-    return pg.engine_for(dev).run("gather", async_op, a, outs, root)
+    return pg.engines[dev].run("gather", async_op, a, outs, root)
 
 
 def scatter(tensor: Array, scatter_list: Sequence[Array] | None = None, src: int | None = None,
@@ -315,10 +303,10 @@ def scatter(tensor: Array, scatter_list: Sequence[Array] | None = None, src: int
         return None
     root = root_rank(pg, "scatter", src, group_src, "src", default=0)
     dev = common_device("scatter", pg.context, ("tensor", tensor), ("scatter_list", scatter_list))
-    out = array_out(tensor, "scatter", "tensor", pg.context)
+    out, _ = array_out(tensor, "scatter", "tensor", pg.context)
     ins = _root_list(scatter_list, out, pg.context.rank == root, "scatter", "scatter_list", "source",
                      False, pg)
-    return pg.engine_for(dev).run("scatter", async_op, out, ins, root)
+    return pg.engines[dev].run("scatter", async_op, out, ins, root)
 
 
 def reduce_scatter(output: Array, input_list: Sequence[Array], op: ReduceOp = _SUM,
@@ -332,9 +320,9 @@ def reduce_scatter(output: Array, input_list: Sequence[Array], op: ReduceOp = _S
     if pg is None:
         return None
     dev = common_device("reduce_scatter", pg.context, ("output", output), ("input_list", input_list))
-    out = array_out(output, "reduce_scatter", "output", pg.context)
+    out, _ = array_out(output, "reduce_scatter", "output", pg.context)
     ins = _one_per_rank(input_list, out, "reduce_scatter", "input_list", "output", False, pg.context)
-    return pg.engine_for(dev).run("reduce_scatter", async_op, out, ins, op)
+    return pg.engines[dev].run("reduce_scatter", async_op, out, ins, op)
 
 
 def reduce_scatter_tensor(output: Array, input: Array, op: ReduceOp = _SUM,  # noqa: A002
@@ -346,8 +334,8 @@ def reduce_scatter_tensor(output: Array, input: Array, op: ReduceOp = _SUM,  # n
         return None
     dev = "cpu" if type(output) is _ndarray and type(input) is _ndarray else \
         common_device("reduce_scatter_tensor", pg.context, ("output", output), ("input", input))
-    out = array_out(output, "reduce_scatter_tensor", "output", pg.context)
-    a = array_in(input, "reduce_scatter_tensor", "input", pg.context)
+    out, _ = array_out(output, "reduce_scatter_tensor", "output", pg.context)
+    a, _ = array_in(input, "reduce_scatter_tensor", "input", pg.context)
     if out.dtype != a.dtype:
         raise located(TypeError, "reduce_scatter_tensor", f"output has dtype {out.dtype}, "
                       f"expected {a.dtype} (the dtype of input)", pg.context)
@@ -355,7 +343,7 @@ def reduce_scatter_tensor(output: Array, input: Array, op: ReduceOp = _SUM,  # n
         raise located(ValueError, "reduce_scatter_tensor", f"input has {a.size} elements, "
                       f"expected world_size ({pg.context.size}) x output ({out.size}) = "
                       f"{pg.context.size * out.size}", pg.context)
-    return pg.engine_for(dev).run("reduce_scatter_tensor", async_op, out, a, op)
+    return pg.engines[dev].run("reduce_scatter_tensor", async_op, out, a, op)
 
 
 def all_to_all(output_tensor_list: Sequence[Array], input_tensor_list: Sequence[Array],
@@ -375,7 +363,7 @@ def all_to_all(output_tensor_list: Sequence[Array], input_tensor_list: Sequence[
         raise located(ValueError, "all_to_all", f"input_tensor_list[{pg.context.rank}] has "
                       f"{ins[pg.context.rank].size} elements but output_tensor_list[{pg.context.rank}] has "
                       f"{outs[pg.context.rank].size}; this rank sends the one to itself into the other", pg.context)
-    return pg.engine_for(dev).run("all_to_all", async_op, outs, ins)
+    return pg.engines[dev].run("all_to_all", async_op, outs, ins)
 
 
 def all_to_all_single(output: Array, input: Array,  # noqa: A002
@@ -395,8 +383,8 @@ def all_to_all_single(output: Array, input: Array,  # noqa: A002
         return None
     dev = "cpu" if type(output) is _ndarray and type(input) is _ndarray else \
         common_device(op, pg.context, ("output", output), ("input", input))
-    a = array_in(input, op, "input", pg.context)
-    out = array_out(output, op, "output", pg.context)
+    a, _ = array_in(input, op, "input", pg.context)
+    out, _ = array_out(output, op, "output", pg.context)
     n = pg.context.size
     if out.dtype != a.dtype:
         raise located(TypeError, op, f"output has dtype {out.dtype}, expected {a.dtype} "
@@ -434,7 +422,7 @@ def all_to_all_single(output: Array, input: Array,  # noqa: A002
             raise located(ValueError, op, f"input_split_sizes[{pg.context.rank}] "
                           f"({input_split_sizes[pg.context.rank]}) != output_split_sizes[{pg.context.rank}] "
                           f"({output_split_sizes[pg.context.rank]}): this rank sends that piece to itself", pg.context)
-    return pg.engine_for(dev).run(op, async_op, out, a, out_counts, in_counts)
+    return pg.engines[dev].run(op, async_op, out, a, out_counts, in_counts)
 
 
 def _row_size(a) -> int:
@@ -464,7 +452,7 @@ def barrier(group: GroupArg = None, async_op: bool = False,
     pg = resolve(group, "barrier")
     if pg is None:
         return None
-    engine = pg.engine_for(_barrier_device(pg, device_ids))
+    engine = pg.engines[_barrier_device(pg, device_ids)]
     if timeout is None:
         return engine.run("barrier", async_op)
     work = engine.run("barrier", True)   # a wait of its own length

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Literal, overload
 
-from spmd.api.collectives import array_device, group_rank_of
+from spmd.api.collectives import group_rank_of
 from spmd.backends.base import P2PItem
 from spmd.backends.mpi.engine import check_tag
 from spmd.core.arrays import array_in, array_out
@@ -47,8 +47,8 @@ def isend(tensor: Array, dst: int | None = None, group: GroupArg = None, tag: in
     if pg is None:
         return None
     peer = peer_rank(pg, "isend", dst, group_dst, "dst")
-    a = array_in(tensor, "isend", "tensor", pg.context)
-    return pg.engine_for(array_device(a)).run("send", True, a, peer, check_tag(tag, "isend", pg.context))
+    a, dev = array_in(tensor, "isend", "tensor", pg.context)
+    return pg.engines[dev].run("send", True, a, peer, check_tag(tag, "isend", pg.context))
 
 
 def irecv(tensor: Array, src: int | None = None, group: GroupArg = None, tag: int = 0,
@@ -59,8 +59,8 @@ def irecv(tensor: Array, src: int | None = None, group: GroupArg = None, tag: in
     if pg is None:
         return None
     peer = peer_rank(pg, "irecv", src, group_src, "src", any_source=True)
-    a = array_out(tensor, "irecv", "tensor", pg.context)
-    return pg.engine_for(array_device(a)).run("recv", True, a, peer, check_tag(tag, "irecv", pg.context))
+    a, dev = array_out(tensor, "irecv", "tensor", pg.context)
+    return pg.engines[dev].run("recv", True, a, peer, check_tag(tag, "irecv", pg.context))
 
 
 def send(tensor: Array, dst: int | None = None, group: GroupArg = None, tag: int = 0,
@@ -71,8 +71,8 @@ def send(tensor: Array, dst: int | None = None, group: GroupArg = None, tag: int
         return None
     peer = peer_rank(pg, "send", dst, group_dst, "dst")
     tag = check_tag(tag, "send", pg.context)
-    a = array_in(tensor, "send", "tensor", pg.context)
-    return pg.engine_for(array_device(a)).run("send", False, a, peer, tag)
+    a, dev = array_in(tensor, "send", "tensor", pg.context)
+    return pg.engines[dev].run("send", False, a, peer, tag)
 
 
 def recv(tensor: Array, src: int | None = None, group: GroupArg = None, tag: int = 0,
@@ -87,8 +87,8 @@ def recv(tensor: Array, src: int | None = None, group: GroupArg = None, tag: int
         return -1
     peer = peer_rank(pg, "recv", src, group_src, "src", any_source=True)
     tag = check_tag(tag, "recv", pg.context)
-    a = array_out(tensor, "recv", "tensor", pg.context)
-    engine = pg.engine_for(array_device(a))
+    a, dev = array_out(tensor, "recv", "tensor", pg.context)
+    engine = pg.engines[dev]
     if peer is None:   # from any source: the Work says who sent it
         return engine.run("recv", True, a, peer, tag).source_rank()
     engine.run("recv", False, a, peer, tag)
@@ -137,15 +137,15 @@ def batch_isend_irecv(p2p_op_list: Sequence[P2POp]) -> list[Work | None]:
         sending = p.op is isend
         peer = peer_rank(pg, f"batch_isend_irecv[{i}] {name}", p.peer, p.group_peer, "peer")
         check = array_in if sending else array_out
-        a = check(p.tensor, f"batch_isend_irecv[{i}] {name}", "tensor", pg.context)
-        started.append((pg, sending, a, peer, check_tag(p.tag, "batch_isend_irecv", pg.context)))
+        a, dev = check(p.tensor, f"batch_isend_irecv[{i}] {name}", "tensor", pg.context)
+        started.append((pg.engines[dev], sending, a, peer,
+                        check_tag(p.tag, "batch_isend_irecv", pg.context)))
     # One batch per engine: NCCL must see a group's sends and receives together.
     works: list[Work | None] = [None] * len(started)
     batches: dict = {}
     for i, item in enumerate(started):
         if item is not None:
-            pg, sending, a, peer, tag = item
-            engine = pg.engine_for(array_device(a))
+            engine, sending, a, peer, tag = item
             positions, ops = batches.setdefault(id(engine), (engine, [], []))[1:]
             positions.append(i)
             ops.append(P2PItem(sending, a, peer, tag))

@@ -194,7 +194,7 @@ def _group(group: GroupArg, name: str) -> ProcessGroup:
 def all_reduce(tensor: Array, op: ReduceOp = _SUM, group: GroupArg = None) -> Plan:
     """Plan ``spmd.all_reduce(tensor, op, group)``: in place, on every rank."""
     pg = _group(group, "all_reduce")
-    a = array_out(tensor, "persistent.all_reduce", "tensor", pg.context)
+    a, _ = array_out(tensor, "persistent.all_reduce", "tensor", pg.context)
     plan, direct = _reduction(a, op, "persistent.all_reduce", pg)
     init = (lambda: native.all_reduce(pg.context, a, plan)) if direct else None
     return Plan("all_reduce", pg, [a], init,
@@ -226,7 +226,7 @@ def all_reduce_coalesced(tensors: list[Array], op: ReduceOp = _SUM,
     plans = {dt: checked_plan(PLANS, dt, op, name, pg.context) for dt in by_dtype}
     # The shared-memory engine's fused all-reduce beats MPI's persistent one where it
     # takes the arrays (one bucket at its sizes): the plan then starts it (not native).
-    engine = pg.engine_for(dev)
+    engine = pg.engines[dev]
     fused = engine.fused_start(arrays, op)
     direct = fused is None and dev == "cpu" and \
         all(p.upcast is None and not p.premul for p in plans.values()) and \
@@ -264,7 +264,7 @@ def all_reduce_coalesced(tensors: list[Array], op: ReduceOp = _SUM,
             pack.unpack()
 
     return Plan("all_reduce_coalesced", pg, arrays, init if direct else None,
-                fused or (lambda: pg.engine_for(dev).all_reduce_coalesced(arrays, op)),
+                fused or (lambda: pg.engines[dev].all_reduce_coalesced(arrays, op)),
                 finish, packs, (arrays, op), prepare=prepare, release=release)
 
 
@@ -273,7 +273,7 @@ def broadcast(tensor: Array, src: int | None = None, group: GroupArg = None,
     """Plan ``spmd.broadcast(tensor, src, group)``."""
     pg = _group(group, "broadcast")
     root = _c.root_rank(pg, "persistent.broadcast", src, group_src, "src")
-    a = array_out(tensor, "persistent.broadcast", "tensor", pg.context)
+    a, _ = array_out(tensor, "persistent.broadcast", "tensor", pg.context)
     direct = type(a) is _ndarray and a.flags.c_contiguous
     init = (lambda: native.broadcast(pg.context, a, root)) if direct else None
     return Plan("broadcast", pg, [a], init,
@@ -287,7 +287,7 @@ def reduce(tensor: Array, dst: int | None = None, op: ReduceOp = _SUM, group: Gr
     pg = _group(group, "reduce")
     root = _c.root_rank(pg, "persistent.reduce", dst, group_dst, "dst")
     is_root = pg.context.rank == root
-    a = (array_out if is_root else array_in)(tensor, "persistent.reduce", "tensor", pg.context)
+    a, _ = (array_out if is_root else array_in)(tensor, "persistent.reduce", "tensor", pg.context)
     plan, direct = _reduction(a, op, "persistent.reduce", pg)
     init = (lambda: native.reduce(pg.context, a, plan, root)) if direct else None
     return Plan("reduce", pg, [a], init,
@@ -312,8 +312,8 @@ def all_gather_into_tensor(output_tensor: Array, input_tensor: Array,
     """Plan ``spmd.all_gather_into_tensor(output_tensor, input_tensor, group)``."""
     name = "persistent.all_gather_into_tensor"
     pg = _group(group, "all_gather_into_tensor")
-    a = array_in(input_tensor, name, "input_tensor", pg.context)
-    out = array_out(output_tensor, name, "output_tensor", pg.context)
+    a, _ = array_in(input_tensor, name, "input_tensor", pg.context)
+    out, _ = array_out(output_tensor, name, "output_tensor", pg.context)
     _gather_shapes(out, a, name, pg, True)
     direct = type(a) is _ndarray and type(out) is _ndarray and a.flags.c_contiguous \
         and out.flags.c_contiguous
@@ -328,8 +328,8 @@ def reduce_scatter_tensor(output: Array, input: Array, op: ReduceOp = _SUM,  # n
     """Plan ``spmd.reduce_scatter_tensor(output, input, op, group)``."""
     name = "persistent.reduce_scatter_tensor"
     pg = _group(group, "reduce_scatter_tensor")
-    out = array_out(output, name, "output", pg.context)
-    a = array_in(input, name, "input", pg.context)
+    out, _ = array_out(output, name, "output", pg.context)
+    a, _ = array_in(input, name, "input", pg.context)
     _gather_shapes(out, a, name, pg, False)
     plan, direct = _reduction(a, op, name, pg)
     direct = direct and type(out) is _ndarray and out.flags.c_contiguous
@@ -344,8 +344,8 @@ def all_to_all_single(output: Array, input: Array,  # noqa: A002
     """Plan ``spmd.all_to_all_single(output, input, group=group)`` with equal splits."""
     name = "persistent.all_to_all_single"
     pg = _group(group, "all_to_all_single")
-    a = array_in(input, name, "input", pg.context)
-    out = array_out(output, name, "output", pg.context)
+    a, _ = array_in(input, name, "input", pg.context)
+    out, _ = array_out(output, name, "output", pg.context)
     if out.dtype != a.dtype or out.size != a.size or a.ndim == 0 or a.shape[0] % pg.context.size:
         raise located(ValueError, name, f"input and output need the same dtype and size and a "
                       f"first dimension divisible by the group size ({pg.context.size}); got input "

@@ -67,8 +67,8 @@ class CudaMPIEngine(Engine):
         self.cp = _gpu.need_cupy("spmd", "the MPI backend for GPU arrays", group)
         # The group's own host backend when it is MPI (one engine per group), else ours.
         # The engine itself, not debug mode's wrapper: the GPU call was checked already.
-        engine_for = group.engine_for if self._cpu_is_mpi(group) else None
-        host = engine_for("cpu") if engine_for is not None else None
+        engines = group.engines if self._cpu_is_mpi(group) else None
+        host = engines["cpu"] if engines is not None else None
         host = getattr(host, "inner", host)
         self._own_host = not isinstance(host, HostEngine)
         self.host = host if isinstance(host, HostEngine) else HostEngine(group)

@@ -211,28 +211,34 @@ def _host_array(x, op: str, arg: str, group: GroupContext):
     raise _not_array(x, op, arg, group)
 
 
-def array_in(x, op: str, arg: str, group: GroupContext) -> np.ndarray:
-    """Check an array the operation only reads."""
+def array_in(x, op: str, arg: str, group: GroupContext) -> tuple[Any, str]:
+    """Check an array the operation only reads: the array as the engines take it (a
+    numpy or cupy array) and its device ("cpu" or "cuda")."""
     if type(x) is not _ndarray:
         x = _host_array(x, op, arg, group)
+        if not isinstance(x, _ndarray):  # a GPU array
+            if x.dtype not in FAMILY:
+                _check_dtype(x, op, arg, group)
+            return x, "cuda"
     if x.dtype not in FAMILY:
         _check_dtype(x, op, arg, group)
-    return x
+    return x, "cpu"
 
 
-def array_out(x, op: str, arg: str, group: GroupContext) -> np.ndarray:
-    """Check an array the operation writes."""
+def array_out(x, op: str, arg: str, group: GroupContext) -> tuple[Any, str]:
+    """Check an array the operation writes: the array as the engines take it (a numpy
+    or cupy array) and its device ("cpu" or "cuda")."""
     if type(x) is not _ndarray:
         x = _host_array(x, op, arg, group)
         if not isinstance(x, _ndarray):  # a GPU array (cupy has no writeable flag)
             if x.dtype not in FAMILY:
                 _check_dtype(x, op, arg, group)
-            return x
+            return x, "cuda"
     if x.dtype not in FAMILY:
         _check_dtype(x, op, arg, group)
     if not x.flags.writeable:
         raise located(ValueError, op, f"{arg} is read-only; the result is written into it", group)
-    return x
+    return x, "cpu"
 
 
 def array_list(xs, op: str, arg: str, group: GroupContext, length: int | None, out: bool) -> list:
@@ -244,10 +250,10 @@ def array_list(xs, op: str, arg: str, group: GroupContext, length: int | None, o
     if out:  # the common case first: writeable numpy arrays of supported dtypes
         if all(type(x) is _ndarray and x.dtype in FAMILY and x.flags.writeable for x in xs):
             return list(xs)
-        return [array_out(x, op, f"{arg}[{i}]", group) for i, x in enumerate(xs)]
+        return [array_out(x, op, f"{arg}[{i}]", group)[0] for i, x in enumerate(xs)]
     if all(type(x) is _ndarray and x.dtype in FAMILY for x in xs):
         return list(xs)
-    return [array_in(x, op, f"{arg}[{i}]", group) for i, x in enumerate(xs)]
+    return [array_in(x, op, f"{arg}[{i}]", group)[0] for i, x in enumerate(xs)]
 
 
 def same_dtype(arrays: list, ref: np.ndarray, op: str, arg: str, ref_arg: str, group: GroupContext) -> None:

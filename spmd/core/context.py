@@ -63,9 +63,9 @@ class GroupContext:
         bootstrap_seq: the number the members agreed on for this group's store keys
             (None until its first start-up exchange through a store).
         bootstrap_count: how many start-up exchanges ran on this group.
-        engine_for: device -> the group's engine of that device, made on first use
-            (an engine that moves device arrays through the host engine asks for it);
-            None where no ProcessGroup holds the context.
+        engines: the group's engines by device, each made at the first subscript of its
+            device (an engine that moves device arrays through the host engine asks for
+            it); None where no ProcessGroup holds the context.
         on_end: called once when the group is broken or destroyed (an engine that keeps
             a copy of the group's state, as the compiled call path does, closes it).
     """
@@ -73,7 +73,7 @@ class GroupContext:
     __slots__ = ("comm", "rank", "size", "ranks", "index", "name", "desc", "timeout",
                  "backend_name", "store", "error", "failed", "departed", "op_counters",
                  "inherited",
-                 "bootstrap_seq", "bootstrap_count", "engine_for", "on_end",
+                 "bootstrap_seq", "bootstrap_count", "engines", "on_end",
                  "__weakref__")  # debug mode keeps per-group state in weak dicts
 
     def __init__(self, comm: MPI.Intracomm, ranks: Sequence[int], name: str, timeout: float,
@@ -97,7 +97,7 @@ class GroupContext:
         self.inherited: dict[str, Any] = {}
         self.bootstrap_seq: int | None = None
         self.bootstrap_count = 0
-        self.engine_for: Callable[[str], Any] | None = None
+        self.engines: dict[str, Any] | None = None
         self.on_end: list[Callable[[], None]] = []
 
     def mark_broken(self, reason: str, *, tell_peers: bool = True) -> None:

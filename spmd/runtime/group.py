@@ -30,6 +30,22 @@ __all__ = [
     "GroupArg",
 ]
 
+class Engines(dict):
+    """A group's engines by device ("cpu", "cuda"), each made at the group's first array of
+    its device (``backends/registry.py``).  Debug mode and ``coalescing_manager`` put
+    theirs in an engine's place for a while."""
+
+    __slots__ = ("context",)
+
+    def __init__(self, context: GroupContext):
+        super().__init__()
+        self.context = context
+
+    def __missing__(self, device: str) -> Any:
+        engine = self[device] = make_engine(self.context, device)
+        return engine
+
+
 class ProcessGroup:
     """A set of ranks that communicate together, backed by one MPI communicator.
 
@@ -46,8 +62,9 @@ class ProcessGroup:
                  timeout: float, backend: str, desc: str | None = None,
                  store: Store | None = None):
         self.context = GroupContext(comm, ranks, name, timeout, backend, desc, store)
-        self.context.engine_for = self.engine_for
-        self._engines: dict = {}  # device -> engine, made on first use
+        # device -> engine, made at the first array of that device: the public ops look
+        # their engine up here (a dict subscript, no call, once the engine exists).
+        self.engines = self.context.engines = Engines(self.context)
 
     def rank(self) -> int:
         """This process's rank in the group."""
@@ -83,18 +100,9 @@ class ProcessGroup:
         return timedelta(seconds=self.context.timeout)
 
     def engine_for(self, device: str) -> Any:
-        """The group's engine for arrays on ``device`` ("cpu", "cuda"), made on first use
-        (what the public ops hand validated arrays to)."""
-        engine = self._engines.get(device)
-        if engine is None:
-            engine = make_engine(self.context, device)
-            self.set_engine(device, engine)
-        return engine
-
-    def set_engine(self, device: str, engine: Any) -> None:
-        """Make ``engine`` the group's engine for ``device`` (coalescing_manager puts its
-        recorder in place for a block, then the engine back)."""
-        self._engines[device] = engine
+        """The group's engine for arrays on ``device`` ("cpu", "cuda"): ``engines[device]``,
+        for tools and tests (the public ops subscript ``engines``)."""
+        return self.engines[device]
 
     def release(self) -> None:
         """Free the group's engines and its communicator (what destroy_process_group runs
@@ -108,9 +116,9 @@ class ProcessGroup:
                 ctx.comm is not None and faults.ulfm() and ctx.comm.Is_revoked()):
             self.abort()
             return
-        for engine in self._engines.values():
+        for engine in self.engines.values():
             engine.shutdown()
-        self._engines.clear()
+        self.engines.clear()
         free_check_comm(ctx)  # debug mode's, also where no engine was made (objects)
         if ctx.comm is not None:
             ctx.comm.Free()
@@ -120,9 +128,9 @@ class ProcessGroup:
         """End the group on this rank alone, waiting for no other (a member died, or
         shrink_group replaced it): engines dropped, communicators left unfreed (freeing
         one may wait for the dead), every later use raises."""
-        for engine in self._engines.values():
+        for engine in self.engines.values():
             engine.abort()
-        self._engines.clear()
+        self.engines.clear()
         ctx = self.context
         if ctx.comm is not None:
             aborted.append(ctx.comm)
@@ -325,7 +333,7 @@ def split_comm(parent: ProcessGroup, color: int, key: int, name_of, timeout, bac
         members = [parent.context.ranks[r] for r in comm.allgather(parent.context.rank)]
         pg = register_group(comm, members, name_of(members), timeout_seconds(timeout, op),
                        backend_name_of(backend, op), desc)
-    for engine in list(parent._engines.values()):  # e.g. NCCL's commSplit, collective
+    for engine in list(parent.engines.values()):  # e.g. NCCL's commSplit, collective
         engine.on_split(pg.context if pg is not None else None, color, key)  # over the parent
     return pg
 

@@ -27,7 +27,7 @@ def taken(dist):
 
 
 def _host(dist):
-    return dist.GroupMember.WORLD._engines["cpu"]
+    return dist.GroupMember.WORLD.engines["cpu"]
 
 
 def _shm_takes(dist, kind: str, nbytes: int) -> bool:

@@ -306,7 +306,7 @@ def test_debug_mode_lets_matching_calls_through(dist, fresh, detail):
     dist.all_to_all_single(a2a, np.full(sum(splits), float(me)), recv, splits, group=g)
     assert (a2a == np.repeat(np.arange(n, dtype=float), recv)).all()
     dist.barrier(group=g)
-    assert type(g._engines["cpu"]).__name__ == "CheckedEngine"
+    assert type(g.engines["cpu"]).__name__ == "CheckedEngine"
 
 
 # ----------------------------------------------------------------------------- monitored barrier

@@ -78,7 +78,7 @@ def test_torch_blocking_all_reduce_takes_the_compiled_path(td):  # noqa: F811
     me, n = td.get_rank(), td.get_world_size()
     x = torch.full((4,), float(me))
     td.all_reduce(x)   # the group's host engine exists from here on
-    fast = spmd.GroupMember.WORLD._engines["cpu"].fast
+    fast = spmd.GroupMember.WORLD.engines["cpu"].fast
     assert (fast is None) == (fastcall.compiled is None)
     before = 0 if fast is None else fast.taken
     for k in range(5):

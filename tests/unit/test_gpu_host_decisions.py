@@ -239,7 +239,7 @@ def test_barrier_device_choice():
 
     class PG:
         def __init__(self, spec):
-            self.context, self._engines = SimpleNamespace(backend_name=spec), {}
+            self.context, self.engines = SimpleNamespace(backend_name=spec), {}
 
     assert _barrier_device(PG("mpi"), None) == "cpu"
     assert _barrier_device(PG("nccl"), None) == "cuda"
