@@ -192,7 +192,7 @@ def test_nccl_only_group_and_store_bootstrap():
         x = cp.full(3, 2.0)
         dist.all_reduce(x)
         assert float(x[0]) == 2.0
-        assert dist.GroupMember.WORLD._engines["cuda"].communicator.created_by == "unique id"
+        assert dist.GroupMember.WORLD.engines["cuda"].communicator.created_by == "unique id"
         assert store.num_keys() == 0  # at size 1 nothing is exchanged, nothing is left
     finally:
         dist.destroy_process_group()
@@ -210,13 +210,13 @@ def test_eager_init_and_comm_split():
     try:
         dist.init_process_group(backend="cpu:mpi,cuda:nccl", device_id=cp.cuda.runtime.getDevice(),
                                 timeout=TEST_TIMEOUT)
-        world_nccl = dist.GroupMember.WORLD._engines["cuda"]
+        world_nccl = dist.GroupMember.WORLD.engines["cuda"]
         assert world_nccl.communicator.nccl_comm is not None and world_nccl.communicator.created_by == "unique id"
         sub, _ = dist.new_subgroups(group_size=1)
         x = cp.ones(2)
         dist.all_reduce(x, group=sub)
         expected = "commSplit" if world_nccl.can_split() else "unique id"
-        assert sub._engines["cuda"].communicator.created_by == expected
+        assert sub.engines["cuda"].communicator.created_by == expected
     finally:
         dist.destroy_process_group()
         dist.init_process_group(timeout=TEST_TIMEOUT)
@@ -255,7 +255,7 @@ def test_device_id_selects_the_device():
         x = cp.ones(4, cp.float32)
         assert x.device.id == last
         dist.all_reduce(x)  # accepted: on the rank's device
-        assert dist.GroupMember.WORLD._engines["cuda"].communicator.device == last
+        assert dist.GroupMember.WORLD.engines["cuda"].communicator.device == last
     finally:
         dist.destroy_process_group()
         cp.cuda.Device(before).use()
