@@ -66,9 +66,16 @@ def _impls(spmd: Any, cp: Any, nbytes: int) -> tuple[dict, dict]:
     comm = spmd.GroupMember.WORLD.engine_for("cuda").connect("bench")
     nccl = _gpu.nccl_or_none()
     raw = cp.ones(count, cp.float32)
-    calls["cupy-nccl"] = lambda: comm.allReduce(raw.data.ptr, raw.data.ptr, count,
-                                                nccl.NCCL_FLOAT32, nccl.NCCL_SUM,
-                                                cp.cuda.get_current_stream().ptr)
+    float32, add = nccl.NCCL_FLOAT32, nccl.NCCL_SUM
+
+    def raw_all_reduce() -> None:
+        # What a caller of the communicator reads per call (once each, as spmd does):
+        # the array's address and the current stream; the NCCL type and op are constants
+        # to it, as a resolved plan is to spmd.
+        ptr = raw.data.ptr
+        comm.allReduce(ptr, ptr, count, float32, add, cp.cuda.get_current_stream().ptr)
+
+    calls["cupy-nccl"] = raw_all_reduce
     torch, why = _torch_cuda(spmd)
     if torch is None:
         for name in ("spmd-torch", "torch-spmd", "torch-nccl"):

@@ -154,6 +154,7 @@ def test_nccl_hang_is_reported_and_held(dist, double, nccl_group):
            "blocked until the group is destroyed" in text, text
     communicator = backend.communicator
     assert g.context.error is not None and communicator.broken is not None
+    assert communicator.group_broken   # the context's end reached it
     assert communicator.held and not communicator.nccl_comm._aborted
     with pytest.raises(dist.GroupBrokenError, match="the group's NCCL communicator is held "
                        "after all_reduce #2 timed out"):
@@ -354,6 +355,9 @@ def test_async_error_aborts_and_names_the_op(dist, double, nccl_group):
     finally:
         dd.release()
     assert backend.communicator.nccl_comm._aborted
+    # NCCL's error breaks the group too: one ended state, which the engines follow
+    assert "an asynchronous NCCL error in reduce_scatter_tensor on rank" in g.context.error
+    assert backend.communicator.group_broken
     with pytest.raises(dist.GroupBrokenError, match="aborted after an asynchronous NCCL error"):
         work.is_completed()
     with pytest.raises(dist.GroupBrokenError):

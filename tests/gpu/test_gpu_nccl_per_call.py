@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from _gpu_helpers import on_device_double
 
-from spmd.backends.nccl.communicator import SPARE_EVENTS
+from spmd.backends.nccl.communicator import SPARE_EVENTS, Ran
 from spmd.testing import device_double as dd
 
 pytestmark = pytest.mark.mpi
@@ -60,7 +60,6 @@ def test_a_blocking_all_reduce_is_recorded_without_a_work(dist, cp, fresh):
     """Where only the flight recorder observes Works, the common blocking all_reduce
     leaves no Work: its recorder entry ends when the GPU passes its end event, its
     arrays are released then; another observer (the comms log here) gets a Work."""
-    from spmd.backends.nccl.communicator import Ran
     from spmd.core import flight_recorder as fr
     from spmd.core import work as work_mod
 
@@ -98,6 +97,26 @@ def test_a_blocking_all_reduce_is_recorded_without_a_work(dist, cp, fresh):
         work_mod.remove_observer(obs)
     assert [w.op for w in seen] == ["all_reduce"] and not isinstance(_last_work(g), Ran)
     np.testing.assert_array_equal(x.get(), np.full(4, float(dist.get_world_size() ** 4)))
+
+
+def test_a_read_right_after_a_blocking_all_reduce_sees_the_result(dist, cp, fresh):
+    """Nothing waits between the call and the read: a read (which synchronises the
+    caller's current stream) right after a blocking all_reduce sees the reduced data,
+    written just before the call (queued, not run), on the default stream and on another
+    current stream."""
+    me, n = dist.get_rank(), dist.get_world_size()
+    g = fresh(backend=SPEC)
+    x = cp.zeros(5, cp.float32)
+    dist.all_reduce(x, group=g)   # resolves the plan: the calls below leave no Work
+    side = cp.cuda.Stream(non_blocking=True)
+    for i in range(6):
+        stream = side if i % 2 else cp.cuda.Stream.null
+        with stream:
+            x[...] = me + i
+            dist.all_reduce(x, group=g)
+            got = x.get()
+            assert isinstance(_last_work(g), Ran)
+        np.testing.assert_array_equal(got, np.full(5, float(sum(r + i for r in range(n)))))
 
 
 def test_end_events_are_reused(dist, cp, fresh):

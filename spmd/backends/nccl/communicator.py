@@ -90,8 +90,9 @@ class Communicator:
     has been seen complete and are recorded again by later operations.
     """
 
-    __slots__ = ("aborted", "broken", "caller", "cp", "created_by", "device", "group", "held",
-                 "inflight", "nccl", "nccl_comm", "ready", "runtime", "spare", "stream")
+    __slots__ = ("aborted", "broken", "caller", "cp", "created_by", "device", "group",
+                 "group_broken", "held", "inflight", "nccl", "nccl_comm", "ready", "runtime",
+                 "spare", "stream")
 
     def __init__(self, group: GroupContext, cp, nccl) -> None:
         self.group = group
@@ -105,6 +106,11 @@ class Communicator:
         self.broken: str | None = None   # why it can run no more operations
         self.held = False                # a timeout broke it: see hold()
         self.aborted = False             # ncclCommAbort ran: its streams went on
+        # The group's one ended state, as this communicator follows it: True once the
+        # group context is broken (a timeout here or on a peer, a dead member, an NCCL
+        # error), set by the context's notice (on_end), so no call polls the context.
+        self.group_broken = group.error is not None
+        group.on_end.append(self._group_ended)
         # The Works (or Ran records) of operations enqueued and not yet seen complete,
         # oldest first: they (and the arrays they keep) live until the GPU has passed their
         # end event, also when nobody else holds them.
@@ -157,6 +163,16 @@ class Communicator:
         except Exception as exc:
             raise located(DistBackendError, op, f"ncclCommInitRank failed: {exc}", ctx) from exc
 
+    def _group_ended(self) -> None:
+        """``GroupContext.on_end``: the group broke, was destroyed, or a member exited.
+        Only a break ends what this communicator runs (a destroyed group shuts its engines
+        down itself; a member's exit breaks the group when a collective gives up on it),
+        so for the others it listens on: the context notifies once per list."""
+        if self.group.error is not None:
+            self.group_broken = True
+        else:
+            self.group.on_end.append(self._group_ended)
+
     def can_split(self) -> bool:
         return can_split(self.nccl)
 
@@ -183,7 +199,7 @@ class Communicator:
         comm = self.nccl_comm
         if comm is None:
             return
-        if self.broken is None and self.group.error is None:
+        if self.broken is None and not self.group_broken:
             try:
                 self.drain()
             finally:
@@ -240,6 +256,20 @@ class Communicator:
             self.broken = why
         self.let_go()
 
+    def fail(self, why: str) -> None:
+        """NCCL reported an error (``why``): abort the communicator and break the group,
+        telling its other members (as a timeout does), so that every engine of the group
+        and every peer's late op raises instead of running on."""
+        self.abort(why)
+        self.group.mark_broken(f"{why} on rank {self.group.rank}")
+
+    def launch_error(self, op: str, exc: Exception) -> DistBackendError:
+        """The error of an NCCL call of ``op`` that raised ``exc``, the communicator
+        aborted and the group broken."""
+        self.fail(f"an NCCL error in {op}")
+        return located(DistBackendError, op, f"NCCL error: {exc}; the communicator was "
+                       "aborted", self.group)
+
     def let_go(self) -> bool:
         """``ncclCommAbort``: kernels end and the streams waiting for them go on, with
         whatever the operations had written.  Refused (False) for a communicator a timeout
@@ -264,9 +294,14 @@ class Communicator:
         try:
             comm.check_async_error()
         except Exception as exc:
-            self.abort(f"an asynchronous NCCL error in {op}")
-            raise located(DistBackendError, op, f"NCCL reported an asynchronous error: {exc}; "
-                          "the communicator was aborted", self.group) from exc
+            raise self.async_error(op, exc) from exc
+
+    def async_error(self, op: str, exc: Exception) -> DistBackendError:
+        """The error of the asynchronous NCCL error ``exc`` found in ``op``, the
+        communicator aborted and the group broken."""
+        self.fail(f"an asynchronous NCCL error in {op}")
+        return located(DistBackendError, op, f"NCCL reported an asynchronous error: {exc}; "
+                       "the communicator was aborted", self.group)
 
     # -- completion ---------------------------------------------------------------------
 
@@ -349,27 +384,53 @@ class Communicator:
         finally:  # (an error inside still ends the group: NCCL needs the pair)
             self.nccl.groupEnd()
 
-    @staticmethod
-    def records_alone() -> bool:
-        """Whether nothing but the flight recorder observes Works (then a blocking call
-        may leave a ``Ran`` instead of a Work, as the host's compiled path does)."""
-        return not observers or (len(observers) == 1 and observers[0] is recorder)
+    def all_reduce_here(self, a, count: int, ntype: int, nop: int) -> bool:
+        """A blocking all_reduce that NCCL does alone, in place on the contiguous array
+        ``a`` (``count`` elements of NCCL type ``ntype``, reduced by ``nop``), on the
+        caller's current stream, where nothing but the flight recorder observes Works.
 
-    def ran(self, launch: Launch, a, keep) -> None:
-        """What a blocking call on the caller's stream leaves where ``records_alone``:
-        its flight-recorder entry (the GPU says when it ended, as for a Work's) and its
-        arrays in flight until its end event passes; raised, as a Work's wait would,
-        what NCCL reported or the group's break."""
-        end, op = launch.end, launch.op
+        It leaves no Work, which nobody would wait on (as the host's compiled path): its
+        flight-recorder entry (the GPU says when it ended, as for a Work's) and ``a`` in
+        flight until its end event passes (a ``Ran``).  It raises what that Work's wait
+        would: what NCCL reported, or the group's break.  False, having done nothing,
+        where it cannot run so (another observer of Works, the communicator's first op,
+        another device current): ``launch`` takes those calls.
+        """
+        if observers and (len(observers) != 1 or observers[0] is not recorder):
+            return False
+        comm = self.nccl_comm
+        if comm is None or self.runtime.getDevice() != self.device:
+            return False
+        if self.broken is not None:
+            self.check_broken("all_reduce")
+        if self.inflight:
+            self.reap()
+        cp = self.cp
+        stream = cp.cuda.get_current_stream()
+        if count:
+            ptr = a.data.ptr
+            try:
+                comm.allReduce(ptr, ptr, count, ntype, nop, stream.ptr)
+            except self.nccl.NcclError as exc:
+                raise self.launch_error("all_reduce", exc) from exc
+        spare = self.spare
+        end = spare.popleft() if spare else cp.cuda.Event(block=False, disable_timing=True)
+        end.record(stream)
         number = None
         if observers:
-            number = recorder.begin(op, self.group, a, NCCL_ENGINE)
+            number = recorder.begin("all_reduce", self.group, a, NCCL_ENGINE)
             ring = recorder.ring   # (what recorder.started writes for a Work)
             ring.devices[number % ring.capacity] = (self, end)
-        self.inflight.append(Ran(end, keep, number))
-        self.check(op)
-        if self.group.error is not None and not end.done:
-            self.group.check_alive(op)
+        self.inflight.append(Ran(end, a, number))
+        if self.broken is not None:   # (what check() does, without its calls)
+            self.check_broken("all_reduce")
+        try:
+            comm.check_async_error()
+        except Exception as exc:
+            raise self.async_error("all_reduce", exc) from exc
+        if self.group_broken and not end.done:
+            self.group.check_alive("all_reduce")
+        return True
 
     def started(self, launch: Launch, outputs, keep, blocking=False, peer=None,
                 op: str | None = None) -> NcclWork:
@@ -473,9 +534,7 @@ class Launch:
             if self._device is not _AS_IS:
                 self._device.__exit__(kind, exc, tb)
         if kind is not None and issubclass(kind, owner.nccl.NcclError):
-            owner.abort(f"an NCCL error in {self.op}")
-            raise located(DistBackendError, self.op, f"NCCL error: {exc}; the communicator "
-                          "was aborted", owner.group) from exc
+            raise owner.launch_error(self.op, exc) from exc
 
 
 class NcclWork(Work):
@@ -507,7 +566,7 @@ class NcclWork(Work):
     def _check_group(self) -> None:
         """Raise if the group broke (a timeout here or on a peer) with this op pending:
         it can no longer complete in step with the other ranks."""
-        if self.group.error is not None and not self.end.done:
+        if self._owner.group_broken and not self.end.done:
             self.group.check_alive(self.op)
 
     def is_completed(self) -> bool:

@@ -20,7 +20,10 @@ until its end event has passed.
 
 Per call, only what the call itself needs is done: the reduction plan of a dtype and
 reduce op is resolved once, the stream and the event it waits on are made once, end
-events are reused once their operation has passed.
+events are reused once their operation has passed.  The commonest call, a blocking
+all_reduce of a contiguous array whose plan is resolved, goes straight to
+``Communicator.all_reduce_here``: one NCCL call on the caller's stream and its end event,
+with no Launch and no Work.
 
 What NCCL cannot do raises TypeError before anything is enqueued (say so in the docs):
 bitwise reductions, reductions of int16/uint16 (NCCL has no such types), MIN/MAX/
@@ -87,20 +90,28 @@ class NCCLEngine(Engine):
         without an event between two streams, and its Work has nothing left to wait for
         but NCCL's errors.  A call that may be waited for later goes on the
         communicator's stream."""
-        caller = self.communicator.caller
-        caller.on = not async_op
         try:
-            if op == "all_reduce" and not async_op and self._reduced_here(*args):
-                return None
-            work = getattr(self, op)(*args)
             if async_op:
-                return work
-            work.wait()
+                return getattr(self, op)(*args)
+            if op == "all_reduce":
+                # The common kind (a contiguous array, a plan an earlier call resolved):
+                # NCCL's call alone, left in flight without a Work where the communicator
+                # can (Communicator.all_reduce_here).
+                a, rop = args
+                direct = self._direct.get((a.dtype, id(rop)))
+                if direct is not None and a.flags.c_contiguous and \
+                        self.communicator.all_reduce_here(a, a.size * direct[2], direct[0],
+                                                          direct[1]):
+                    return None
+            caller = self.communicator.caller
+            caller.on = True
+            try:
+                getattr(self, op)(*args).wait()
+            finally:
+                caller.on = False
             return None
         except Exception as exc:
             reraise(self, exc, op)
-        finally:
-            caller.on = False
 
     # -- the communicator's life ----------------------------------------------------------
 
@@ -182,17 +193,6 @@ class NCCLEngine(Engine):
                 ptr = a.data.ptr
                 comm.allReduce(ptr, ptr, a.size * factor, t, o, s)
         return launch
-
-    def _reduced_here(self, a, op) -> bool:
-        """A blocking all_reduce of the common kind where nothing but the flight recorder
-        observes Works: launched, and left in flight without a Work (nobody would wait
-        on it).  False, having done nothing, for any other call."""
-        direct = self._direct.get((a.dtype, id(op)))
-        nc = self.communicator
-        if direct is None or not a.flags.c_contiguous or not nc.records_alone():
-            return False
-        nc.ran(self._direct_all_reduce(a, direct), a, a)
-        return True
 
     def all_reduce(self, a, op):
         direct = self._direct.get((a.dtype, id(op)))
