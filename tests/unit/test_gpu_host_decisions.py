@@ -17,7 +17,7 @@ from mpi4py import MPI
 import spmd
 from spmd.backends import gpu_aware_mpi as _aware
 from spmd.backends.cuda_mpi import direct_plan
-from spmd.backends.nccl import communicator, plans, uniqueid
+from spmd.backends.nccl import creation, plans, uniqueid
 from spmd.backends.staging import use_device_pointer
 from spmd.core import cuda as _gpu
 from spmd.core.arrays import device_of
@@ -262,7 +262,7 @@ def test_barrier_device_choice():
     (22305, 22305, False, False),  # CuPy without commSplit
 ])
 def test_nccl_can_split_needs_runtime_and_build_versions(runtime, build, split, expected):
-    assert communicator.can_split(FakeNccl(runtime, build, split)) is expected
+    assert creation.can_split(FakeNccl(runtime, build, split)) is expected
 
 
 @pytest.mark.parametrize("runtime, dtype, op, native_avg, refused", [

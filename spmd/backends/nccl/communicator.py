@@ -31,9 +31,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from spmd.backends.bootstrap import broadcast_value, check_distinct_gpus
-from spmd.backends.nccl.uniqueid import host_identity, uid_for_cupy, uid_to_bytes
-from spmd.backends.setup import set_up
+from spmd.backends.nccl.creation import NOCOLOR, can_split, from_unique_id
 from spmd.core import cuda as _gpu
 from spmd.core.context import GroupContext
 from spmd.core.errors import DistBackendError, DistTimeoutError, GroupBrokenError, located
@@ -42,11 +40,9 @@ from spmd.core.timeouts import to_seconds
 from spmd.core.wait import wait_until
 from spmd.core.work import Work, observers
 
-__all__ = ["NOCOLOR", "SPLIT_VERSION", "Communicator", "Launch", "NcclWork", "Ran", "abandoned",
+__all__ = ["NOCOLOR", "Communicator", "Launch", "NcclWork", "Ran", "abandoned",
            "can_split", "set_timeout_policy"]
 
-SPLIT_VERSION = 21800  # ncclCommSplit
-NOCOLOR = -1           # NCCL_SPLIT_NOCOLOR
 SPARE_EVENTS = 64      # end events of passed operations a communicator keeps for reuse
 
 
@@ -69,17 +65,6 @@ def set_timeout_policy(stays_up: Callable[[], bool]) -> None:
     timed out?" (asked when a held communicator's group is given up)."""
     global _stays_up
     _stays_up = stays_up
-
-
-def can_split(nccl) -> bool:
-    """Whether ``ncclCommSplit`` can run: CuPy has it, and both the NCCL CuPy was built
-    against (CuPy raises below 2.18) and the one loaded are 2.18 or later."""
-    if not hasattr(nccl.NcclCommunicator, "commSplit"):
-        return False
-    try:
-        return min(int(nccl.get_version()), int(nccl.get_build_version())) >= SPLIT_VERSION
-    except Exception:  # noqa: BLE001 - no get_build_version: too old to tell
-        return False
 
 
 class Communicator:
@@ -133,35 +118,13 @@ class Communicator:
             if pending is not None:
                 comm, self.created_by = pending, "commSplit"
             else:
-                comm, self.created_by = self._from_unique_id(op, device), "unique id"
+                comm = from_unique_id(ctx, cp, self.nccl, op, device)
+                self.created_by = "unique id"
             self.stream = cp.cuda.Stream(non_blocking=True)
             self.ready = cp.cuda.Event(block=False, disable_timing=True)
         self.device = device
         self.nccl_comm = comm
         return comm
-
-    def _from_unique_id(self, op: str, device: int):
-        nccl, ctx = self.nccl, self.group
-        bus = self.cp.cuda.Device(device).pci_bus_id
-        value = None
-        if ctx.rank == 0:
-            try:
-                value = uid_to_bytes(nccl.get_unique_id())
-            except Exception as exc:  # noqa: BLE001 - the others must hear about it too
-                value = b"error:" + f"{type(exc).__name__}: {exc}".encode()
-
-        def exchange() -> bytes:   # blocking MPI (or store) calls: under the group's deadline
-            check_distinct_gpus(ctx, ctx.store, host_identity(), bus, op)
-            return broadcast_value(ctx, ctx.store, "nccl-unique-id", value)
-
-        raw = set_up(ctx, op, "the NCCL communicator", exchange)
-        if raw.startswith(b"error:"):
-            raise located(DistBackendError, op, f"ncclGetUniqueId failed on group rank 0: "
-                          f"{raw[6:].decode()}", ctx)
-        try:
-            return nccl.NcclCommunicator(ctx.size, uid_for_cupy(raw), ctx.rank)
-        except Exception as exc:
-            raise located(DistBackendError, op, f"ncclCommInitRank failed: {exc}", ctx) from exc
 
     def _group_ended(self) -> None:
         """``GroupContext.on_end``: the group broke, was destroyed, or a member exited.

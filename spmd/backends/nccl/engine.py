@@ -37,7 +37,8 @@ import numpy as np
 
 from spmd.backends.base import Engine, P2PItem, reraise
 from spmd.backends.nccl.buffers import bytes_into, copy_into, flat_bytes, typed
-from spmd.backends.nccl.communicator import NOCOLOR, Communicator, NcclWork
+from spmd.backends.nccl.communicator import Communicator, NcclWork
+from spmd.backends.nccl.creation import NOCOLOR
 from spmd.backends.nccl.plans import (
     INT_MAX,
     NCCL_TYPES,
