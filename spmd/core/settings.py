@@ -69,6 +69,10 @@ SETTINGS: dict[str, Setting] = _settings(
             "is faster than MPI), 0/off, force (at every size)",
             ("", "1", "auto", "on", "true", "yes", "0", "off", "false", "no", "force",
              "always")),
+    Setting("SPMD_WAIT", "choice", "auto", "how a waiting rank uses its core: auto (spins, "
+            "giving the core away between polls where the node runs more ranks than it has "
+            "cores), spin, yield (always gives it away: cores shared with other jobs)",
+            ("auto", "spin", "yield")),
     Setting("SPMD_FASTCALL", "bool", True, "the compiled call path of the common blocking ops"),
     Setting("SPMD_PERSISTENT", "bool", True, "MPI's persistent collectives for persistent "
             "plans, where the MPI has them"),

@@ -14,6 +14,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from spmd.core import settings
 from spmd.core.context import GroupContext
 from spmd.core.errors import DistError, DistTimeoutError
 from spmd.core.optable import is_p2p
@@ -24,9 +25,13 @@ __all__ = ["wait_until", "timeout_error", "set_oversubscribed", "set_diagnosis",
 _monotonic = time.monotonic
 _yield = os.sched_yield
 
-# True when this node runs more ranks than it has cores: waiting ranks give their core
-# away between polls instead of spinning on it.
+# True when this node runs more ranks than it has cores (the shared-memory engine sizes
+# its slots and thresholds for it).
 oversubscribed = False
+# True when waiting ranks give their core away between polls instead of spinning on it:
+# on an oversubscribed node (SPMD_WAIT=auto), or always (SPMD_WAIT=yield: cores shared
+# with other jobs or threads, which a spinning wait would starve).
+yields = False
 
 # diagnose(op, group, seq, kind, waited, source, work) -> message, or the error that
 # replaces the timeout (a hung rank ended, the job healing); set at init.
@@ -44,8 +49,12 @@ def set_failure_check(fn: Callable[[str, GroupContext], BaseException | None] | 
 
 
 def set_oversubscribed(flag: bool) -> None:
-    global oversubscribed
+    """Say whether this node runs more ranks than it has cores; whether waits yield
+    follows from it and SPMD_WAIT."""
+    global oversubscribed, yields
     oversubscribed = bool(flag)
+    mode = settings.read("SPMD_WAIT")
+    yields = mode == "yield" or (mode == "auto" and oversubscribed)
 
 
 def set_diagnosis(fn: Callable[..., str | BaseException] | None) -> None:
@@ -102,7 +111,7 @@ def wait_until(test: Callable[[], Any], seconds: float, op: str, group: GroupCon
         op, group: what is waited for, for the message.
         seq, kind, source, work: what the diagnosis reports (the op's sequence number,
             "collective" or "p2p", which wait timed out, the Work if there is one).
-        nap: what to do between polls (default: yield the core when oversubscribed).
+        nap: what to do between polls (default: yield the core where waits yield).
         on_timeout: called past the deadline, before the error is raised (NCCL aborts
             its communicator; an MPI Work gives its op up); if it returns True the op
             completed after all (a cancelled receive whose message had matched) and the
@@ -120,7 +129,7 @@ def wait_until(test: Callable[[], Any], seconds: float, op: str, group: GroupCon
         spins += 1
         if nap is not None:
             nap()
-        elif oversubscribed:
+        elif yields:
             _yield()
         if spins & 255:
             continue

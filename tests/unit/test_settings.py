@@ -71,3 +71,19 @@ def test_the_table_lists_every_setting_once():
     rows = settings.table().splitlines()[2:]
     assert [r.split("`")[1] for r in rows] == list(settings.SETTINGS)
     assert all(s.doc for s in settings.SETTINGS.values())
+
+
+@pytest.mark.parametrize("mode, oversubscribed, yields", [
+    ("auto", False, False), ("auto", True, True), ("spin", True, False),
+    ("yield", False, True), ("yield", True, True)])
+def test_spmd_wait_says_whether_waits_give_the_core_away(monkeypatch, mode, oversubscribed,
+                                                         yields):
+    """SPMD_WAIT=auto yields only on an oversubscribed node; spin never, yield always
+    (cores shared with other jobs); the node's oversubscription stays a fact of its own."""
+    from spmd.core import wait
+
+    monkeypatch.setenv("SPMD_WAIT", mode)
+    monkeypatch.setattr(wait, "oversubscribed", wait.oversubscribed)
+    monkeypatch.setattr(wait, "yields", wait.yields)
+    wait.set_oversubscribed(oversubscribed)
+    assert (wait.oversubscribed, wait.yields) == (oversubscribed, yields)

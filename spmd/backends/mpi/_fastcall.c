@@ -41,7 +41,7 @@ static int fastcomm_init(FastComm *self, PyObject *args, PyObject *kw) {
     long long comm;
     PyObject *ctx, *index, *counters, *shm;
     static char *names[] = {"comm", "rank", "size", "context", "index", "op_counters",
-                            "timeout", "oversubscribed", "shm", NULL};
+                            "timeout", "yields", "shm", NULL};
     if (self->ctx != NULL) {
         PyErr_SetString(PyExc_RuntimeError, "FastComm: initialised once");
         return -1;
@@ -454,7 +454,7 @@ static PyTypeObject FastCommType = {
     PyVarObject_HEAD_INIT(NULL, 0)
     .tp_name = "spmd.backends.mpi._fastcall.FastComm",
     .tp_doc = "FastComm(comm, rank, size, context, index, op_counters, timeout, "
-              "oversubscribed, shm): one group's engine ops on the compiled call path.  "
+              "yields, shm): one group's engine ops on the compiled call path.  "
               "Each op method runs a blocking op and returns True, or returns False having "
               "done nothing for a call outside its case (the engine's Python path runs it).",
     .tp_basicsize = sizeof(FastComm),

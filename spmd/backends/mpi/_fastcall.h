@@ -42,7 +42,7 @@ typedef struct {
     int rank, size;
     int alive;              /* 0 once the group is broken or destroyed (close()) */
     unsigned long long taken;   /* calls run here (tests read it: which path ran) */
-    int yield;              /* ranks outnumber cores: give the core away while waiting */
+    int yield;              /* give the core away while waiting (spmd.core.wait.yields) */
     double timeout;         /* seconds */
     PyObject *ctx;          /* the group's context: what Works, the recorder, errors name */
     PyObject *index;        /* global rank -> group rank */

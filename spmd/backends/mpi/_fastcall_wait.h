@@ -50,7 +50,7 @@ static inline int wait_for(Handle *req, int op, Call *c, int64_t number) {
         }
         if (rc) return raise_mpi_error(rc);
         if (flag) return 0;
-        if (yield) {    /* ranks outnumber cores: give the core (and the GIL) away */
+        if (yield) {    /* waits yield (spmd.core.wait.yields): give the core and the GIL away */
             Py_BEGIN_ALLOW_THREADS
             sched_yield();
             Py_END_ALLOW_THREADS

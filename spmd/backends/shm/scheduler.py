@@ -128,7 +128,7 @@ class Scheduler:
                     if not win.reached(wait):
                         return False
                 elif not wait.Test():
-                    if _wait.oversubscribed:
+                    if _wait.yields:
                         nap()  # as the window's waits do: let the peers have the core
                     return False
             try:

@@ -116,7 +116,7 @@ class NodeWindow:
             v = c[0]
             if v < mark:
                 self._misses += 1
-                if _wait.oversubscribed:
+                if _wait.yields:
                     nap()
                 if not self._misses % _POKE_EVERY:
                     # A peer may be blocked in MPI waiting for this rank's progress
