@@ -14,8 +14,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-import numpy as np
-
 from spmd.backends.mpi.fastcall import host_arrays
 from spmd.core.arrays import (
     array_in,
@@ -51,7 +49,6 @@ __all__ = [
     "barrier",
 ]
 
-_ndarray = np.ndarray  # the exact type the host paths take (a global: one lookup)
 
 _SUM = ReduceOp.SUM
 
@@ -220,10 +217,10 @@ def all_gather_into_tensor(output_tensor: Array, input_tensor: Array, group: Gro
     pg = resolve(group, "all_gather_into_tensor")
     if pg is None:
         return None
-    dev = "cpu" if type(output_tensor) is _ndarray and type(input_tensor) is _ndarray else \
+    if type(output_tensor) is not type(input_tensor):   # raises if host and device are mixed
         common_device("all_gather_into_tensor", pg.context, ("output_tensor", output_tensor),
                       ("input_tensor", input_tensor))
-    a, _ = array_in(input_tensor, "all_gather_into_tensor", "input_tensor", pg.context)
+    a, dev = array_in(input_tensor, "all_gather_into_tensor", "input_tensor", pg.context)
     out, _ = array_out(output_tensor, "all_gather_into_tensor", "output_tensor", pg.context)
     if out.dtype != a.dtype:
         raise located(TypeError, "all_gather_into_tensor", f"output_tensor has dtype {out.dtype}, "
@@ -332,9 +329,9 @@ def reduce_scatter_tensor(output: Array, input: Array, op: ReduceOp = _SUM,  # n
     pg = resolve(group, "reduce_scatter_tensor")
     if pg is None:
         return None
-    dev = "cpu" if type(output) is _ndarray and type(input) is _ndarray else \
+    if type(output) is not type(input):   # raises if host and device are mixed
         common_device("reduce_scatter_tensor", pg.context, ("output", output), ("input", input))
-    out, _ = array_out(output, "reduce_scatter_tensor", "output", pg.context)
+    out, dev = array_out(output, "reduce_scatter_tensor", "output", pg.context)
     a, _ = array_in(input, "reduce_scatter_tensor", "input", pg.context)
     if out.dtype != a.dtype:
         raise located(TypeError, "reduce_scatter_tensor", f"output has dtype {out.dtype}, "
@@ -381,9 +378,9 @@ def all_to_all_single(output: Array, input: Array,  # noqa: A002
     pg = resolve(group, op)
     if pg is None:
         return None
-    dev = "cpu" if type(output) is _ndarray and type(input) is _ndarray else \
+    if type(output) is not type(input):   # raises if host and device are mixed
         common_device(op, pg.context, ("output", output), ("input", input))
-    a, _ = array_in(input, op, "input", pg.context)
+    a, dev = array_in(input, op, "input", pg.context)
     out, _ = array_out(output, op, "output", pg.context)
     n = pg.context.size
     if out.dtype != a.dtype:

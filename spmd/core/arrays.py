@@ -7,6 +7,7 @@ from typing import Any
 
 import numpy as np
 
+from spmd.core import cuda
 from spmd.core.context import GroupContext
 from spmd.core.dtypes import FAMILY, MOVE_AS, SUPPORTED_DTYPES, SUPPORTED_NAMES, bfloat16, family
 from spmd.core.errors import located
@@ -201,9 +202,7 @@ def _host_array(x, op: str, arg: str, group: GroupContext):
             raise located(TypeError, op, f"{arg}: numpy cannot import this DLPack object "
                           f"({exc})", group) from None
     if dev == "cuda":
-        from spmd.core.cuda import as_device_array
-
-        return as_device_array(x, op, arg, group)
+        return cuda.as_device_array(x, op, arg, group)
     if dev is not None:
         why = tensor_without_dense_memory(x) if type(x).__module__.startswith("torch") else None
         raise located(TypeError, op, f"{arg} " + (why or f"is on {dev}; spmd moves host (cpu) "
@@ -215,7 +214,10 @@ def array_in(x, op: str, arg: str, group: GroupContext) -> tuple[Any, str]:
     """Check an array the operation only reads: the array as the engines take it (a
     numpy or cupy array) and its device ("cpu" or "cuda")."""
     if type(x) is not _ndarray:
-        x = _host_array(x, op, arg, group)
+        if type(x) is cuda.device_array_type:   # a cupy array: only its device to check
+            x = cuda.on_bound_device(x, op, arg, group)
+        else:
+            x = _host_array(x, op, arg, group)
         if not isinstance(x, _ndarray):  # a GPU array
             if x.dtype not in FAMILY:
                 _check_dtype(x, op, arg, group)
@@ -229,7 +231,10 @@ def array_out(x, op: str, arg: str, group: GroupContext) -> tuple[Any, str]:
     """Check an array the operation writes: the array as the engines take it (a numpy
     or cupy array) and its device ("cpu" or "cuda")."""
     if type(x) is not _ndarray:
-        x = _host_array(x, op, arg, group)
+        if type(x) is cuda.device_array_type:   # a cupy array: only its device to check
+            x = cuda.on_bound_device(x, op, arg, group)
+        else:
+            x = _host_array(x, op, arg, group)
         if not isinstance(x, _ndarray):  # a GPU array (cupy has no writeable flag)
             if x.dtype not in FAMILY:
                 _check_dtype(x, op, arg, group)

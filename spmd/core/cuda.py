@@ -20,12 +20,14 @@ __all__ = [
     "bound_device",
     "cupy_or_none",
     "cupy_problem",
+    "device_array_type",
     "device_index",
     "empty_pinned",
     "nccl_available",
     "nccl_or_none",
     "nccl_problem",
     "nccl_version",
+    "on_bound_device",
     "need_cupy",
     "select_device",
     "use_runtime",
@@ -36,6 +38,15 @@ _INSTALL_HINT = "pip install cupy-cuda12x or cupy-cuda13x, matching the CUDA dri
 _cupy = None
 _cupy_problem: str | None = None
 _cupy_loaded = False
+
+
+class _NoDeviceArrays:
+    """What ``device_array_type`` is while CuPy is not loaded: the type of no array."""
+
+
+# cupy.ndarray once CuPy is loaded: the checks take an array of exactly this type
+# straight to the device check (on_bound_device), the common GPU call.
+device_array_type: type = _NoDeviceArrays
 _nccl = None
 _nccl_problem: str | None = None
 _nccl_loaded = False
@@ -55,7 +66,13 @@ def cupy_or_none():
                 _cupy_problem = f"import cupy failed: {type(exc).__name__}: {exc}"
             else:
                 _cupy = cupy
+                _set_device_array_type()
     return _cupy
+
+
+def _set_device_array_type() -> None:
+    global device_array_type
+    device_array_type = _cupy.ndarray if _cupy is not None else _NoDeviceArrays
 
 
 def use_runtime(cupy_module, nccl_module) -> None:
@@ -66,6 +83,7 @@ def use_runtime(cupy_module, nccl_module) -> None:
     _cupy, _nccl = cupy_module, nccl_module
     _cupy_problem = _nccl_problem = None
     _cupy_loaded = _nccl_loaded = cupy_module is not None
+    _set_device_array_type()
 
 
 def empty_pinned(cp, shape, dtype):
@@ -245,6 +263,15 @@ def as_device_array(x, op: str, arg: str, group: GroupContext):
         except Exception as exc:  # noqa: BLE001
             raise located(TypeError, op, f"{arg}: CuPy cannot import this {type(x).__name__} "
                           f"({type(exc).__name__}: {exc})", group) from None
+    return on_bound_device(x, op, arg, group)
+
+
+def on_bound_device(x, op: str, arg: str, group: GroupContext):
+    """``x`` (a cupy array) if it is on the device this rank is bound to.
+
+    Raises:
+        ValueError: ``x`` is on another device.
+    """
     want = bound_device()
     if x.device.id != want:
         raise located(ValueError, op, f"{arg} is on cuda:{x.device.id} but this rank works on "
