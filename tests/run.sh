@@ -20,7 +20,8 @@
 #                              (OTHER_MPI_SIZES, OTHER_MPI_SHM_SIZES: where it runs); on
 #                              Open MPI also the jobs that lose a rank (ULFM)
 #   JOB_WORKERS=0 tests/run.sh  the job-launching tests in one process (default: 3
-#                              pytest-xdist workers side by side)
+#                              pytest-xdist workers side by side; also for the jobs run
+#                              on other MPIs and torch releases)
 #   TORCH_VENVS="VENV..." tests/run.sh
 #                              the torch-facing tests at 2 ranks again with other torch
 #                              releases, each from a virtual environment with spmd[mpich,
@@ -152,7 +153,7 @@ for venv in ${OTHER_MPIS:-}; do
     echo "=== ${MPI_LABEL}jobs ==="
     start=$SECONDS
     PATH="$venv/bin:$PATH" timeout -k 10 "$LIMIT" "$PYTHON" -m pytest -q -p no:cacheprovider \
-        -rs -m "not same_on_every_mpi" "${jobs[@]}"
+        -rs -m "not same_on_every_mpi" -n "${JOB_WORKERS:-3}" --dist loadgroup "${jobs[@]}"
     rc=$?
     [ $rc -ne 0 ] && failed+=("$library: jobs (exit $rc)")
     summary+=("$library: jobs: exit $rc ($((SECONDS - start)) s)")
@@ -163,7 +164,7 @@ for venv in ${OTHER_MPIS:-}; do
         echo "=== ${MPI_LABEL}jobs that lose a rank (ULFM) ==="
         start=$SECONDS
         PATH="$venv/bin:$PATH" timeout -k 10 "$LIMIT" "$PYTHON" -m pytest -q -p no:cacheprovider \
-            -rs tests/jobs/test_ulfm_jobs.py
+            -rs -n "${JOB_WORKERS:-3}" --dist loadgroup tests/jobs/test_ulfm_jobs.py
         rc=$?
         [ $rc -ne 0 ] && failed+=("$library: ULFM jobs (exit $rc)")
         summary+=("$library: ULFM jobs: exit $rc ($((SECONDS - start)) s)")
@@ -217,7 +218,7 @@ for venv in ${TORCH_VENVS:-}; do
     echo "=== ${MPI_LABEL}torch jobs ==="
     start=$SECONDS
     PATH="$venv/bin:$PATH" timeout -k 10 "$LIMIT" "$PYTHON" -m pytest -q -p no:cacheprovider \
-        -rs "${TORCH_VENV_JOBS[@]}"
+        -rs -n "${JOB_WORKERS:-3}" --dist loadgroup "${TORCH_VENV_JOBS[@]}"
     rc=$?
     [ $rc -ne 0 ] && failed+=("${MPI_LABEL}torch jobs (exit $rc)")
     summary+=("${MPI_LABEL}torch jobs: exit $rc ($((SECONDS - start)) s)")
