@@ -177,7 +177,15 @@ def test_a_hung_rank_without_ulfm_ends_the_job_with_the_diagnosis():
     assert proc.returncode != 0, out
     results = [json.loads(line.split("RESULT ", 1)[1]) for line in out.splitlines()
                if line.startswith("RESULT ")]
-    assert sorted(r["rank"] for r in results) == [0, 1], out
-    assert all(r["error"] == "DistTimeoutError" for r in results), out
+    # The first survivor to finish its diagnosis raises it and ends the job (MPI_Abort),
+    # which may take the other survivor down before it prints: at least one RESULT.
+    # A survivor gets its own diagnosis, or the group broken by the other one first.
+    ranks = sorted(r["rank"] for r in results)
+    assert ranks and set(ranks) <= {0, 1}, out
+    for r in results:
+        assert r["error"] == "DistTimeoutError" or (
+            r["error"] == "GroupBrokenError"
+            and re.search(r"\(told by rank [01]\)", r["text"])), out
+    assert any(r["error"] == "DistTimeoutError" for r in results), out
     assert "rank 2: not responding" in out, out
     assert "are ended so that MPI reports them failed" not in out, out

@@ -10,6 +10,7 @@ engine's first-use set-up), send.  Every rank prints "CASE ok" when what it saw 
 """
 
 import gc
+import re
 import sys
 import time
 from datetime import timedelta
@@ -39,11 +40,18 @@ def late_call_raises(call) -> None:
         raise AssertionError(f"{case}: the late call succeeded on a group rank 0 gave up")
 
 
-def times_out(call) -> str:
+def times_out(call) -> tuple[str, bool]:
+    """A waiting rank's call: its own diagnosed timeout (text, True), or, with two or more
+    waiting ranks, the group broken by another waiting rank's timeout first (text, False):
+    GroupBrokenError "(told by rank N)", N not the late rank."""
     try:
         call()
     except spmd.DistTimeoutError as exc:
-        return str(exc)
+        return str(exc), True
+    except spmd.GroupBrokenError as exc:
+        told = re.search(r"\(told by rank (\d+)\)", str(exc))
+        assert n > 2 and told is not None and int(told.group(1)) != 1, str(exc)
+        return str(exc), False
     raise AssertionError(f"{case}: no timeout on rank {rank}")
 
 
@@ -72,8 +80,8 @@ elif case in ("all_reduce", "all_reduce_view", "setup"):
         assert (x == 1).all()
     else:
         a = np.ones((size, 2))[:, 0] if case == "all_reduce_view" else np.ones(size)
-        text = times_out(lambda: spmd.all_reduce(a, group=pg))
-        if case == "setup":
+        text, own = times_out(lambda: spmd.all_reduce(a, group=pg))
+        if case == "setup" and own:
             assert "(timed out setting up the shared-memory engine)" in text, text
         assert orphans.held() >= 1, "the timed-out all_reduce's request was not held"
         del a
@@ -115,6 +123,11 @@ elif case == "send":
 else:
     raise SystemExit(f"unknown case {case!r}")
 
+if case in ("all_reduce", "all_reduce_view", "setup"):
+    # WORLD is untouched: at least one waiting rank got the diagnosis itself
+    owns = [None] * n
+    spmd.all_gather_object(owns, own if rank != 1 else None)
+    assert any(owns), owns
 spmd.barrier()   # WORLD is untouched: every rank gets here
 print(f"{case} ok", flush=True)
 spmd.destroy_process_group()
