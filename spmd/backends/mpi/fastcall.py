@@ -170,14 +170,15 @@ def bind() -> None:
         reason = str(err)
         return
     tag_ub = int(MPI.COMM_WORLD.Get_attr(MPI.TAG_UB) or 32767)   # 32767: MPI's minimum
+    reduced = reduced_by_op()
     try:
         _module.bind(
             functions=functions, handle_size=sizes.pop(), in_place=int(MPI.IN_PLACE),
             moved={dt: route.type_handle for dt, route in MOVED.items()},
             reduced_types={op: {dt: route.type_handle for dt, route in routes.items()}
-                           for op, routes in reduced_by_op().items()},
+                           for op, routes in reduced.items()},
             reduced_ops={op: {dt: route.op_handle for dt, route in routes.items()}
-                         for op, routes in reduced_by_op().items()},
+                         for op, routes in reduced.items()},
             summed=SUMMED, tag_ub=tag_ub,
             ndarray=np.ndarray, observers=observers, recorder=recorder,
             push_out=recorder.push_out, end=recorder.end, given_up=_given_up,
