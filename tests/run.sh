@@ -40,6 +40,24 @@ SHM_OFF_SIZES=${SHM_OFF_SIZES:-"2 3"}  # SPMD_SHM=0
 PYTHON_PATH_SIZES=${PYTHON_PATH_SIZES:-"2 3"}  # SPMD_FASTCALL=0
 LIMIT=${LIMIT:-900}            # seconds for one mpiexec job
 LOGS=$(mktemp -d "${TMPDIR:-/tmp}/spmd-tests.XXXXXX")
+# What the jobs that kill or leave out a rank leave behind, removed when the run ends:
+# the device double's NCCL files of a communicator a rank never joined (kept in a
+# directory of this run's), and the shared-memory segments of MPI's ranks that were
+# killed before they could unlink them (made since the run began, mapped by nobody).
+export SPMD_DEVICE_DOUBLE_DIR=$LOGS/device-double
+mkdir -p "$SPMD_DEVICE_DOUBLE_DIR"
+touch "$LOGS/started"
+leftovers() {
+    rm -rf "$SPMD_DEVICE_DOUBLE_DIR"
+    local mapped f
+    mapped=$(cat /proc/[0-9]*/maps 2>/dev/null | grep -o '/dev/shm/[^ ]*' | sort -u)
+    find /dev/shm -maxdepth 1 -type f -newer "$LOGS/started" \
+        \( -name 'mpich_shm_*' -o -name 'sm_segment.*' \) 2>/dev/null |
+    while read -r f; do
+        grep -qxF "$f" <<<"$mapped" || rm -f "$f"
+    done
+}
+trap leftovers EXIT
 export OMP_NUM_THREADS=1 PYTHONUNBUFFERED=1
 
 if [ -z "$MPIEXEC" ]; then

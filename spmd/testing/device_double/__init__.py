@@ -17,7 +17,10 @@ the watchdog, the flight recorder and the diagnoses run their real code on it, u
   id (``SPMD_DEVICE_DOUBLE_DIR``, default the temporary directory).  A collective finishes
   only when every member has joined it, so a rank that never calls leaves the others'
   streams blocked forever, as an NCCL hang does.  ``inject_error`` makes
-  ``check_async_error`` raise; ``abort`` lets blocked tasks finish without data.
+  ``check_async_error`` raise; ``abort`` lets blocked tasks finish without data.  The
+  last member to leave (destroy, abort, or the end of its process) removes the
+  directory; one whose member never came stays, so test runs point
+  ``SPMD_DEVICE_DOUBLE_DIR`` at a directory of their own and remove it.
 - ``hold()`` stops the device (nothing finishes) until ``release()``: a slow GPU.
 
 Device arrays are numpy arrays of a subclass (so MPI reads them as host memory, which

@@ -3,6 +3,7 @@ in a directory named by the unique id, as tasks of the streams they are launched
 
 from __future__ import annotations
 
+import atexit
 import collections
 import contextlib
 import ctypes
@@ -13,6 +14,7 @@ import secrets
 import shutil
 import tempfile
 import types
+import weakref
 from typing import Any
 
 import numpy as np
@@ -202,8 +204,21 @@ def _reduced(parts: list, dtype: np.dtype, op: int, n: int) -> np.ndarray:
     return acc.view(np.uint8)
 
 
+_open: weakref.WeakSet = weakref.WeakSet()  # this process's communicators not yet left
+
+
+@atexit.register
+def _leave_all() -> None:
+    """A process that ends without destroying its communicators still leaves them, so
+    the last member out removes their directory (a real NCCL frees them with the
+    process; here they are files that would outlive it)."""
+    for comm in list(_open):
+        comm._leave()
+
+
 class NcclCommunicator:
-    """An NCCL communicator over the ranks that created it with the same unique id."""
+    """An NCCL communicator over the ranks that created it with the same unique id.
+    Its directory goes when every member has left it: destroyed, aborted or exited."""
 
     def __init__(self, ndev: int, commId, rank: int):
         uid = bytes(b % 256 for b in commId) if not isinstance(commId, bytes) else commId
@@ -219,6 +234,7 @@ class NcclCommunicator:
         self._error: str | None = None
         self._aborted = False
         self._destroyed = False
+        _open.add(self)
 
     # -- what the engine asks ---------------------------------------------------------
 
@@ -242,11 +258,18 @@ class NcclCommunicator:
     def abort(self) -> None:
         self._aborted = True
         device.progress()
+        self._leave()
 
     def destroy(self) -> None:
         if self._destroyed:
             return
         self._destroyed = True
+        self._leave()
+
+    def _leave(self) -> None:
+        if self not in _open:
+            return
+        _open.discard(self)
         _write(os.path.join(self._dir, f"bye.r{self.rank}"), b"")
         if all(os.path.exists(os.path.join(self._dir, f"bye.r{r}")) for r in range(self.n)):
             shutil.rmtree(self._dir, ignore_errors=True)  # the last member out
