@@ -46,6 +46,11 @@ if args.policy is not None:
 cp = _gpu.cupy_or_none()
 dist.init_process_group(backend="cpu:mpi,cuda:nccl", pg_options=options)
 rank, n = dist.get_rank(), dist.get_world_size()
+# The NCCL path's first use (its modules, its engine) on WORLD, under WORLD's timeout: the
+# 1-s group below then times only its own set-up exchange, not the first use on a
+# loaded machine (seen: rank 0 still inside that first all_reduce past 1 s, 4 test
+# jobs at once on 2 cores).
+dist.all_reduce(cp.ones(1, cp.float32))
 g = dist.new_group(list(range(n)), backend="cpu:mpi,cuda:nccl", timeout=timedelta(seconds=1),
                    group_desc="gpu")
 dist.all_reduce(cp.ones(1, cp.float32), group=g)   # every rank: the communicator is made
