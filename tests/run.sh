@@ -7,8 +7,6 @@
 #                                   and the compiled call path off
 #   torch's own distributed suite   on the spmd backend, as itself, as gloo and as mpi
 #   tests/unit/ and tests/jobs/     in one process (jobs/ start their own jobs)
-# The device double's GPU tests and the engine runs with the shared-memory engine or the
-# compiled path off run in a second lane beside the rest of the MPI part.
 # Every job runs under a wall-clock limit; the script fails if any part fails.
 #
 #   tests/run.sh               all of it
@@ -59,17 +57,7 @@ leftovers() {
         grep -qxF "$f" <<<"$mapped" || rm -f "$f"
     done
 }
-stop_tree() {  # a process and everything it started
-    local child
-    for child in $(pgrep -P "$1"); do stop_tree "$child"; done
-    kill "$1" 2>/dev/null
-}
-SECOND_LANE=
-on_exit() {
-    [ -n "$SECOND_LANE" ] && stop_tree "$SECOND_LANE"
-    leftovers
-}
-trap on_exit EXIT
+trap leftovers EXIT
 export OMP_NUM_THREADS=1 PYTHONUNBUFFERED=1
 
 if [ -z "$MPIEXEC" ]; then
@@ -103,49 +91,35 @@ mpi_run() {  # mpi_run NAME N [VAR=VALUE...]: the MPI tests of PATHS at world si
     summary+=("$name: exit $rc ($((SECONDS - start)) s)")
 }
 
-# Two lanes side by side: the GPU tests on the device double, mostly waiting on its
-# clock and their timeouts, leave the cores half idle, so the MPI tests run beside them
-# (measured here, 2 cores: 209 s side by side against 288 s one after the other).  The
-# second lane's output comes after the first's, whole.
-second_lane() {
-    # The GPU tests (collectives on cupy arrays through staging and NCCL, the NCCL
-    # engine, its watchdog and diagnoses) on spmd.testing.device_double: CuPy, CUDA
-    # streams and events and NCCL stood in for on CPU, so their logic is checked where
-    # there is no GPU.
-    PATHS=(tests/gpu)
-    for n in ${DOUBLE_SIZES:-1 2 3 4}; do
-        mpi_run "gpu double n=$n" "$n" SPMD_TEST_DEVICE=double
-    done
-    # The data path with the shared-memory engine off, and with the blocking ops'
-    # compiled call path (spmd.backends.mpi._fastcall, where pip built it) off: the
-    # Python path it stands in for takes the same calls.
-    PATHS=(tests/engines)
-    for n in $SHM_OFF_SIZES; do
-        mpi_run "mpi n=$n shm=off" "$n" SPMD_SHM=0
-    done
-    if "$PYTHON" -c "import spmd.backends.mpi._fastcall" 2>/dev/null; then
-        for n in $PYTHON_PATH_SIZES; do
-            mpi_run "mpi n=$n fastcall=off" "$n" SPMD_FASTCALL=0
-        done
-    else
-        echo "=== spmd.backends.mpi._fastcall is not built: every run took the Python path ==="
-    fi
-    printf '%s\n' "${summary[@]}" > "$LOGS/second-lane.summary"
-    printf '%s\n' "${failed[@]}" > "$LOGS/second-lane.failed"
-}
-second_lane > "$LOGS/second-lane.out" 2>&1 &
-SECOND_LANE=$!
-
 PATHS=(tests/mpi tests/engines)
 for n in $SIZES; do
     mpi_run "mpi n=$n" "$n"
 done
+# The GPU tests (collectives on cupy arrays through staging and NCCL, the NCCL engine,
+# its watchdog and diagnoses) on spmd.testing.device_double: CuPy, CUDA streams and
+# events and NCCL stood in for on CPU, so their logic is checked where there is no GPU.
+PATHS=(tests/gpu)
+for n in ${DOUBLE_SIZES:-1 2 3 4}; do
+    mpi_run "gpu double n=$n" "$n" SPMD_TEST_DEVICE=double
+done
 # The data path again with the shared-memory engine taking every op it can, at every
-# size (small messages included).
+# size (small messages included), then with it off.
 PATHS=(tests/engines)
 for n in $SHM_SIZES; do
     mpi_run "mpi n=$n shm=force" "$n" SPMD_SHM=force
 done
+for n in $SHM_OFF_SIZES; do
+    mpi_run "mpi n=$n shm=off" "$n" SPMD_SHM=0
+done
+# The blocking ops' compiled call path (spmd.backends.mpi._fastcall, where pip built it) off: the
+# Python path it stands in for takes the same calls.
+if "$PYTHON" -c "import spmd.backends.mpi._fastcall" 2>/dev/null; then
+    for n in $PYTHON_PATH_SIZES; do
+        mpi_run "mpi n=$n fastcall=off" "$n" SPMD_FASTCALL=0
+    done
+else
+    echo "=== spmd.backends.mpi._fastcall is not built: every run above took the Python path ==="
+fi
 
 # torch's own distributed test suite against the spmd torch backend, when torch is here:
 # as itself, then told its backend is "gloo" and "mpi" (torch's decorators skip a third
@@ -165,16 +139,6 @@ if "$PYTHON" -c "import torch.distributed, expecttest" 2>/dev/null; then
     done
 else
     echo "=== torch distributed_test: skipped (torch or expecttest is not installed) ==="
-fi
-
-wait "$SECOND_LANE"
-SECOND_LANE=
-cat "$LOGS/second-lane.out"
-if [ -f "$LOGS/second-lane.summary" ]; then
-    while IFS= read -r line; do [ -n "$line" ] && summary+=("$line"); done < "$LOGS/second-lane.summary"
-    while IFS= read -r line; do [ -n "$line" ] && failed+=("$line"); done < "$LOGS/second-lane.failed"
-else
-    failed+=("second lane (ended without its summary)")
 fi
 
 # The MPI part on other MPI libraries (Open MPI...), each from its own virtual
