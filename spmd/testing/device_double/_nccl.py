@@ -267,12 +267,15 @@ class NcclCommunicator:
         self._leave()
 
     def _leave(self) -> None:
-        if self not in _open:
-            return
-        _open.discard(self)
-        _write(os.path.join(self._dir, f"bye.r{self.rank}"), b"")
-        if all(os.path.exists(os.path.join(self._dir, f"bye.r{r}")) for r in range(self.n)):
-            shutil.rmtree(self._dir, ignore_errors=True)  # the last member out
+        # Under the device's lock: no task of this process (run by any of its threads) is
+        # reading or writing the directory while the last member out removes it.
+        with device.lock:
+            if self not in _open:
+                return
+            _open.discard(self)
+            _write(os.path.join(self._dir, f"bye.r{self.rank}"), b"")
+            if all(os.path.exists(os.path.join(self._dir, f"bye.r{r}")) for r in range(self.n)):
+                shutil.rmtree(self._dir, ignore_errors=True)  # the last member out
 
     def commSplit(self, color: int, key: int) -> NcclCommunicator | None:
         """Collective over this communicator, blocking the host as ncclCommSplit does."""
