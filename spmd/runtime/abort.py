@@ -80,7 +80,7 @@ nccl_communicator.set_timeout_policy(stays_up_after_device_timeout)
 
 
 def after_device_timeout(engine: str, op: str, seq: int | None,
-                         diagnosis: str | None = None) -> None:
+                         diagnosis: str | None = None, stays_up: bool | None = None) -> None:
     """An op on ``engine`` timed out (found by the watchdog or by a waiting rank).  On an
     engine whose blocking calls return before the op completes (NCCL), the program may
     already hold the op's outputs and be reading them (``asnumpy``, ``.item()``, a
@@ -96,8 +96,11 @@ def after_device_timeout(engine: str, op: str, seq: int | None,
     cannot be made to raise on CUDA: it waits until then.
 
     ``diagnosis``: the timeout's text where nobody has printed it yet (a waiting rank's,
-    which would otherwise only be raised)."""
-    if engine != flight_recorder.NCCL_ENGINE or stays_up_after_device_timeout():
+    which would otherwise only be raised).  ``stays_up``: the policy as the caller read
+    it when it told the program what follows (None: read it here)."""
+    if stays_up is None:
+        stays_up = stays_up_after_device_timeout()
+    if engine != flight_recorder.NCCL_ENGINE or stays_up:
         return
     text = "" if diagnosis is None else diagnosis + "\n"
     abort_job(text + f"spmd: {op} #{seq} timed out on the GPU ({engine}); its outputs are not "

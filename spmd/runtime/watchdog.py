@@ -67,6 +67,10 @@ class Watchdog:
             if age > limit + min(max(1.0, 0.05 * limit), 30.0) and e.t1 is None:
                 flight_recorder.recorder.mark_timed_out(e.number)
                 op, seq, engine, device = e.op, e.seq, e.engine, e.device
+                # The policy is read once: the report below tells the program what
+                # follows, and what follows must be that (the program may change the
+                # policy once it has seen the report).
+                stays_up = stays_up_after_device_timeout()
                 text = handle_timeout(op, g, seq, e.kind, age, "watchdog", engine)
                 where = "in flight" if device is None else f"running on the GPU ({engine})"
                 if device is not None:
@@ -75,11 +79,10 @@ class Watchdog:
                     device[0].hold(f"{op} #{seq} timed out (found by the watchdog)")
                     text += (f"\n  the group's {engine} communicator is held, not aborted: "
                              "the op's stream stays blocked until "
-                             + ("the group is destroyed" if stays_up_after_device_timeout()
-                                else "the process ends"))
+                             + ("the group is destroyed" if stays_up else "the process ends"))
                 report(f"spmd watchdog: {op} #{seq} on group {g.name} is still {where} "
                        f"{age:.1f} s after it started and nobody waits for it:\n{text}")
-                after_device_timeout(engine, op, seq)
+                after_device_timeout(engine, op, seq, stays_up=stays_up)
 
     def close(self) -> None:
         self._stop.set()
