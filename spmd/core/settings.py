@@ -93,6 +93,8 @@ SETTINGS: dict[str, Setting] = _settings(
             "where the caller listens (internal)"),
     Setting("SPMD_SPAWN_TOKEN", "text", None, "set by spmd.spawn for the ranks it starts: the "
             "channel's secret (internal)"),
+    Setting("SPMD_JOIN_PORT", "text", None, "set by heal() for the processes it starts: the "
+            "MPI port they connect to (internal)"),
     Setting("SPMD_TORCH_MPI", "bool", False, "spmd answers to torch.distributed's \"mpi\" "
             "backend name, read at import torch"),
     Setting("SPMD_DEVICE_DOUBLE_DIR", "text", None, "the device double's exchange directory "

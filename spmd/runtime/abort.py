@@ -9,19 +9,22 @@ from __future__ import annotations
 
 import contextlib
 import os
+import socket
 import sys
 import time
 
-from spmd.backends.mpi import job
+from spmd.backends.mpi import faults, job
 from spmd.backends.nccl import communicator as nccl_communicator
 from spmd.core import flight_recorder
 from spmd.core.errors import DistTimeoutError
 from spmd.core.lines import write_lines
+from spmd.runtime import hangs
+from spmd.runtime.group import world_state
 from spmd.runtime.reliability import state
 from spmd.runtime.tracebacks import format_uncaught
 
-__all__ = ["ABORT_GRACE", "abort_job", "after_device_timeout", "excepthook",
-           "stays_up_after_device_timeout"]
+__all__ = ["ABORT_GRACE", "abort_job", "after_device_timeout", "aborted_elsewhere",
+           "excepthook", "stays_up_after_device_timeout"]
 
 ABORT_GRACE = 0.5  # seconds between an uncaught exception's traceback and MPI_Abort
 
@@ -62,9 +65,38 @@ def abort_job(text: str) -> None:
     # The launcher forwards output through pipes and stops reading them when the abort
     # reaches it: give it a moment to pass the text on first.
     time.sleep(ABORT_GRACE)
+    if faults.ulfm():
+        _end_world()
     job.abort(1)
     # MPICH's MPI_Abort returns while the launcher tears the job down: this rank must not
     # go on meanwhile (its program would get the error and run on with it).
+    os._exit(1)
+
+
+def _end_world() -> None:
+    """Under ULFM ``MPI_Abort`` ends only this process's own job (Open MPI: the launcher's,
+    or the one ``heal()`` spawned this process in), and the launcher waits for the rest,
+    forever for a stopped one: end every process of the world first.  The ranks on other
+    nodes are told (each ends its node's processes and its own job); the ones on this
+    node, and any process the launcher runs here for this job (a new one not yet
+    joined), are killed."""
+    world = world_state.world
+    ch = state.channel
+    if world is not None and ch is not None:
+        others = [r for r in range(world.context.size) if r != world.context.rank]
+        ch.notify(others, {"q": "abort", "from": state.rank, "host": socket.gethostname()})
+    job.kill_launched_here(hangs.pids_on_this_node())
+
+
+def aborted_elsewhere(notice: dict) -> None:
+    """A rank on another node aborts the job (runs on the control thread): end this
+    node's processes of the world, then this process's own job."""
+    if notice.get("host") == socket.gethostname():
+        return   # the aborting rank ends this node's processes itself
+    write_lines(f"[rank {state.rank}] spmd: rank {notice.get('from')} aborts the job; "
+                "ending this node's processes", sys.stderr)
+    job.kill_launched_here(hangs.pids_on_this_node())
+    job.abort(1)
     os._exit(1)
 
 

@@ -13,7 +13,7 @@ from spmd.core import flight_recorder
 from spmd.core.context import GroupContext
 from spmd.core.optable import is_p2p
 from spmd.runtime import exits, failures, hangs
-from spmd.runtime.abort import after_device_timeout
+from spmd.runtime.abort import aborted_elsewhere, after_device_timeout
 from spmd.runtime.group import world_state
 from spmd.runtime.locations import where
 from spmd.runtime.reliability import report, state
@@ -60,10 +60,13 @@ def tell_broken(g: GroupContext, reason: str) -> None:
 
 def answer(request: dict) -> dict | None:
     """A peer asks where this rank is, or tells it something: a group broke (answered
-    once marked), it exits, or this rank was excluded as hung (runs on the control
-    thread; a notice gets no answer)."""
+    once marked), it exits, it aborts the job, or this rank was excluded as hung (runs
+    on the control thread; a notice gets no answer)."""
     if request.get("q") == "excluded":
         hangs.excluded(request)
+        return None
+    if request.get("q") == "abort":
+        aborted_elsewhere(request)
         return None
     if request.get("q") == "exited":
         exits.heard(int(request["from"]), str(request.get("text", "")))
@@ -262,7 +265,9 @@ def _handle(op: str, g: GroupContext, seq: int | None, kind: str, waited: float,
     them: spmd.runtime.hangs)."""
     text, found = _diagnosis(op, g, seq, kind, waited, engine)
     ended: list[int] = []
-    if found.culprits and faults.ulfm() and engine == flight_recorder.MPI_ENGINE:
+    # Host engines only (MPI, shared memory): a hung member's process can be ended and the
+    # op's host buffers are left alone; a device op's stream is the device policy's.
+    if found.culprits and faults.ulfm() and engine != flight_recorder.NCCL_ENGINE:
         done = hangs.end(g, found.culprits, found.replies, f"{op} #{seq} on {g.name} timed out")
         ended = found.culprits
         text += (f"\n  this job survives failed ranks (ULFM): the hung rank(s) {ended} are "

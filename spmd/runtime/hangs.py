@@ -33,7 +33,8 @@ from spmd.core.context import GroupContext
 from spmd.runtime.group import world_state
 from spmd.runtime.reliability import report, state
 
-__all__ = ["QUERY_SECONDS", "await_failure", "culprits", "end", "excluded", "learn_peers"]
+__all__ = ["QUERY_SECONDS", "await_failure", "culprits", "end", "excluded", "learn_peers",
+           "pids_on_this_node"]
 
 # How long the diagnosis of a job that survives hangs waits for a member's answer: a
 # stopped one never answers, and the time to heal counts from the timeout.
@@ -51,6 +52,12 @@ def learn_peers(world_comm) -> None:
         _peers = [tuple(p) for p in world_comm.allgather((socket.gethostname(), os.getpid()))]
     else:
         _peers = []
+
+
+def pids_on_this_node() -> list[int]:
+    """The pids of the world's processes on this node (what start-up learnt; under ULFM)."""
+    host = socket.gethostname()
+    return [pid for h, pid in _peers if h == host]
 
 
 def culprits(peers: list[int], replies: dict[int, dict], seq: int) -> list[int]:

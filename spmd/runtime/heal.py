@@ -34,8 +34,10 @@ interpreter's start-up and imports (about 1.2-1.4 s here).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
+import threading
 import time
 from collections.abc import Sequence
 from typing import Any, cast
@@ -43,11 +45,13 @@ from typing import Any, cast
 from mpi4py import MPI
 from mpi4py.util import pkl5
 
-from spmd.backends.mpi import faults, replacement
+from spmd.backends.mpi import faults, recoverable_spawn, replacement
 from spmd.core.context import GroupContext
 from spmd.core.errors import located
 from spmd.runtime import exits, failures, supervision
+from spmd.runtime.abort import abort_job
 from spmd.runtime.group import ProcessGroup, default_group, world_state
+from spmd.runtime.reliability import report
 from spmd.runtime.reliability import state as reliability_state
 from spmd.runtime.world import end_healed_world_at_exit, open_world
 
@@ -74,9 +78,12 @@ def _command() -> tuple[str, list[str]]:
 
 def _start_processes(ctx: GroupContext, count: int, what: str, op: str) -> MPI.Intercomm:
     """``count`` new processes running this program, started together by every member
-    of the default group (``MPI_Comm_spawn`` from its communicator): the
-    intercommunicator to them."""
+    of the default group: the intercommunicator to them.  Under ULFM on Open MPI they
+    are a recoverable job (:mod:`spmd.backends.mpi.recoverable_spawn`: their death later
+    does not fail the launcher); elsewhere ``MPI_Comm_spawn`` starts them."""
     exe, args = _command()
+    if faults.ulfm() and recoverable_spawn.available():
+        return _start_recoverable(ctx, count, what, op, [exe, *args])
     info = MPI.Info.Create()
     info.Set("wdir", os.getcwd())   # a relative script path resolves as it did at start
     if faults.ulfm():
@@ -90,6 +97,72 @@ def _start_processes(ctx: GroupContext, count: int, what: str, op: str) -> MPI.I
                       f"{exc.Get_error_string()}", ctx) from exc
     finally:
         info.Free()
+
+
+# How long the group's rank 0 waits for the processes it started to connect before it
+# starts others in their place (one may have died before it joined), and how many times.
+JOIN_SECONDS = 10.0
+JOIN_TRIES = 3
+
+
+def _start_recoverable(ctx: GroupContext, count: int, what: str, op: str,
+                       argv: list[str]) -> MPI.Intercomm:
+    """The new processes as a recoverable job: rank 0 opens a port and starts them, all
+    accept their connection.  Processes that never connect (dead before they joined)
+    are replaced by others on the same port; after :data:`JOIN_TRIES` the job ends with
+    the diagnosis rather than wait forever."""
+    comm = ctx.comm
+    port = MPI.Open_port() if ctx.rank == 0 else ""
+    start = (lambda: recoverable_spawn.spawn(count, port, argv, {})) if ctx.rank == 0 else None
+    refused = None
+    if start is not None:
+        try:
+            start()
+        except RuntimeError as exc:
+            refused = str(exc)
+    refused = comm.bcast(refused, root=0)   # MPI's errors: the caller's (a failure: retried)
+    if refused is not None:
+        if ctx.rank == 0:
+            MPI.Close_port(port)
+        raise located(RuntimeError, op, f"could not start {count} process(es) {what}: "
+                      f"{refused}", ctx)
+    rescue = _Rescue(start, count, what, op, ctx) if start is not None else None
+    try:
+        return comm.Accept(port, root=0)
+    finally:
+        if rescue is not None:
+            rescue.done.set()
+        if ctx.rank == 0:
+            MPI.Close_port(port)
+
+
+class _Rescue:
+    """Rank 0's watch over a recoverable start: new processes that have not connected
+    after :data:`JOIN_SECONDS` are started again; after :data:`JOIN_TRIES` starts the job
+    ends (spmd.runtime.abort)."""
+
+    def __init__(self, start, count: int, what: str, op: str, ctx: GroupContext) -> None:
+        self.done = threading.Event()
+        self._thread = threading.Thread(target=self._watch, args=(start, count, what, op, ctx),
+                                        name="spmd-heal-rescue", daemon=True)
+        self._thread.start()
+
+    def _watch(self, start, count: int, what: str, op: str, ctx: GroupContext) -> None:
+        for attempt in range(2, JOIN_TRIES + 2):
+            if self.done.wait(JOIN_SECONDS):
+                return
+            if attempt > JOIN_TRIES:
+                break
+            report(f"spmd: {op}: the {count} process(es) started {what} did not connect within "
+                   f"{JOIN_SECONDS:g} s (dead before they joined?): starting others in their "
+                   f"place (start {attempt} of {JOIN_TRIES})")
+            try:
+                start()
+            except RuntimeError as exc:
+                report(f"spmd: {op}: {exc}")
+        abort_job(f"spmd: {op}: none of {JOIN_TRIES} starts of {count} process(es) {what} "
+                  f"connected within {JOIN_SECONDS:g} s each; ending the job rather than wait "
+                  f"forever [rank {ctx.rank}, group {ctx.name}]")
 
 
 def replace_world(comm: MPI.Intracomm, replaced: tuple[int, ...] = ()) -> ProcessGroup:
@@ -137,22 +210,67 @@ def heal(timeout: float | None = None) -> list[int]:
     ctx = pg.context
     full, me = world_state.full_size, world_state.home_rank
     t0 = time.monotonic()
-    homes = ctx.comm.allgather(me)
-    lost = sorted(set(range(full)) - set(homes))
-    if not lost:
-        return []
-    inter = _start_processes(ctx, len(lost), f"for ranks {lost}", _OP)
-    t_spawn = time.monotonic()
-    merged = inter.Merge(high=False)
-    replacement.send_plan(merged, replacement.HealPlan(full, tuple(lost), ctx.name))
-    comm = replacement.regroup(merged, me)
-    merged.Free()
-    t_merge = time.monotonic()
+    while True:
+        try:
+            homes = ctx.comm.allgather(me)
+        except MPI.Exception as exc:
+            raise faults.failure(exc, _OP, ctx) from exc
+        lost = sorted(set(range(full)) - set(homes))
+        if not lost:
+            return []
+        comm, t_spawn, t_merge = _join_new_processes(ctx, full, me, lost)
+        if comm is not None:
+            break
+        # A new process died on the way (the survivors agreed that all of them are
+        # here): start the lost ranks' processes again.
+        report(f"spmd: {_OP}: a process started for ranks {lost} died before the world was "
+               "whole; starting them again")
     replace_world(comm, tuple(lost))
     last_heal.clear()
     last_heal.update(spawn=t_spawn - t0, merge=t_merge - t_spawn,
                      open=time.monotonic() - t_merge, total=time.monotonic() - t0)
     return lost
+
+
+def _join_new_processes(ctx: GroupContext, full: int, me: int, lost: list[int]
+                        ) -> tuple[MPI.Intracomm | None, float, float]:
+    """Start processes for ``lost``, merge with them and renumber: the healed world's
+    communicator; None where a new process died on the way.  The survivors agree on the
+    outcome (``MPI_Comm_agree`` on the world), so all of them retry or none; a survivor
+    lost on the way raises ProcessFailedError on all (the program shrinks again)."""
+    made: list[MPI.Comm] = []
+    comm = None
+    try:
+        inter = _start_processes(ctx, len(lost), f"for ranks {lost}", _OP)
+        made.append(inter)
+        t_spawn = time.monotonic()
+        merged = inter.Merge(high=False)
+        made.append(merged)
+        merged.Set_errhandler(MPI.ERRORS_RETURN)
+        replacement.send_plan(merged, replacement.HealPlan(full, tuple(lost), ctx.name))
+        comm = replacement.regroup(merged, me)
+        ok = True
+    except MPI.Exception as exc:
+        if not faults.is_failure(exc):
+            raise located(RuntimeError, _OP, f"MPI could not join the processes started for "
+                          f"ranks {lost}: {exc.Get_error_string()}", ctx) from exc
+        for c in made:
+            faults.revoke(c)   # the new processes' side of it fails too
+        ok, t_spawn = False, time.monotonic()
+    t_merge = time.monotonic()
+    try:
+        everyone = ctx.comm.Agree(int(ok))
+    except MPI.Exception as exc:
+        raise faults.failure(exc, _OP, ctx) from exc
+    for c in made:
+        with contextlib.suppress(MPI.Exception):
+            c.Free()
+    if not everyone:
+        if comm is not None:
+            with contextlib.suppress(MPI.Exception):
+                comm.Free()
+        return None, t_spawn, t_merge
+    return comm, t_spawn, t_merge
 
 
 def heal_state(state: Any, src: int | None = None) -> Any:

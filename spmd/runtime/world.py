@@ -158,7 +158,10 @@ def init_process_group(backend: str | None = None, init_method: str | None = Non
         size, me = comm.Get_size(), comm.Get_rank()
         world_state.full_size, world_state.replaced = plan.full_size, plan.lost
         world_state.is_replacement = True
-        finalize.note_replacement()
+        if replacement.started_recoverable():
+            finalize.note_failure()   # as its peers: they all saw a rank die
+        else:
+            finalize.note_replacement()
         end_healed_world_at_exit()
         group_name = group_name or plan.name
     else:

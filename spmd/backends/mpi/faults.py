@@ -151,6 +151,20 @@ def failure(exc: BaseException, op: str, ctx: GroupContext) -> BaseException:
     """The error to raise for ``exc``, raised by MPI in ``op`` on ``ctx``: a dead rank's
     (or a revoked communicator's) becomes what ``on_failure`` (the runtime's agreement)
     makes of it; any other comes back unchanged."""
-    if not is_failure(exc) or ctx.comm is None or on_failure is None:
+    if ctx.comm is None or on_failure is None or not isinstance(exc, MPI.Exception):
+        return exc
+    if not is_failure(exc) and not (ulfm() and _failed_or_revoked(ctx)):
         return exc
     return on_failure(op, ctx)
+
+
+def _failed_or_revoked(ctx: GroupContext) -> bool:
+    """Whether ``ctx``'s communicator was revoked or has a dead member: then any error on
+    it is the failure's (Open MPI's nonblocking collectives report a peer's death inside
+    their schedule as MPI_ERR_OTHER)."""
+    try:
+        if ctx.comm.Is_revoked():
+            return True
+    except MPI.Exception:
+        return True
+    return bool(known_failed(ctx))

@@ -22,13 +22,17 @@ instead (:func:`send_peer_plan`): they open a world of their own (the spawned pr
 from __future__ import annotations
 
 import dataclasses
+import os
 import secrets
+import threading
 from typing import Any, cast
 
 from mpi4py import MPI
 
+from spmd.backends.mpi import recoverable_spawn
+
 __all__ = ["HealPlan", "PeerPlan", "join", "joined_as_peer", "links", "parent", "regroup",
-           "send_peer_plan", "send_plan"]
+           "send_peer_plan", "send_plan", "started_recoverable"]
 
 _MAGIC = "spmd-heal-1"   # what the plan says first: a parent that is not spmd's healing is refused
 _PEER_MAGIC = "spmd-peer-1"   # a peer plan's: the new processes join later
@@ -64,8 +68,38 @@ def joined_as_peer() -> PeerPlan | None:
     return _joined[0] if _joined else None
 
 
+# A process started as a recoverable job whose starters gave up waiting for it (they
+# started others in its place) ends after this long instead of waiting to connect forever.
+ABANDONED_SECONDS = 60.0
+
+_started_recoverable: list[bool] = []   # set by parent(): this process joined by a port
+
+
+def started_recoverable() -> bool:
+    """Whether this process was started as a recoverable job (it may leave without
+    ``MPI_Finalize``, and its death does not fail the launcher)."""
+    return bool(_started_recoverable)
+
+
 def parent() -> MPI.Intercomm | None:
-    """The survivors' world if this process was started to replace a lost rank, else None."""
+    """The survivors' world if this process was started to replace a lost rank (or to
+    join later), else None: the port they opened, for a process started as a
+    recoverable job (:mod:`spmd.backends.mpi.recoverable_spawn`); MPI's parent for one
+    ``MPI_Comm_spawn`` started."""
+    port = recoverable_spawn.take_port()
+    if port is not None:
+        leave = threading.Timer(ABANDONED_SECONDS, os._exit, (0,))
+        leave.daemon = True
+        leave.start()
+        try:
+            world = MPI.COMM_WORLD.Dup()
+            world.Set_errhandler(MPI.ERRORS_RETURN)
+            inter = world.Connect(port, root=0)
+            world.Free()
+        finally:
+            leave.cancel()
+        _started_recoverable[:] = [True]
+        return inter
     p = MPI.Comm.Get_parent()
     return None if p == MPI.COMM_NULL else p
 

