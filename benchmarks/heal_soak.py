@@ -50,19 +50,40 @@ RECOVERY_POINTS = ("after_shrink", "in_heal", "before_state", "new_before_join")
 
 def plan(seed: int, count: int, every: tuple[int, int], recovery: bool,
          kinds: tuple[str, ...]) -> list[dict]:
-    """``count`` faults: the step each strikes at, its victim (a rank of the world),
-    how (kill or stop) and where (before collective ``point`` of the step, or at a
-    recovery point)."""
+    """``count`` faults: the step each strikes at, its victims (ranks of the world), how
+    (kill or stop) and where (before collective ``point`` of the step); with
+    ``recovery``, some have a second fault (``then``) inside the recovery they start."""
     rng = random.Random(seed)
     out, step = [], 0
     for k in range(count):
         step += rng.randint(*every)
-        where: object = rng.randrange(POINTS)
-        how = rng.choice(kinds)
+        fault = {"k": k, "step": step, "victims": [rng.randrange(SIZE)],
+                 "how": rng.choice(kinds), "where": rng.randrange(POINTS)}
         if recovery and rng.random() < 0.4:
-            where, how = rng.choice(RECOVERY_POINTS), "kill"
-        out.append({"k": k, "step": step, "victim": rng.randrange(SIZE), "how": how,
-                    "where": where})
+            # a rank of the shrunk world (SIZE - 1 ranks) dies inside the recovery
+            fault["then"] = {"where": rng.choice(RECOVERY_POINTS),
+                             "victim": rng.randrange(SIZE - 1)}
+        out.append(fault)
+    return out
+
+
+def parse_script(text: str) -> list[dict]:
+    """Faults written out: ``HOW:RANKS@STEP[/POINT][+WHERE:RANK]`` separated by ``;``,
+    e.g. ``kill:0,2@100;kill:2@300/3+in_heal:1`` (ranks 0 and 2 killed before step
+    100's first collective; at step 300 rank 2 before its fourth, and rank 1 of the
+    shrunk world inside heal)."""
+    out = []
+    for k, item in enumerate(filter(None, text.split(";"))):
+        item, _, then = item.partition("+")
+        how, rest = item.split(":")
+        ranks, _, at = rest.partition("@")
+        step, _, point = at.partition("/")
+        fault = {"k": k, "step": int(step), "victims": [int(r) for r in ranks.split(",")],
+                 "how": how, "where": int(point or 0)}
+        if then:
+            where, _, victim = then.partition(":")
+            fault["then"] = {"where": where, "victim": int(victim or 0)}
+        out.append(fault)
     return out
 
 
@@ -107,7 +128,8 @@ def say(line: str) -> None:
 
 
 def strike(fault: dict) -> None:
-    say(f"FAULT {json.dumps({'k': fault['k'], 'how': fault['how'], 'where': fault['where'], 'victim': fault['victim'], 't': time.time()})}")
+    say("FAULT " + json.dumps({"k": fault["k"], "how": fault["how"], "where": fault["where"],
+                               "t": time.time()}))
     os.kill(os.getpid(), signal.SIGKILL if fault["how"] == "kill" else signal.SIGSTOP)
 
 
@@ -115,16 +137,19 @@ def job(args: argparse.Namespace) -> None:
     import spmd as dist   # the driver runs without MPI; the job imports spmd here
     from mpi4py import MPI
 
-    faults = plan(args.seed, args.faults, (args.min_every, args.max_every), args.recovery,
-                  tuple(args.kinds.split(",")))
+    faults = parse_script(args.script) if args.script else \
+        plan(args.seed, args.faults, (args.min_every, args.max_every), args.recovery,
+             tuple(args.kinds.split(",")))
     pending = os.path.join(args.dir, "new_before_join")
-    if MPI.Comm.Get_parent() != MPI.COMM_NULL and os.path.exists(pending):
+    started_by_heal = "SPMD_JOIN_PORT" in os.environ or MPI.Comm.Get_parent() != MPI.COMM_NULL
+    if started_by_heal and os.path.exists(pending):
         try:
             os.remove(pending)   # one new process takes it (atomic)
         except FileNotFoundError:
             pass
         else:
-            say(f"FAULT {json.dumps({'k': -1, 'how': 'kill', 'where': 'new_before_join', 'victim': -1, 't': time.time()})}")
+            say("FAULT " + json.dumps({"k": -1, "how": "kill", "where": "new_before_join",
+                                       "t": time.time()}))
             os.kill(os.getpid(), signal.SIGKILL)
     dist.init_process_group(timeout=timedelta(seconds=args.timeout))
     if not dist.fault_tolerant():
@@ -135,22 +160,18 @@ def job(args: argparse.Namespace) -> None:
 
     def due(state: dict, rank: int, where: object) -> dict | None:
         k = state["fault"]
-        if period:   # time-driven: one fault every `period` s from the start
-            if k < len(faults) and time.time() >= float(args.t0) + period * (k + 1) and \
-                    faults[k]["victim"] == rank and where == faults[k]["where"]:
-                return faults[k]
+        if k >= len(faults) or rank not in faults[k]["victims"] or where != faults[k]["where"]:
             return None
-        if k < len(faults) and faults[k]["step"] == state["step"] and \
-                faults[k]["victim"] == rank and faults[k]["where"] == where:
-            return faults[k]
-        return None
+        if period:   # time-driven: one fault every `period` s from the start
+            return faults[k] if time.time() >= float(args.t0) + period * (k + 1) else None
+        return faults[k] if faults[k]["step"] == state["step"] else None
 
-    def recovery_fault(state: dict, where: str) -> None:
-        k = state["fault"] - 1   # the recovery's own fault (counted already)
-        f = faults[k] if 0 <= k < len(faults) else None
-        if f is not None and f["where"] == where and f["victim"] == dist.get_rank() and \
-                not state.get("recovery_struck"):
-            strike(f)
+    def recovery_fault(state: dict | None, where: str) -> None:
+        """The second fault of the one that started this recovery, if it strikes here."""
+        k = state["fault"] - 1 if state is not None else -1
+        then = faults[k].get("then") if 0 <= k < len(faults) else None
+        if then is not None and then["where"] == where and then["victim"] == dist.get_rank():
+            strike({**faults[k], "where": where})
 
     def pair_group():
         return dist.new_group([r for r in range(SIZE) if r // 2 == dist.get_rank() // 2])
@@ -194,43 +215,56 @@ def job(args: argparse.Namespace) -> None:
                                      f"expected {want[name][:8]}")
         return advance(state, got), stop
 
-    def recover(state: dict, before: dict) -> tuple[dict, dict]:
+    def recover(state: dict | None, before: dict | None, tries: int = 0
+                ) -> tuple[dict, dict]:
         """Shrink, agree on the step, heal, hand over the state; again from the start
-        with whoever is left if a rank is lost on the way."""
-        tries = 0
+        with whoever is left if a rank is lost on the way.  A new process comes in with
+        no state (None) and gets it from heal_state, here or in a later try."""
+        fresh = tries == 0 and state is None   # a new process: straight to heal_state
+        struck = False                         # the recovery's own fault is spent
         while True:
             tries += 1
             try:
-                lost = dist.get_failed_ranks()
-                if lost:
-                    dist.shrink_group(lost)
-                recovery_fault(state, "after_shrink")
-                done = np.array([state["step"]], np.int64)
-                dist.all_reduce(done, op=dist.ReduceOp.MIN)
-                if done[0] < state["step"]:
-                    state = before
-                f = faults[state["fault"] - 1] if state["fault"] else None
-                if f is not None and f["where"] == "new_before_join" and \
-                        not state.get("recovery_struck") and dist.get_rank() == 0:
-                    open(pending, "w").close()
-                recovery_fault(state, "in_heal")
-                new = dist.heal()
-                recovery_fault(state, "before_state")
-                state = dict(state, recovery_struck=True,
-                             heals=state["heals"] + [{"new": new, "tries": tries}])
-                return healed(dist.heal_state(state))
+                giving = None
+                if not fresh:
+                    lost = dist.get_failed_ranks()
+                    if lost:
+                        dist.shrink_group(lost)
+                    if not struck:
+                        recovery_fault(state, "after_shrink")
+                    mine = state["step"] if state is not None else np.iinfo(np.int64).max
+                    done = np.array([mine], np.int64)
+                    dist.all_reduce(done, op=dist.ReduceOp.MIN)
+                    if state is not None and done[0] < state["step"]:
+                        state = before
+                    then = faults[state["fault"] - 1].get("then") \
+                        if state is not None and state["fault"] else None
+                    if then is not None and then["where"] == "new_before_join" and \
+                            not struck and dist.get_rank() == 0:
+                        open(pending, "w").close()
+                    if not struck:
+                        recovery_fault(state, "in_heal")
+                    new = dist.heal()
+                    if not struck:
+                        recovery_fault(state, "before_state")
+                    if state is not None:
+                        giving = dict(state, heals=state["heals"] + [{"new": new,
+                                                                      "tries": tries}])
+                fresh = False
+                return healed(dist.heal_state(giving))
             except (dist.ProcessFailedError, dist.GroupBrokenError) as err:
-                say(f"RETRY rank {dist.get_rank()}: {type(err).__name__}: {err}")
+                say(f"RETRY {type(err).__name__}: {err}")
+                struck, fresh = True, False
                 continue
 
     def healed(state: dict) -> tuple[dict, dict]:
         """Every rank of the healed world, new or not: back at full size now."""
         last = dict(state["heals"][-1], t=time.time())
-        state = dict(state, recovery_struck=False, heals=state["heals"][:-1] + [last])
+        state = dict(state, heals=state["heals"][:-1] + [last])
         return state, dict(state)
 
     if dist.is_replacement():
-        state, before = healed(dist.heal_state(None))
+        state, before = recover(None, None)
     else:
         state = fresh_state()
         before = dict(state)
@@ -275,6 +309,8 @@ def one_run(args: argparse.Namespace, seed: int, seconds: float = 0.0,
     work = tempfile.mkdtemp(prefix="heal-soak-")
     t0 = time.time()
     nfaults = args.faults if faults is None else faults
+    if args.script:
+        nfaults = len(parse_script(args.script))
     cmd = [*mpiexec(), "-n", str(SIZE), sys.executable, os.path.abspath(__file__), "--job",
            "--seed", str(seed), "--faults", str(nfaults), "--steps", str(args.steps),
            "--min-every", str(args.min_every), "--max-every", str(args.max_every),
@@ -282,6 +318,8 @@ def one_run(args: argparse.Namespace, seed: int, seconds: float = 0.0,
            "--t0", repr(t0), "--seconds", str(seconds), "--fault-every-s", str(fault_every_s)]
     if args.recovery:
         cmd.append("--recovery")
+    if args.script:
+        cmd += ["--script", args.script]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     try:
         proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
@@ -297,13 +335,14 @@ def one_run(args: argparse.Namespace, seed: int, seconds: float = 0.0,
                if line.startswith("RESULT ")]
     struck = [json.loads(line.split("FAULT ", 1)[1]) for line in out.splitlines()
               if line.startswith("FAULT ")]
+    distinct = {f["k"] for f in struck if f["k"] >= 0}   # a fault may strike several ranks
     final = sorted(r["rank"] for r in results)
     heals = min((r["heals"] for r in results), key=len) if results else []
     ok = (rc == 0 and final == list(range(SIZE)) and all(r["exact"] for r in results)
           and all(r["size"] == SIZE for r in results)
           and len({r["steps"] for r in results}) == 1
-          and (fault_every_s or len(struck) >= nfaults)
-          and all(len(r["heals"]) == len([f for f in struck if f["k"] >= 0]) for r in results))
+          and (fault_every_s or len(distinct) == nfaults)
+          and all(len(r["heals"]) == len(distinct) for r in results))
     # Fault to full size: each heal's end against the latest fault before it.
     recover = []
     for h in heals:
@@ -311,7 +350,7 @@ def one_run(args: argparse.Namespace, seed: int, seconds: float = 0.0,
         if before:
             f = max(before, key=lambda f: f["t"])
             recover.append((f["how"], h["t"] - f["t"]))
-    return {"seed": seed, "rc": rc, "ok": ok, "faults": len(struck), "heals": len(heals),
+    return {"seed": seed, "rc": rc, "ok": ok, "faults": len(distinct), "heals": len(heals),
             "steps": results[0]["steps"] if results else 0, "wall": wall,
             "recover": recover, "out": out}
 
@@ -375,6 +414,8 @@ def main() -> int:
     p.add_argument("--min-every", type=int, default=150)
     p.add_argument("--max-every", type=int, default=400)
     p.add_argument("--kinds", default="kill,stop")
+    p.add_argument("--script", default="",
+                   help="faults written out instead of random ones (see parse_script)")
     p.add_argument("--recovery", action="store_true",
                    help="some faults strike inside a recovery")
     p.add_argument("--timeout", type=float, default=3.0, help="group timeout (s): finds hangs")
@@ -390,7 +431,8 @@ def main() -> int:
     p.add_argument("--fault-every-s", type=float, default=0.0, help=argparse.SUPPRESS)
     args = p.parse_args()
     if not args.steps:
-        args.steps = args.faults * args.max_every + 200
+        last = max((f["step"] for f in parse_script(args.script)), default=0)
+        args.steps = (last if args.script else args.faults * args.max_every) + 200
     if not args.limit:
         args.limit = 60 + args.faults * (args.timeout + 10) + (2.5 * args.throughput)
     if args.job:

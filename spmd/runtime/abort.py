@@ -67,6 +67,10 @@ def abort_job(text: str) -> None:
     time.sleep(ABORT_GRACE)
     if faults.ulfm():
         _end_world()
+        # Not MPI_Abort: in a job started fault tolerant it ends nothing (Open MPI's
+        # runtime only tells the others); a process that exits with status 1 makes the
+        # launcher's status 1 once every process has gone.
+        os._exit(1)
     job.abort(1)
     # MPICH's MPI_Abort returns while the launcher tears the job down: this rank must not
     # go on meanwhile (its program would get the error and run on with it).
@@ -74,12 +78,12 @@ def abort_job(text: str) -> None:
 
 
 def _end_world() -> None:
-    """Under ULFM ``MPI_Abort`` ends only this process's own job (Open MPI: the launcher's,
-    or the one ``heal()`` spawned this process in), and the launcher waits for the rest,
-    forever for a stopped one: end every process of the world first.  The ranks on other
-    nodes are told (each ends its node's processes and its own job); the ones on this
-    node, and any process the launcher runs here for this job (a new one not yet
-    joined), are killed."""
+    """Under ULFM ``MPI_Abort`` ends nothing: Open MPI's runtime keeps a job started fault
+    tolerant (and the recoverable jobs healing starts) running after any one process
+    aborts, and the launcher waits for the rest, forever for a stopped one.  So spmd ends
+    every process of the world itself: the ranks on other nodes are told (each ends its
+    node's processes), the ones on this node, and any process the launcher runs here for
+    this job (a new one not yet joined), are killed."""
     world = world_state.world
     ch = state.channel
     if world is not None and ch is not None:
@@ -90,13 +94,12 @@ def _end_world() -> None:
 
 def aborted_elsewhere(notice: dict) -> None:
     """A rank on another node aborts the job (runs on the control thread): end this
-    node's processes of the world, then this process's own job."""
+    node's processes of the world, then this process, with status 1."""
     if notice.get("host") == socket.gethostname():
         return   # the aborting rank ends this node's processes itself
     write_lines(f"[rank {state.rank}] spmd: rank {notice.get('from')} aborts the job; "
                 "ending this node's processes", sys.stderr)
     job.kill_launched_here(hangs.pids_on_this_node())
-    job.abort(1)
     os._exit(1)
 
 

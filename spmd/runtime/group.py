@@ -176,11 +176,14 @@ class WorldState:
         self.node_size = 1
         # What healing needs (spmd.runtime.heal): the world's size when it was made, this
         # process's rank in it (kept while shrinking renumbers the ranks), the ranks the
-        # last healing gave to new processes, and whether this process is one of them.
+        # last healing gave to new processes, whether this process is one of them, and
+        # whether it still waits for the program's state (a new process, until
+        # heal_state gave it: it can never be the state's source).
         self.full_size = 1
         self.home_rank = 0
         self.replaced: tuple[int, ...] = ()
         self.is_replacement = False
+        self.awaiting_state = False
 
 
 world_state = WorldState()

@@ -279,22 +279,42 @@ def heal_state(state: Any, src: int | None = None) -> Any:
     Every rank of the healed default group calls it: the survivors with their state (a
     dict of arrays, a torch ``state_dict``, the step...), the new processes with
     anything (``None``).  Every rank gets ``src``'s state back (by default the lowest
-    rank that survived), so all continue from the same one.  The state travels pickled:
-    only between the job's own processes.
+    rank that holds it: not a new process), so all continue from the same one.  The
+    state travels pickled: only between the job's own processes.
+
+    A rank lost meanwhile raises ProcessFailedError on every rank, new processes
+    included: all shrink, heal and call it again (a new process still waiting for the
+    state passes ``None`` again; it is never the source).
 
     Returns:
         ``src``'s state.
     """
     pg = default_group("heal_state")
-    replaced = set(world_state.replaced)
+    ctx = pg.context
+    try:
+        # Who holds the state: not a new process, of this heal or of an earlier one
+        # whose heal_state a failure interrupted.
+        holders = [r for r, has in enumerate(ctx.comm.allgather(not world_state.awaiting_state))
+                   if has]
+    except MPI.Exception as exc:
+        raise faults.failure(exc, "heal_state", ctx) from exc
+    new = [r for r in range(ctx.size) if r not in holders]
+    if not holders:
+        raise located(RuntimeError, "heal_state", "no process of the world holds the state: "
+                      "every one that had it was lost", ctx)
     if src is None:
-        src = next((r for r in range(pg.context.size) if r not in replaced), 0)
-    elif src in replaced:
+        src = holders[0]
+    elif src not in holders:
         raise located(ValueError, "heal_state", f"src={src} is a new process: it has no "
-                      f"state to give (new: {sorted(replaced)})", pg.context)
-    # pkl5: out-of-band buffers, so arrays travel without a copy into the pickle and
-    # past MPI's 2 GiB count.
-    return pkl5.Intracomm(pg.context.comm).bcast(state, root=src)
+                      f"state to give (new: {new})", ctx)
+    try:
+        # pkl5: out-of-band buffers, so arrays travel without a copy into the pickle and
+        # past MPI's 2 GiB count.
+        out = pkl5.Intracomm(ctx.comm).bcast(state, root=src)
+    except MPI.Exception as exc:
+        raise faults.failure(exc, "heal_state", ctx) from exc
+    world_state.awaiting_state = False
+    return out
 
 
 # -- growing by processes that join later (torch's reconfigure: spmd.torch) ----------

@@ -158,6 +158,7 @@ def init_process_group(backend: str | None = None, init_method: str | None = Non
         size, me = comm.Get_size(), comm.Get_rank()
         world_state.full_size, world_state.replaced = plan.full_size, plan.lost
         world_state.is_replacement = True
+        world_state.awaiting_state = True
         if replacement.started_recoverable():
             finalize.note_failure()   # as its peers: they all saw a rank die
         else:
