@@ -137,6 +137,8 @@ def job(args: argparse.Namespace) -> None:
     import spmd as dist   # the driver runs without MPI; the job imports spmd here
     from mpi4py import MPI
 
+    from spmd.runtime.heal import last_heal
+
     faults = parse_script(args.script) if args.script else \
         plan(args.seed, args.faults, (args.min_every, args.max_every), args.recovery,
              tuple(args.kinds.split(",")))
@@ -248,8 +250,10 @@ def job(args: argparse.Namespace) -> None:
                     if not struck:
                         recovery_fault(state, "before_state")
                     if state is not None:
+                        steps = {k: round(v, 3) for k, v in last_heal.items()}
                         giving = dict(state, heals=state["heals"] + [{"new": new,
-                                                                      "tries": tries}])
+                                                                      "tries": tries,
+                                                                      "steps": steps}])
                 fresh = False
                 return healed(dist.heal_state(giving))
             except (dist.ProcessFailedError, dist.GroupBrokenError) as err:
@@ -288,8 +292,8 @@ def job(args: argparse.Namespace) -> None:
     say("RESULT " + json.dumps({"rank": dist.get_rank(), "size": dist.get_world_size(),
                                 "steps": state["step"], "exact": exact,
                                 "replacement": dist.is_replacement(),
-                                "heals": [{"t": h["t"], "tries": h["tries"]}
-                                          for h in state["heals"]]}))
+                                "heals": [{"t": h["t"], "tries": h["tries"],
+                                           "steps": h["steps"]} for h in state["heals"]]}))
     dist.destroy_process_group()
 
 
