@@ -28,6 +28,7 @@ from spmd.core import flight_recorder
 from spmd.core import wait as _wait
 from spmd.core.context import GroupContext
 from spmd.core.errors import GroupBrokenError
+from spmd.runtime import hangs
 from spmd.runtime.group import world_state
 from spmd.runtime.reliability import report
 
@@ -69,6 +70,7 @@ def agree() -> tuple[int, ...]:
         dead, live = faults.shrink_agreement(world.context)
         _agreed, _survivors = dead, live
         known_dead.update(dead)
+        wrongly = hangs.end_excluded(dead)
         for ctx in _contexts():
             mine = tuple(g for g in dead if g in ctx.index)
             if mine:
@@ -81,6 +83,10 @@ def agree() -> tuple[int, ...]:
     report(f"spmd: rank(s) {list(dead)} died; the survivors agreed on it: ops on the groups "
            "that hold them raise ProcessFailedError, every other group was revoked "
            "(GroupBrokenError); spmd.shrink_group() makes the new groups")
+    if wrongly:
+        report(f"spmd: the process(es) of rank(s) {wrongly} still ran though the agreement "
+               "excluded them: ended them, so that no process goes on with a world that "
+               "left it out")
     return dead
 
 

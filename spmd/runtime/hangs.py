@@ -33,15 +33,25 @@ from spmd.core.context import GroupContext
 from spmd.runtime.group import world_state
 from spmd.runtime.reliability import report, state
 
-__all__ = ["QUERY_SECONDS", "await_failure", "culprits", "end", "excluded", "learn_peers",
-           "pids_on_this_node"]
+__all__ = ["QUERY_SECONDS", "await_failure", "culprits", "end", "end_excluded", "excluded",
+           "learn_peers", "pids_on_this_node"]
 
 # How long the diagnosis of a job that survives hangs waits for a member's answer: a
 # stopped one never answers, and the time to heal counts from the timeout.
 QUERY_SECONDS = 0.5
 
-# Global rank -> (host, pid) of every rank of WORLD (under ULFM), gathered at start-up.
-_peers: list[tuple[str, int]] = []
+# Global rank -> (host, pid, start time) of every rank of WORLD (under ULFM), gathered
+# at start-up; the start time tells the process from a later one given the same pid.
+_peers: list[tuple[str, int, int]] = []
+
+
+def _started(pid: int) -> int:
+    """When process ``pid`` started (clock ticks since boot), or -1 if there is none."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[19])
+    except (OSError, ValueError, IndexError):
+        return -1
 
 
 def learn_peers(world_comm) -> None:
@@ -49,7 +59,8 @@ def learn_peers(world_comm) -> None:
     one can be ended from its node."""
     global _peers
     if faults.ulfm():
-        _peers = [tuple(p) for p in world_comm.allgather((socket.gethostname(), os.getpid()))]
+        me = (socket.gethostname(), os.getpid(), _started(os.getpid()))
+        _peers = [tuple(p) for p in world_comm.allgather(me)]
     else:
         _peers = []
 
@@ -57,7 +68,40 @@ def learn_peers(world_comm) -> None:
 def pids_on_this_node() -> list[int]:
     """The pids of the world's processes on this node (what start-up learnt; under ULFM)."""
     host = socket.gethostname()
-    return [pid for h, pid in _peers if h == host]
+    return [pid for h, pid, _ in _peers if h == host]
+
+
+def _kill_here(rank: int) -> bool | None:
+    """SIGKILL ``rank``'s process if it runs on this node: True if it was alive (the
+    same process start-up saw, not a later one with its pid), False if it was gone, None
+    if it runs elsewhere."""
+    if rank >= len(_peers) or _peers[rank][0] != socket.gethostname():
+        return None
+    _, pid, started = _peers[rank]
+    if _started(pid) != started:
+        return False
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.kill(pid, signal.SIGKILL)
+        return True
+    return False
+
+
+def end_excluded(ranks: tuple[int, ...]) -> list[int]:
+    """The survivors agreed that ``ranks`` died; one whose process still runs (MPI's
+    detector said so wrongly, or it hung) is ended now rather than go on alone with a
+    world that excluded it: killed on this node, told elsewhere.  The ranks found alive
+    here."""
+    alive, elsewhere = [], []
+    for r in ranks:
+        found = _kill_here(r)
+        if found:
+            alive.append(r)
+        elif found is None:
+            elsewhere.append(r)
+    if elsewhere and state.channel is not None:
+        state.channel.notify(elsewhere, {"q": "excluded", "from": state.rank,
+                                         "reason": "the survivors agreed it died"})
+    return alive
 
 
 def culprits(peers: list[int], replies: dict[int, dict], seq: int) -> list[int]:
@@ -83,9 +127,7 @@ def end(g: GroupContext, ranks: list[int], replies: dict[int, dict], reason: str
         ch.notify(answered, {"q": "excluded", "from": me, "reason": reason})
         told = answered
     for r in ranks:
-        if r < len(_peers) and _peers[r][0] == host:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.kill(_peers[r][1], signal.SIGKILL)
+        if _kill_here(r) is not None:
             killed.append(r)
         elif r not in told:
             left.append(r)

@@ -13,23 +13,30 @@ In a new process, ``init_process_group()`` joins that world and
 :func:`is_replacement` is True.  The program's state comes from a live peer, never from
 disk unless the program asks: :func:`heal_state`, one collective on the healed world.
 
-A training loop that survives any one rank lost, killed or hung (under ULFM: Open MPI's
-``mpiexec --with-ft ulfm``)::
+A training loop that survives ranks lost, killed or hung, any number of times and during
+a recovery too (under ULFM: Open MPI's ``mpiexec --with-ft ulfm``)::
+
+    def recover(state, joining=False):
+        while True:
+            try:
+                if not joining:
+                    dist.shrink_group(dist.get_failed_ranks())   # the survivors' world
+                    dist.heal()                                  # back to full size
+                return dist.heal_state(state)                    # the new ones get it
+            except (dist.ProcessFailedError, dist.GroupBrokenError):
+                joining = False                                  # lost another: again
 
     dist.init_process_group()
-    state = make_state() if not dist.is_replacement() else None
-    state = dist.heal_state(state) if dist.is_replacement() else state
+    state = recover(None, joining=True) if dist.is_replacement() else make_state()
     while state["step"] < steps:
         try:
             train_step(state)                      # collectives on WORLD
-        except dist.ProcessFailedError as err:
-            dist.shrink_group(err.group_ranks)     # the survivors' world
-            dist.heal()                            # back to full size
-            state = dist.heal_state(state)         # the new processes get it too
+        except (dist.ProcessFailedError, dist.GroupBrokenError):
+            state = recover(state)
 
 Where the new processes run is the launcher's choice (Open MPI places them on the slots
 the job has; the lost processes' slots are free again).  Starting them takes a Python
-interpreter's start-up and imports (about 1.2-1.4 s here).
+interpreter's start-up, imports and ``MPI_Init`` (docs/reliability.md has the figures).
 """
 
 from __future__ import annotations

@@ -52,18 +52,13 @@ def note_failure() -> None:
 
 
 def note_replacement() -> None:
-    """This process was started by healing (spmd.heal), in a job of its own that the
-    launcher did not start fault tolerant: it must end with MPI_Finalize, even after a
-    failure, or the launcher takes its exit for a crash and ends everything.  (Open MPI
-    5.0: a survivor's MPI_Finalize after a failure and a spawn hangs or aborts about
-    one run in five, with mpi4py alone too; the survivors leave without it, as after
-    any failure, and the new processes' finalize then completes.)"""
+    """This process was started by healing with ``MPI_Comm_spawn`` (where Open MPI's PMIx
+    could not be reached: spmd.backends.mpi.recoverable_spawn), in a job of its own that
+    the launcher did not start fault tolerant: it must end with MPI_Finalize, even after
+    a failure, or the launcher takes its exit for a crash and ends everything.  A
+    process started as a recoverable job leaves as its peers do."""
     global _must_finalize
     _must_finalize = True
-    # Known limit (Open MPI 5.0.11): where such a process outlives a later failure, its
-    # MPI_Finalize aborts about one run in two, and the launcher's status is then 255
-    # though every process finished its work; leaving without it fails every time (the
-    # launcher calls that an improper exit of a job not started fault tolerant).
 
 
 def _finalize() -> None:
