@@ -19,6 +19,8 @@ from typing import Any
 
 from spmd._version import __version__ as __version__
 from spmd.backends.mpi.finalize import prepare as _prepare_mpi_finalize
+from spmd.core import settings as _settings
+from spmd.core import startup as _startup
 
 # spmd.spawn is the function (torch's spawn); the subpackage of the same name is reached
 # by its import path (from spmd.spawn import ProcessRaisedException).  The import system
@@ -29,6 +31,18 @@ from spmd.spawn import spawn as spawn
 # In a job started with ULFM fault tolerance, spmd finalizes MPI itself (before MPI starts,
 # so at import): spmd.backends.mpi.finalize says why.  Elsewhere it does nothing.
 _prepare_mpi_finalize()
+
+
+def _tools_from_settings() -> None:
+    """The tools a setting turns on for the whole run, loaded at init_process_group
+    (they read their setting when loaded; loading them starts MPI, so not at import)."""
+    for name, module in (("SPMD_COMMS_LOG", "spmd.tools.comms_log"),
+                         ("SPMD_TRACE", "spmd.tools.trace")):
+        if _settings.read(name):
+            importlib.import_module(module)
+
+
+_startup.at_init(_tools_from_settings)
 
 # The public API, the one list of it: the names each module gives spmd.  __all__,
 # dir(spmd) and the lazy imports below come from here; spmd/__init__.pyi is what type

@@ -30,7 +30,8 @@ class Setting:
     """One ``SPMD_*`` environment variable."""
 
     name: str
-    kind: str              # bool, int, size (int > 0), count (int >= 0), seconds, text, choice
+    kind: str              # bool, int, size (int > 0), count (int >= 0), seconds (> 0),
+                           # delay (seconds >= 0), text, choice
     default: Any
     doc: str
     choices: tuple[str, ...] = ()   # a choice's values, lowercase ("" stands for unset)
@@ -82,9 +83,10 @@ SETTINGS: dict[str, Setting] = _settings(
             "node (tests of multi-node layouts on one host)"),
     Setting("SPMD_CUDA_AWARE_MPI", "choice", None, "1: MPI reads GPU memory, 0: stage through "
             "the host (unset: asked of MPI)", ("0", "1")),
-    Setting("SPMD_COMMS_LOG", "bool", False, "log every collective's size and time per rank"),
+    Setting("SPMD_COMMS_LOG", "bool", False, "log every collective's size and time per rank "
+            "(from init_process_group on)"),
     Setting("SPMD_TRACE", "text", None, "write a Chrome-trace timeline to this file pattern "
-            "(%r: the rank)"),
+            "(%r: the rank; from init_process_group on)"),
     Setting("SPMD_MPIEXEC", "text", None, "the launcher spmd.spawn and the test suite run "
             "(default: mpiexec beside python, or on PATH)"),
     Setting("SPMD_SPAWN_HOST", "text", None, "the address spmd.spawn's caller listens on under "
@@ -99,7 +101,7 @@ SETTINGS: dict[str, Setting] = _settings(
             "backend name, read at import torch"),
     Setting("SPMD_DEVICE_DOUBLE_DIR", "text", None, "the device double's exchange directory "
             "(spmd.testing; default: the temporary directory)"),
-    Setting("SPMD_DEVICE_DOUBLE_LAG", "seconds", 0.0002, "the device double's simulated "
+    Setting("SPMD_DEVICE_DOUBLE_LAG", "delay", 0.0002, "the device double's simulated "
             "kernel time (spmd.testing)"),
 )
 
@@ -123,13 +125,15 @@ def _parse(s: Setting, text: str) -> Any:
             raise ValueError("expected a positive integer" if s.kind == "size" else
                              "expected 0 or more")
         return value
-    if s.kind == "seconds":
+    if s.kind in ("seconds", "delay"):
         try:
             seconds = float(low)
         except ValueError:
             raise ValueError("expected a number of seconds") from None
-        if not seconds > 0:
+        if s.kind == "seconds" and not seconds > 0:
             raise ValueError("expected a positive number of seconds")
+        if s.kind == "delay" and not seconds >= 0:   # NaN included
+            raise ValueError("expected 0 or more seconds")
         return seconds
     return text.strip()
 

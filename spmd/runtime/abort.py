@@ -100,7 +100,7 @@ def aborted_elsewhere(notice: dict) -> None:
     write_lines(f"[rank {state.rank}] spmd: rank {notice.get('from')} aborts the job; "
                 "ending this node's processes", sys.stderr)
     job.kill_launched_here(hangs.pids_on_this_node())
-    os._exit(1)
+    os._exit(1)   # now, from this thread: no exit handler may wait on MPI
 
 
 def stays_up_after_device_timeout() -> bool:

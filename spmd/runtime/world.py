@@ -15,7 +15,7 @@ from spmd.backends.mpi import finalize, replacement
 from spmd.backends.mpi.nodes import node_layout
 from spmd.backends.registry import Backend, register_backend
 from spmd.core import cuda as _gpu
-from spmd.core import settings
+from spmd.core import settings, startup
 from spmd.core import wait as _wait
 from spmd.core.launch import LOCAL_RANK_VARS, check_world_size, local_rank_from_env
 from spmd.core.settings import Config, parse_options
@@ -191,6 +191,7 @@ def init_process_group(backend: str | None = None, init_method: str | None = Non
     if device_id is not None:
         _gpu.select_device(device_id)  # arrays made from now on land on it; staging syncs it
     pg = open_world(comm, group_name or "WORLD", seconds, spec, store, reliability)
+    startup.run()
     if device_id is not None and devices.get("cuda") == "nccl":
         pg.engine_for("cuda").connect("init_process_group")  # eager, as c10d does
 

@@ -163,6 +163,7 @@ MPI_MODULES = {
     "spmd.backends.mpi.control",                        # the control channel's messages
     "spmd.backends.mpi.job",                            # COMM_WORLD, MPI_APPNUM, MPI_Abort
     "spmd.backends.mpi.replacement",                    # Merge, Split: a spawned process joins
+    "spmd.backends.mpi.recoverable_spawn",              # Open MPI's PMIx spawn, its library
     "spmd.backends.mpi.finalize",                       # mpi4py.rc.finalize, before MPI starts
     "spmd.backends.setup",                              # first-use set-up: its Ibarrier gate
     "spmd.backends.reduction",                          # the MPI ops of each reduction

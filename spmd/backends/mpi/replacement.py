@@ -88,6 +88,7 @@ def parent() -> MPI.Intercomm | None:
     ``MPI_Comm_spawn`` started."""
     port = recoverable_spawn.take_port()
     if port is not None:
+        # os._exit: from the timer's thread, while the main one is blocked in MPI
         leave = threading.Timer(ABANDONED_SECONDS, os._exit, (0,))
         leave.daemon = True
         leave.start()
