@@ -134,10 +134,11 @@ def strike(fault: dict) -> None:
 
 
 def job(args: argparse.Namespace) -> None:
-    import spmd as dist   # the driver runs without MPI; the job imports spmd here
-    from mpi4py import MPI
-
+    # The driver runs without MPI: the job imports spmd here, before mpi4py's MPI (under
+    # ULFM spmd must see MPI start: spmd.backends.mpi.finalize).
+    import spmd as dist  # noqa: I001
     from spmd.runtime.heal import last_heal
+    from mpi4py import MPI
 
     faults = parse_script(args.script) if args.script else \
         plan(args.seed, args.faults, (args.min_every, args.max_every), args.recovery,

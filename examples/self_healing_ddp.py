@@ -7,7 +7,8 @@ replaced by a new process, and training goes on at full size with its state.
 A ``torch.nn.Linear`` in DDP, SGD with momentum on each step's global batch split across
 the ranks.  ``--faults`` says who fails when: ``kill:3@5`` makes rank 3 SIGKILL itself
 before step 5's gradient all-reduce, ``stop:1@12`` makes rank 1 stop there (SIGSTOP: hung,
-alive to MPI; the group timeout, 3 s, finds it and spmd ends it).  The survivors' backward
+alive to MPI; the group timeout, 3 s, finds it and spmd ends it); ``--random N --seed S``
+makes N seeded random ones instead.  The survivors' backward
 raises (spmd's ProcessFailedError, which torch's ops raise as torch's DistBackendError and
 DDP's reducer hands on as a RuntimeError); then, with torch 2.14's reconfigure API:
 
@@ -91,6 +92,17 @@ def parse_faults(text: str) -> dict[int, tuple[str, int]]:
     return out
 
 
+def random_faults(count: int, seed: int) -> str:
+    """``count`` faults, one every 3-6 steps from step 3, each a kill or a hang of a
+    random rank of 4 (the same on every process: seeded)."""
+    rng = np.random.default_rng(seed)
+    out, step = [], 0
+    for _ in range(count):
+        step += int(rng.integers(3, 7))
+        out.append(f"{rng.choice(['kill', 'stop'])}:{int(rng.integers(4))}@{step}")
+    return ",".join(out)
+
+
 # -- the handles, through torch's store ------------------------------------------------
 
 def store() -> dist.Store:
@@ -156,6 +168,10 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--faults", default="kill:3@5,stop:1@12")
+    parser.add_argument("--random", type=int, default=0, metavar="N",
+                        help="N seeded random faults instead (any rank, rank 0 and new "
+                             "processes included; kills and hangs)")
+    parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--timeout", type=float, default=3.0, help="the group timeout (s)")
     parser.add_argument("--heal", choices=["reconfigure", "spmd"],
                         default="reconfigure" if RECONFIGURE else "spmd")
@@ -173,6 +189,9 @@ def main() -> None:
         spmd.init_process_group(timeout=timeout)
         dist.init_process_group("spmd", timeout=timeout)
     healing = spmd.fault_tolerant()
+    if args.random:
+        args.faults = random_faults(args.random, args.seed)
+        args.steps = max(args.steps, max(parse_faults(args.faults)) + 4)
     faults = parse_faults(args.faults) if healing else {}
     if not healing and dist.get_rank() == 0:
         log("this job cannot survive a lost rank (no ULFM: run on Open MPI under "
@@ -243,6 +262,10 @@ def main() -> None:
         state["step"] = step + 1
     if dist.get_rank() == 0:
         for c in state["costs"]:
+            # (state_s is measured by the survivors: a process that joined later has
+            # the costs as they were handed to it)
+            c.setdefault("state_s", 0.0)
+            c.setdefault("state_bytes", 0)
             total = sum(c[k] for k in ("detect_s", "shrink_s", "spawn_s", "grow_s", "state_s"))
             log(f"step {c['step']}: rank(s) {c['lost']} lost; detected in "
                 f"{c['detect_s']:.2f} s, shrunk in {1e3 * c['shrink_s']:.0f} ms, new "

@@ -36,7 +36,13 @@ import spmd
 from spmd.backends.mpi import replacement
 from spmd.runtime import heal
 from spmd.torch._handles import Handle, plan
-from spmd.torch._store import claim_world, owns_world, release_world, store_address
+from spmd.torch._store import (
+    claim_world,
+    owns_world,
+    release_world,
+    store_address,
+    store_for,
+)
 from spmd.torch._work import SpmdWork
 
 __all__ = ["enable", "handle", "reconfigure", "spawn_peers"]
@@ -181,12 +187,13 @@ def _remake_default_group(group: Any, w: _World) -> None:
     it calls this).  torch keeps a Python-made group's rank and size in C++, where only
     a C++ backend can change them, and DDP's reducer reads the size there: so the old
     group goes, with every other (their ranks meant the old numbering), as after torch's
-    ``shrink_group``, and ``init_process_group`` makes the new one on the same store."""
+    ``shrink_group``, and ``init_process_group`` makes the new one on the same store (a
+    new one where the process serving it was lost)."""
     owned = owns_world()
     release_world()   # destroying torch's group must leave spmd's new world alone
     dist.destroy_process_group()
     if owned:
         claim_world()
     again: dict[str, Any] = {"enable_reconfigure": True}   # torch 2.14's (typing sees 2.13)
-    dist.init_process_group("spmd", store=w.store, rank=group.rank(),
+    dist.init_process_group("spmd", store=store_for(w.store, w.timeout), rank=group.rank(),
                             world_size=group.size(), timeout=w.timeout, **again)

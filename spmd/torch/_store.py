@@ -14,10 +14,11 @@ from typing import Any
 import spmd
 from spmd.backends.mpi import replacement
 
-__all__ = ["mpi_rendezvous", "owns_world", "store_address"]
+__all__ = ["mpi_rendezvous", "owns_world", "store_address", "store_for"]
 
 _owned = {"world": False}
 _address: list[tuple[str, int]] = []   # the rendezvous store's (host, port), once made
+_serving: list[bool] = []              # whether this process runs that store's server
 
 
 def owns_world() -> bool:
@@ -84,6 +85,14 @@ def mpi_rendezvous(rank: int, world_size: int, timeout: timedelta | None):
         host, port = peer.extra["store"]
         _address[:] = [(host, port)]
         return dist.TCPStore(host, port, n, False, seconds), me, n
+    return _serve(me, n, seconds), me, n
+
+
+def _serve(me: int, n: int, seconds: timedelta):
+    """A TCPStore on WORLD's rank 0 (its server) and every rank's client of it, its
+    address agreed over MPI (every rank of WORLD calls it)."""
+    import torch.distributed as dist
+
     hosts: list[Any] = [None] * n  # every rank's host name, once gathered
     spmd.all_gather_object(hosts, socket.gethostname())
     address: list[Any] = [None]  # rank 0's (host, port)
@@ -94,7 +103,28 @@ def mpi_rendezvous(rank: int, world_size: int, timeout: timedelta | None):
         address[0] = (host, store.port)
     spmd.broadcast_object_list(address, src=0)
     _address[:] = [tuple(address[0])]
+    _serving[:] = [me == 0]
     if me != 0:
         host, port = address[0]
         store = dist.TCPStore(host, port, n, False, seconds)
-    return store, me, n
+    return store
+
+
+def store_for(world_store: Any, timeout: timedelta | None):
+    """The store of torch's default group made anew over spmd's WORLD after it changed
+    (every rank of WORLD calls it): the same one while the process serving it is in
+    WORLD; a new one, served by WORLD's rank 0, once that process was lost (a store whose
+    server died answers nothing, and everything after a reconfigure needs one)."""
+    import numpy as np
+
+    served = np.array([int(bool(_serving) and _serving[0])], np.int32)
+    spmd.all_reduce(served, op=spmd.ReduceOp.MAX)
+    if served[0]:
+        return world_store
+    import torch.distributed as dist
+
+    seconds = timeout if timeout is not None else timedelta(minutes=30)
+    # The prefix torch puts in front of a rendezvous' store: what the processes that join
+    # later (spmd.torch.spawn_peers) see through theirs.
+    return dist.PrefixStore("default_pg", _serve(spmd.get_rank(), spmd.get_world_size(),
+                                                 seconds))

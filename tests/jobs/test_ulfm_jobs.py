@@ -353,3 +353,27 @@ def test_an_abort_under_ulfm_ends_the_job(case):
     bound = ABORT_BOUND + (3 * 1.0 + 3 * 2.0 if case == "failed_heal" else 0.0)
     assert ended - min(r["t"] for r in raised) < bound, out
     assert not _leftovers(case), (_leftovers(case), out)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("heal", ["reconfigure", "spmd"])
+def test_the_self_healing_ddp_example_heals_random_faults(heal):
+    """examples/self_healing_ddp.py with 4 seeded random faults (seed 3: rank 0 killed,
+    rank 3 killed, rank 0 hung, rank 1 killed): through torch 2.14's reconfigure (rank
+    0's death takes the rendezvous store with it: the next default group gets a new one)
+    and through the torch 2.13 path (spmd.heal and a new default group); the weights
+    equal the one-process reference."""
+    if heal == "reconfigure":
+        _torch_reconfigure_or_skip()
+    else:
+        pytest.importorskip("torch", reason="torch is not installed with this MPI")
+    exe, *flags = mpiexec_prefix()
+    proc = run([exe, "--with-ft", "ulfm", *flags, "-n", "4", sys.executable,
+                "examples/self_healing_ddp.py", "--heal", heal, "--random", "4", "--seed", "3"],
+               timeout=280)
+    out = proc.stdout
+    assert proc.returncode == 0, out
+    for step, lost in ((6, 0), (9, 3), (15, 0), (18, 1)):
+        assert re.search(rf"\[rank 0/4\] step {step}: rank\(s\) \[{lost}\] lost; ", out), out
+    assert f"[rank 0/4] trained 22 steps on 4 ranks with DDP, 4 failure(s) healed (by {heal}); " \
+           "final weights equal the one-process reference" in out, out
