@@ -29,7 +29,7 @@ from spmd.backends.mpi import orphans
 from spmd.core.context import GroupContext
 from spmd.core.wait import wait_until
 
-__all__ = ["set_up"]
+__all__ = ["run_blocking", "set_up"]
 
 T = TypeVar("T")
 
@@ -58,6 +58,20 @@ def set_up(group: GroupContext, op: str, what: str, fn: Callable[[], T]) -> T:
             group.mark_broken(f"{op}: {source} was given up on rank {group.rank}")
         raise
     group.check_alive(op)
+    return run_blocking(group, op, source, fn, group.timeout, on_give_up=lambda: group.mark_broken(
+        f"{op}: {source} was given up on rank {group.rank}"))
+
+
+def run_blocking(group: GroupContext, op: str, source: str, fn: Callable[[], T],
+                 seconds: float, kind: str = "collective",
+                 on_give_up: Callable[[], None] | None = None) -> T:
+    """Run ``fn`` (blocking MPI calls that cannot be timed out) on a thread of its own
+    and wait for it under ``seconds``, with the one wait helper: a member found dead
+    meanwhile raises its failure, a member that does not come the diagnosed timeout (for
+    ``kind`` "recovery": the members that do not answer are taken for hung, and where
+    the job survives that, ended).  The thread stays blocked in MPI after a timeout;
+    ``on_give_up`` runs then.  Without ``MPI_THREAD_MULTIPLE`` it runs on the caller's
+    thread."""
     if MPI.Query_thread() < MPI.THREAD_MULTIPLE:
         return fn()
     outcome: dict = {}
@@ -71,10 +85,11 @@ def set_up(group: GroupContext, op: str, what: str, fn: Callable[[], T]) -> T:
     thread = threading.Thread(target=run, name=f"spmd {source}", daemon=True)
     thread.start()
     try:
-        wait_until(lambda: not thread.is_alive(), group.timeout, op, group,
-                   nap=lambda: thread.join(0.001), source=source)
+        wait_until(lambda: not thread.is_alive(), seconds, op, group,
+                   nap=lambda: thread.join(0.001), source=source, kind=kind)
     except BaseException:
-        group.mark_broken(f"{op}: {source} was given up on rank {group.rank}")
+        if on_give_up is not None:
+            on_give_up()
         raise
     if "error" in outcome:
         raise outcome["error"]

@@ -181,6 +181,11 @@ _ALONE = {
 }
 
 
+# The kind of wait of a recovery's own steps (healing's spawn, joins and hand-over): the
+# members are in no recorded op, and a silent one is taken for hung.
+RECOVERY = "recovery"
+
+
 def diagnose(op: str, g: GroupContext, seq: int | None, kind: str, waited: float, source: str,
              engine: str = flight_recorder.MPI_ENGINE) -> str:
     """The text of a timeout: what this rank waited for on which engine, and where every
@@ -247,9 +252,14 @@ def _diagnosis(op: str, g: GroupContext, seq: int | None, kind: str, waited: flo
         for r in other:
             lines.append("    " + peer_text(g, r, replies[r], seq, op))
     else:
+        if kind == RECOVERY:
+            # Every live member is inside the same recovery step, outside any recorded op:
+            # only those that do not answer at all hold it up.
+            found.culprits = [r for r in peers if r not in replies or "error" in replies[r]]
         lines.append("  the other ranks:")
         for r in peers:
-            lines.append("    " + peer_text(g, r, replies.get(r), None, op, kind))
+            lines.append("    " + peer_text(g, r, replies.get(r), None, op,
+                                            "collective" if kind == RECOVERY else kind))
     return "\n".join(lines), found
 
 

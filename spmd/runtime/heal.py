@@ -52,11 +52,13 @@ from typing import Any, cast
 from mpi4py import MPI
 from mpi4py.util import pkl5
 
+from spmd.backends import setup
 from spmd.backends.mpi import faults, recoverable_spawn, replacement
 from spmd.core.context import GroupContext
 from spmd.core.errors import located
 from spmd.runtime import exits, failures, supervision
 from spmd.runtime.abort import abort_job
+from spmd.runtime.diagnosis import RECOVERY
 from spmd.runtime.group import ProcessGroup, default_group, world_state
 from spmd.runtime.reliability import report
 from spmd.runtime.reliability import state as reliability_state
@@ -115,32 +117,95 @@ JOIN_TRIES = 3
 def _start_recoverable(ctx: GroupContext, count: int, what: str, op: str,
                        argv: list[str]) -> MPI.Intercomm:
     """The new processes as a recoverable job: rank 0 opens a port and starts them, all
-    accept their connection.  Processes that never connect (dead before they joined)
-    are replaced by others on the same port; after :data:`JOIN_TRIES` the job ends with
-    the diagnosis rather than wait forever."""
+    accept their connection (a member lost meanwhile raises its failure on the others;
+    the accept itself, which Open MPI does through a PMIx_Connect that waits for every
+    participant, stays blocked on its thread, and the new processes it was for leave
+    after ``ABANDONED_SECONDS``: spmd.backends.mpi.replacement).  Processes that never
+    connect (dead before they joined) are replaced by others on the same port; after
+    :data:`JOIN_TRIES` the job ends with the diagnosis rather than wait forever."""
     comm = ctx.comm
     port = MPI.Open_port() if ctx.rank == 0 else ""
-    start = (lambda: recoverable_spawn.spawn(count, port, argv, {})) if ctx.rank == 0 else None
+
+    def start() -> None:
+        recoverable_spawn.spawn(count, port, argv, {})
+
     refused = None
-    if start is not None:
+    if ctx.rank == 0:
         try:
             start()
         except RuntimeError as exc:
             refused = str(exc)
-    refused = comm.bcast(refused, root=0)   # MPI's errors: the caller's (a failure: retried)
+    refused = comm.bcast(refused, 0)   # MPI's errors: the caller's (a failure: retried)
     if refused is not None:
         if ctx.rank == 0:
             MPI.Close_port(port)
         raise located(RuntimeError, op, f"could not start {count} process(es) {what}: "
                       f"{refused}", ctx)
-    rescue = _Rescue(start, count, what, op, ctx) if start is not None else None
+    # On this thread: Open MPI's accept cannot be left behind on another one (a second
+    # accept beside a blocked one corrupted its heap); the watch ends the job instead.
+    rescue = _Rescue(start if ctx.rank == 0 else None, count, what, op, ctx)
     try:
         return comm.Accept(port, root=0)
     finally:
-        if rescue is not None:
-            rescue.done.set()
+        rescue.done.set()
         if ctx.rank == 0:
             MPI.Close_port(port)
+
+
+def _timed(ctx: GroupContext, what: str, fn, seconds: float | None = None, op: str = _OP):
+    """A blocking step of a recovery, under the group's timeout (or ``seconds``): a
+    member lost meanwhile raises its failure, a silent one is taken for hung
+    (spmd.backends.setup.run_blocking)."""
+    return setup.run_blocking(ctx, op, f"healing: {what}", fn,
+                              ctx.timeout if seconds is None else seconds, kind=RECOVERY)
+
+
+class _Rescue:
+    """Every member's watch over the accept of a recoverable start.  Open MPI's
+    ``MPI_Comm_accept`` waits in a PMIx_Connect for every member, which nothing ends:
+    a member found dead meanwhile (MPI's failed ranks) ends the job with the diagnosis
+    rather than leave the others there forever.  On rank 0 (``start`` given), new
+    processes that have not connected after :data:`JOIN_SECONDS` are started again;
+    after :data:`JOIN_TRIES` starts the job ends."""
+
+    def __init__(self, start, count: int, what: str, op: str, ctx: GroupContext) -> None:
+        self.done = threading.Event()
+        self._thread = threading.Thread(target=self._watch, args=(start, count, what, op, ctx),
+                                        name="spmd-heal-rescue", daemon=True)
+        self._thread.start()
+
+    def _watch(self, start, count: int, what: str, op: str, ctx: GroupContext) -> None:
+        where = f"[rank {ctx.rank}, group {ctx.name}]"
+        began, tries = time.monotonic(), 1
+        while not self.done.wait(0.2):
+            dead = faults.known_failed(ctx)
+            if dead:
+                abort_job(f"spmd: {op}: rank(s) {dead} died while the survivors accepted the "
+                          f"{count} process(es) started {what}; Open MPI's accept cannot "
+                          f"complete without them, so the job ends here {where}")
+            if start is None or time.monotonic() - began < JOIN_SECONDS:
+                continue
+            if tries >= JOIN_TRIES:
+                abort_job(f"spmd: {op}: none of {JOIN_TRIES} starts of {count} process(es) "
+                          f"{what} connected within {JOIN_SECONDS:g} s each; ending the job "
+                          f"rather than wait forever {where}")
+            tries += 1
+            report(f"spmd: {op}: the {count} process(es) started {what} did not connect within "
+                   f"{JOIN_SECONDS:g} s (dead before they joined?): starting others in their "
+                   f"place (start {tries} of {JOIN_TRIES})")
+            try:
+                start()
+            except RuntimeError as exc:
+                report(f"spmd: {op}: {exc}")
+            began = time.monotonic()
+
+
+def _timed(ctx: GroupContext, what: str, fn, seconds: float | None = None, op: str = _OP):
+    """A blocking step of a recovery, under the group's timeout (or ``seconds``): a
+    member lost meanwhile raises its failure, a silent one is taken for hung
+    (spmd.backends.setup.run_blocking)."""
+    return setup.run_blocking(ctx, op, f"healing: {what}", fn,
+                              ctx.timeout if seconds is None else seconds, kind=RECOVERY)
 
 
 class _Rescue:
@@ -217,9 +282,9 @@ def heal(timeout: float | None = None) -> list[int]:
     ctx = pg.context
     full, me = world_state.full_size, world_state.home_rank
     t0 = time.monotonic()
-    while True:
+    for attempt in range(1, JOIN_TRIES + 1):
         try:
-            homes = ctx.comm.allgather(me)
+            homes = _timed(ctx, "the survivors' ranks", lambda: ctx.comm.allgather(me))
         except MPI.Exception as exc:
             raise faults.failure(exc, _OP, ctx) from exc
         lost = sorted(set(range(full)) - set(homes))
@@ -231,7 +296,10 @@ def heal(timeout: float | None = None) -> list[int]:
         # A new process died on the way (the survivors agreed that all of them are
         # here): start the lost ranks' processes again.
         report(f"spmd: {_OP}: a process started for ranks {lost} died before the world was "
-               "whole; starting them again")
+               f"whole (start {attempt} of {JOIN_TRIES})")
+    else:
+        raise located(RuntimeError, _OP, f"the processes started for ranks {lost} died "
+                      f"before the world was whole, {JOIN_TRIES} times", ctx)
     replace_world(comm, tuple(lost))
     last_heal.clear()
     last_heal.update(spawn=t_spawn - t0, merge=t_merge - t_spawn,
@@ -251,22 +319,27 @@ def _join_new_processes(ctx: GroupContext, full: int, me: int, lost: list[int]
         inter = _start_processes(ctx, len(lost), f"for ranks {lost}", _OP)
         made.append(inter)
         t_spawn = time.monotonic()
-        merged = inter.Merge(high=False)
+        merged = _timed(ctx, "merging with the new processes", lambda: inter.Merge(high=False))
         made.append(merged)
         merged.Set_errhandler(MPI.ERRORS_RETURN)
-        replacement.send_plan(merged, replacement.HealPlan(full, tuple(lost), ctx.name))
-        comm = replacement.regroup(merged, me)
+        plan = replacement.HealPlan(full, tuple(lost), ctx.name)
+        _timed(ctx, "the plan", lambda: replacement.send_plan(merged, plan))
+        comm = _timed(ctx, "renumbering", lambda: replacement.regroup(merged, me))
         ok = True
     except MPI.Exception as exc:
-        if not faults.is_failure(exc):
+        if not faults.is_failure(exc) and not faults.ulfm():
             raise located(RuntimeError, _OP, f"MPI could not join the processes started for "
                           f"ranks {lost}: {exc.Get_error_string()}", ctx) from exc
         for c in made:
             faults.revoke(c)   # the new processes' side of it fails too
         ok, t_spawn = False, time.monotonic()
+    except BaseException:
+        for c in made:
+            faults.revoke(c)   # a survivor lost or hung (its failure raised): as above
+        raise
     t_merge = time.monotonic()
     try:
-        everyone = ctx.comm.Agree(int(ok))
+        everyone = _timed(ctx, "agreeing on the outcome", lambda: ctx.comm.Agree(int(ok)))
     except MPI.Exception as exc:
         raise faults.failure(exc, _OP, ctx) from exc
     for c in made:
@@ -301,8 +374,10 @@ def heal_state(state: Any, src: int | None = None) -> Any:
     try:
         # Who holds the state: not a new process, of this heal or of an earlier one
         # whose heal_state a failure interrupted.
-        holders = [r for r, has in enumerate(ctx.comm.allgather(not world_state.awaiting_state))
-                   if has]
+        mine = not world_state.awaiting_state
+        holders = [r for r, has in enumerate(_timed(ctx, "who holds the state",
+                                                    lambda: ctx.comm.allgather(mine),
+                                                    op="heal_state")) if has]
     except MPI.Exception as exc:
         raise faults.failure(exc, "heal_state", ctx) from exc
     new = [r for r in range(ctx.size) if r not in holders]
@@ -317,7 +392,8 @@ def heal_state(state: Any, src: int | None = None) -> Any:
     try:
         # pkl5: out-of-band buffers, so arrays travel without a copy into the pickle and
         # past MPI's 2 GiB count.
-        out = pkl5.Intracomm(ctx.comm).bcast(state, root=src)
+        out = _timed(ctx, "the state", lambda: pkl5.Intracomm(ctx.comm).bcast(state, root=src),
+                     op="heal_state")
     except MPI.Exception as exc:
         raise faults.failure(exc, "heal_state", ctx) from exc
     world_state.awaiting_state = False

@@ -124,6 +124,20 @@ def test_bad_arguments():
 
 
 @pytest.mark.timeout(200)
+def test_env_switches_take_effect_though_the_program_imports_the_tools_late(tmp_path):
+    """The settings act from init_process_group on, whatever the program imports: the
+    collectives before its first use of spmd.tools are logged and traced."""
+    pattern = str(tmp_path / "late-%r.json")
+    proc = run(mpiexec(2, sys.executable, "tests/programs/settings_late_import.py"),
+               timeout=120, SPMD_TRACE=pattern, SPMD_COMMS_LOG="1")
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    assert "rank 0 late import OK" in proc.stdout and "rank 1 late import OK" in proc.stdout
+    files = sorted(os.path.basename(f) for f in glob.glob(str(tmp_path / "late-*.json")))
+    assert files == ["late-0.json", "late-1.json"], files
+    events = json.loads((tmp_path / "late-0.json").read_text())["traceEvents"]
+    assert sum(1 for e in events if e.get("name") == "all_reduce") == 3, events
+
+
 def test_env_switches_trace_and_comms_log(tmp_path):
     pattern = str(tmp_path / "tr-%r.json")
     proc = run(mpiexec(2, sys.executable, "tests/programs/observe_env.py"), timeout=120,

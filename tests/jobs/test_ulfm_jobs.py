@@ -228,6 +228,17 @@ def test_torch_reconfigure_shrinks_past_a_dead_rank_and_grows_back():
     assert len({r["handle"]["w"] for r in results}) == 1, out
 
 
+def _self_healing_ddp(heal: str, args: list[str], timeout: float):
+    """examples/self_healing_ddp.py on 4 ranks under ULFM, healing by ``heal``."""
+    if heal == "reconfigure":
+        _torch_reconfigure_or_skip()
+    else:
+        pytest.importorskip("torch", reason="torch is not installed with this MPI")
+    exe, *flags = mpiexec_prefix()
+    return run([exe, "--with-ft", "ulfm", *flags, "-n", "4", sys.executable,
+                "examples/self_healing_ddp.py", "--heal", heal, *args], timeout=timeout)
+
+
 @pytest.mark.timeout(200)
 @pytest.mark.parametrize("heal", ["reconfigure", "spmd"])
 def test_the_self_healing_ddp_example_heals_a_kill_and_a_hang(heal):
@@ -235,13 +246,7 @@ def test_the_self_healing_ddp_example_heals_a_kill_and_a_hang(heal):
     each time a new process takes the lost rank with the state from a live peer (by
     torch's reconfigure, or by spmd.heal() and a new default group), and the weights
     equal the one-process reference."""
-    if heal == "reconfigure":
-        _torch_reconfigure_or_skip()
-    else:
-        pytest.importorskip("torch", reason="torch is not installed with this MPI")
-    exe, *flags = mpiexec_prefix()
-    proc = run([exe, "--with-ft", "ulfm", *flags, "-n", "4", sys.executable,
-                "examples/self_healing_ddp.py", "--heal", heal], timeout=180)
+    proc = _self_healing_ddp(heal, [], timeout=180)
     out = proc.stdout
     _healed_job_ended(proc, heals=2)
     assert "[rank 3/4] a new process took rank 3 at step 5" in out, out
@@ -363,14 +368,7 @@ def test_the_self_healing_ddp_example_heals_random_faults(heal):
     0's death takes the rendezvous store with it: the next default group gets a new one)
     and through the torch 2.13 path (spmd.heal and a new default group); the weights
     equal the one-process reference."""
-    if heal == "reconfigure":
-        _torch_reconfigure_or_skip()
-    else:
-        pytest.importorskip("torch", reason="torch is not installed with this MPI")
-    exe, *flags = mpiexec_prefix()
-    proc = run([exe, "--with-ft", "ulfm", *flags, "-n", "4", sys.executable,
-                "examples/self_healing_ddp.py", "--heal", heal, "--random", "4", "--seed", "3"],
-               timeout=280)
+    proc = _self_healing_ddp(heal, ["--random", "4", "--seed", "3"], timeout=280)
     out = proc.stdout
     assert proc.returncode == 0, out
     for step, lost in ((6, 0), (9, 3), (15, 0), (18, 1)):

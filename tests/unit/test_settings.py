@@ -37,6 +37,12 @@ def test_no_module_reads_a_variable_itself():
     assert not found, "\n".join(found)
 
 
+def test_a_delay_is_meaningful_at_zero():
+    """The device double with no simulated kernel time is a useful one: 0 is accepted."""
+    assert settings.read("SPMD_DEVICE_DOUBLE_LAG", {"SPMD_DEVICE_DOUBLE_LAG": "0"}) == 0.0
+    assert settings.read("SPMD_DEVICE_DOUBLE_LAG", {"SPMD_DEVICE_DOUBLE_LAG": "0.5"}) == 0.5
+
+
 @pytest.mark.parametrize("text,value", [("1", True), ("yes", True), (" On ", True),
                                         ("true", True), ("0", False), ("off", False),
                                         ("No", False), ("", True)])
@@ -48,6 +54,9 @@ def test_booleans_parse_one_way(text, value):
     ("SPMD_WATCHDOG", "maybe", "expected 1 (on) or 0 (off)"),
     ("SPMD_TIMEOUT", "soon", "expected a number of seconds"),
     ("SPMD_TIMEOUT", "-3", "expected a positive number of seconds"),
+    ("SPMD_TIMEOUT", "0", "expected a positive number of seconds"),
+    ("SPMD_DEVICE_DOUBLE_LAG", "-0.1", "expected 0 or more seconds"),
+    ("SPMD_DEVICE_DOUBLE_LAG", "nan", "expected 0 or more seconds"),
     ("SPMD_FUSION_BYTES", "0", "expected a positive integer"),
     ("SPMD_FLIGHT_RECORDER_SIZE", "-1", "expected 0 or more"),
     ("SPMD_DEVICE_TIMEOUT", "ignore", "expected one of abort, raise"),

@@ -24,6 +24,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import secrets
+import sys
 import threading
 from typing import Any, cast
 
@@ -81,24 +82,36 @@ def started_recoverable() -> bool:
     return bool(_started_recoverable)
 
 
+_leave_timer: list[threading.Timer] = []   # ends a process never joined (parent to join)
+
+
+def _leave(why: str) -> None:
+    """A process started to join a group that is gone or gave it up: it was never part
+    of any world, so it leaves at once, with status 0 (its job is recoverable)."""
+    sys.stderr.write(f"spmd: a process started by heal() leaves without joining: {why}\n")
+    sys.stderr.flush()
+    os._exit(0)   # no exit handler: MPI may be blocked on another thread
+
+
 def parent() -> MPI.Intercomm | None:
     """The survivors' world if this process was started to replace a lost rank (or to
     join later), else None: the port they opened, for a process started as a
-    recoverable job (:mod:`spmd.backends.mpi.recoverable_spawn`); MPI's parent for one
-    ``MPI_Comm_spawn`` started."""
+    recoverable job (:mod:`spmd.backends.mpi.recoverable_spawn`; it leaves if they are
+    gone); MPI's parent for one ``MPI_Comm_spawn`` started."""
     port = recoverable_spawn.take_port()
     if port is not None:
-        # os._exit: from the timer's thread, while the main one is blocked in MPI
-        leave = threading.Timer(ABANDONED_SECONDS, os._exit, (0,))
+        leave = threading.Timer(ABANDONED_SECONDS, _leave, (f"not joined within "
+                                                            f"{ABANDONED_SECONDS:g} s",))
         leave.daemon = True
         leave.start()
+        _leave_timer[:] = [leave]
         try:
             world = MPI.COMM_WORLD.Dup()
             world.Set_errhandler(MPI.ERRORS_RETURN)
             inter = world.Connect(port, root=0)
             world.Free()
-        finally:
-            leave.cancel()
+        except MPI.Exception as exc:
+            _leave(f"the processes that started it are gone ({exc.Get_error_string()})")
         _started_recoverable[:] = [True]
         return inter
     p = MPI.Comm.Get_parent()
@@ -114,7 +127,21 @@ def regroup(merged: MPI.Intracomm, rank: int) -> MPI.Intracomm:
 
 def join(inter: MPI.Intercomm) -> tuple[MPI.Intracomm, HealPlan]:
     """A new process's end of the healing: merge with the survivors, learn the plan and
-    its rank, and return the world in its old numbering (a communicator of its own)."""
+    its rank, and return the world in its old numbering (a communicator of its own).
+    A process started as a recoverable job whose starters fail on the way leaves."""
+    try:
+        out = _join(inter)
+    except MPI.Exception as exc:
+        if not _started_recoverable:
+            raise
+        _leave(f"the processes that started it failed while it joined "
+               f"({exc.Get_error_string()})")
+    for timer in _leave_timer:
+        timer.cancel()
+    return out
+
+
+def _join(inter: MPI.Intercomm) -> tuple[MPI.Intracomm, HealPlan]:
     # Errors come back as exceptions, as on every communicator of spmd's: the parent's
     # communicator starts with MPI's default handler, which aborts the job.
     inter.Set_errhandler(MPI.ERRORS_RETURN)
