@@ -299,6 +299,17 @@ def test_a_fault_inside_the_recovery_is_survived(where):
                      r"exact, launcher 0", out, re.M), out
 
 
+@pytest.mark.timeout(150)
+def test_a_hang_inside_the_recovery_is_survived():
+    """Rank 3 hangs; while the survivors heal, rank 1 hangs too (as heal begins); later
+    rank 0 hangs and rank 1 of the shrunk world hangs before heal_state: each hang inside
+    a recovery is found by the group timeout in heal's own exchanges, ended, and the
+    recovery starts again; every run ends at full size with exact state."""
+    out = soak("--script", "stop:3@100+in_heal:1;stop:0@300+before_state:1")
+    assert re.search(r"^run 1/1 seed \d+: healed 2 heal\(s\) of 2 fault\(s\), 500 steps "
+                     r"exact, launcher 0", out, re.M), out
+
+
 @pytest.mark.timeout(200)
 def test_a_whole_node_lost_is_healed():
     """Two pretend nodes of 2 ranks: both ranks of the second node die at once; heal
