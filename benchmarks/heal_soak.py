@@ -447,7 +447,7 @@ def main() -> int:
         last = max((f["step"] for f in parse_script(args.script)), default=0)
         args.steps = (last if args.script else args.faults * args.max_every) + 200
     if not args.limit:
-        args.limit = 60 + args.faults * (args.timeout + 10) + (2.5 * args.throughput)
+        args.limit = 90 + args.faults * (args.timeout + 20) + (2.5 * args.throughput)
     if args.job:
         job(args)
         return 0

@@ -70,8 +70,9 @@ def joined_as_peer() -> PeerPlan | None:
 
 
 # A process started as a recoverable job whose starters gave up waiting for it (they
-# started others in its place) ends after this long instead of waiting to connect forever.
-ABANDONED_SECONDS = 60.0
+# started others in its place: spmd.runtime.heal's JOIN_SECONDS, three times) ends after
+# this long instead of waiting to connect forever, which would hold the launcher.
+ABANDONED_SECONDS = 45.0
 
 _started_recoverable: list[bool] = []   # set by parent(): this process joined by a port
 
