@@ -208,35 +208,6 @@ def _timed(ctx: GroupContext, what: str, fn, seconds: float | None = None, op: s
                               ctx.timeout if seconds is None else seconds, kind=RECOVERY)
 
 
-class _Rescue:
-    """Rank 0's watch over a recoverable start: new processes that have not connected
-    after :data:`JOIN_SECONDS` are started again; after :data:`JOIN_TRIES` starts the job
-    ends (spmd.runtime.abort)."""
-
-    def __init__(self, start, count: int, what: str, op: str, ctx: GroupContext) -> None:
-        self.done = threading.Event()
-        self._thread = threading.Thread(target=self._watch, args=(start, count, what, op, ctx),
-                                        name="spmd-heal-rescue", daemon=True)
-        self._thread.start()
-
-    def _watch(self, start, count: int, what: str, op: str, ctx: GroupContext) -> None:
-        for attempt in range(2, JOIN_TRIES + 2):
-            if self.done.wait(JOIN_SECONDS):
-                return
-            if attempt > JOIN_TRIES:
-                break
-            report(f"spmd: {op}: the {count} process(es) started {what} did not connect within "
-                   f"{JOIN_SECONDS:g} s (dead before they joined?): starting others in their "
-                   f"place (start {attempt} of {JOIN_TRIES})")
-            try:
-                start()
-            except RuntimeError as exc:
-                report(f"spmd: {op}: {exc}")
-        abort_job(f"spmd: {op}: none of {JOIN_TRIES} starts of {count} process(es) {what} "
-                  f"connected within {JOIN_SECONDS:g} s each; ending the job rather than wait "
-                  f"forever [rank {ctx.rank}, group {ctx.name}]")
-
-
 def replace_world(comm: MPI.Intracomm, replaced: tuple[int, ...] = ()) -> ProcessGroup:
     """Make ``comm`` the default group in place of this process's world (every process
     of ``comm`` calls it).  The old world ends here, as when shrinking it: its groups,
