@@ -178,7 +178,7 @@ class _Rescue:
         where = f"[rank {ctx.rank}, group {ctx.name}]"
         began, tries = time.monotonic(), 1
         while not self.done.wait(0.2):
-            dead = faults.known_failed(ctx)
+            dead = list(faults.known_failed(ctx))
             if dead:
                 abort_job(f"spmd: {op}: rank(s) {dead} died while the survivors accepted the "
                           f"{count} process(es) started {what}; Open MPI's accept cannot "
