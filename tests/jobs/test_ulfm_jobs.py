@@ -386,3 +386,18 @@ def test_the_self_healing_ddp_example_heals_random_faults(heal):
         assert re.search(rf"\[rank 0/4\] step {step}: rank\(s\) \[{lost}\] lost; ", out), out
     assert f"[rank 0/4] trained 22 steps on 4 ranks with DDP, 4 failure(s) healed (by {heal}); " \
            "final weights equal the one-process reference" in out, out
+
+
+@pytest.mark.timeout(150)
+def test_a_survivor_lost_inside_heals_accept_ends_the_job():
+    """The one window Open MPI's accept cannot survive (docs/reliability.md): rank 2 of
+    the shrunk world dies while the survivors accept the new process.  The job must end,
+    with the diagnosis, within seconds: never a hang."""
+    proc = run([sys.executable, SOAK, "--runs", "1", "--script",
+                "kill:3@100+during_heal:2;kill:1@300", "--limit", "100"], timeout=140,
+               SPMD_MPIEXEC=mpiexec_prefix()[0])
+    out = proc.stdout
+    assert re.search(r"^run 1/1 seed \d+: FAILED .*launcher 1, ([\d.]+) s$", out, re.M), out
+    assert "died while the survivors accepted the 1 process(es) started for ranks [3]" in out, out
+    seconds = float(re.search(r"launcher 1, ([\d.]+) s$", out, re.M).group(1))
+    assert seconds < 60, out
