@@ -158,7 +158,7 @@ def spawn(count: int, port: str, argv: Sequence[str], env: dict[str, str]) -> st
 
 
 def take_port() -> str | None:
-    """In a process :func:`spawn` started: the port to connect to (removed from the
+    """In a process ``spawn()`` started: the port to connect to (removed from the
     environment, so that processes this one starts do not see it); else None."""
     port = settings.read(PORT_VARIABLE)
     os.environ.pop(PORT_VARIABLE, None)
