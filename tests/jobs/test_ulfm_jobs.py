@@ -239,27 +239,6 @@ def _self_healing_ddp(heal: str, args: list[str], timeout: float):
                 "examples/self_healing_ddp.py", "--heal", heal, *args], timeout=timeout)
 
 
-@pytest.mark.timeout(200)
-@pytest.mark.parametrize("heal", ["reconfigure", "spmd"])
-def test_the_self_healing_ddp_example_heals_a_kill_and_a_hang(heal):
-    """examples/self_healing_ddp.py: rank 3 killed at step 5, rank 1 stopped at step 12;
-    each time a new process takes the lost rank with the state from a live peer (by
-    torch's reconfigure, or by spmd.heal() and a new default group), and the weights
-    equal the one-process reference."""
-    proc = _self_healing_ddp(heal, [], timeout=180)
-    out = proc.stdout
-    _healed_job_ended(proc, heals=2)
-    assert "[rank 3/4] a new process took rank 3 at step 5" in out, out
-    assert "[rank 1/4] a new process took rank 1 at step 12" in out, out
-    for step, lost in ((5, 3), (12, 1)):
-        assert re.search(rf"\[rank 0/4\] step {step}: rank\(s\) \[{lost}\] lost; detected in "
-                         r"[\d.]+ s, shrunk in \d+ ms, new process\(es\) started in [\d.]+ s, "
-                         r"grown back to 4 in \d+ ms, state \(\d+ B\) handed over in \d+ ms",
-                         out), out
-    assert f"[rank 0/4] trained 20 steps on 4 ranks with DDP, 2 failure(s) healed (by {heal}); " \
-           "final weights equal the one-process reference" in out, out
-
-
 # -- healing under faults that hit replacements, rank 0, and the recovery itself --------
 
 SOAK = "benchmarks/heal_soak.py"
@@ -325,13 +304,13 @@ def test_a_whole_node_lost_is_healed():
 
 @pytest.mark.timeout(400)
 def test_a_short_seeded_soak_heals_every_fault():
-    """Two runs of 6 seeded random faults (kills and hangs, any rank, rank 0 and earlier
+    """A run of 6 seeded random faults (kills and hangs, any rank, rank 0 and earlier
     replacements included, some inside a recovery): every one heals with exact state and
     launcher status 0."""
-    proc = run([sys.executable, SOAK, "--runs", "2", "--faults", "6", "--seed", "7",
+    proc = run([sys.executable, SOAK, "--runs", "1", "--faults", "6", "--seed", "7",
                 "--recovery"], timeout=380, SPMD_MPIEXEC=mpiexec_prefix()[0])
     assert proc.returncode == 0, proc.stdout
-    assert "2 of 2 runs healed every fault with exact state and exit status 0" in proc.stdout, \
+    assert "1 of 1 runs healed every fault with exact state and exit status 0" in proc.stdout, \
         proc.stdout
 
 
@@ -374,7 +353,8 @@ def test_an_abort_under_ulfm_ends_the_job(case):
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("heal", ["reconfigure", "spmd"])
 def test_the_self_healing_ddp_example_heals_random_faults(heal):
-    """examples/self_healing_ddp.py with 4 seeded random faults (seed 3: rank 0 killed,
+    """examples/self_healing_ddp.py (DDP over "spmd", each lost rank taken by a new
+    process with the state from a live peer) with 4 seeded random faults (seed 3: rank 0 killed,
     rank 3 killed, rank 0 hung, rank 1 killed): through torch 2.14's reconfigure (rank
     0's death takes the rendezvous store with it: the next default group gets a new one)
     and through the torch 2.13 path (spmd.heal and a new default group); the weights
@@ -382,8 +362,12 @@ def test_the_self_healing_ddp_example_heals_random_faults(heal):
     proc = _self_healing_ddp(heal, ["--random", "4", "--seed", "3"], timeout=280)
     out = proc.stdout
     assert proc.returncode == 0, out
+    assert "[rank 0/4] a new process took rank 0 at step 15" in out, out   # joined later
     for step, lost in ((6, 0), (9, 3), (15, 0), (18, 1)):
-        assert re.search(rf"\[rank 0/4\] step {step}: rank\(s\) \[{lost}\] lost; ", out), out
+        assert re.search(rf"\[rank 0/4\] step {step}: rank\(s\) \[{lost}\] lost; detected in "
+                         r"[\d.]+ s, shrunk in \d+ ms, new process\(es\) started in [\d.]+ s, "
+                         r"grown back to 4 in \d+ ms, state \(\d+ B\) handed over in \d+ ms",
+                         out), out
     assert f"[rank 0/4] trained 22 steps on 4 ranks with DDP, 4 failure(s) healed (by {heal}); " \
            "final weights equal the one-process reference" in out, out
 
