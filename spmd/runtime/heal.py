@@ -200,14 +200,6 @@ class _Rescue:
             began = time.monotonic()
 
 
-def _timed(ctx: GroupContext, what: str, fn, seconds: float | None = None, op: str = _OP):
-    """A blocking step of a recovery, under the group's timeout (or ``seconds``): a
-    member lost meanwhile raises its failure, a silent one is taken for hung
-    (spmd.backends.setup.run_blocking)."""
-    return setup.run_blocking(ctx, op, f"healing: {what}", fn,
-                              ctx.timeout if seconds is None else seconds, kind=RECOVERY)
-
-
 def replace_world(comm: MPI.Intracomm, replaced: tuple[int, ...] = ()) -> ProcessGroup:
     """Make ``comm`` the default group in place of this process's world (every process
     of ``comm`` calls it).  The old world ends here, as when shrinking it: its groups,
