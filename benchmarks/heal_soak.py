@@ -316,6 +316,26 @@ def mpiexec() -> list[str]:
     return [exe, "--with-ft", "ulfm", "--oversubscribe", "--allow-run-as-root"]
 
 
+def leftover_segments(since: float) -> None:
+    """Remove the shared-memory segments of killed ranks: Open MPI's, made since the run
+    began and mapped by no process (a rank killed with SIGKILL cannot unlink them)."""
+    mapped = set()
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/maps") as f:
+                mapped.update(line.split()[-1] for line in f if "/dev/shm/" in line)
+        except OSError:
+            continue
+    for name in os.listdir("/dev/shm") if os.path.isdir("/dev/shm") else []:
+        path = os.path.join("/dev/shm", name)
+        try:
+            if name.startswith("sm_segment.") and os.path.getmtime(path) >= since \
+                    and path not in mapped:
+                os.remove(path)
+        except OSError:
+            continue
+
+
 def one_run(args: argparse.Namespace, seed: int, seconds: float = 0.0,
             fault_every_s: float = 0.0, faults: int | None = None) -> dict:
     """One job; what it printed, judged."""
@@ -343,6 +363,7 @@ def one_run(args: argparse.Namespace, seed: int, seconds: float = 0.0,
         rc = "hung"
     finally:
         shutil.rmtree(work, ignore_errors=True)
+        leftover_segments(t0)
     wall = time.time() - t0
     results = [json.loads(line.split("RESULT ", 1)[1]) for line in out.splitlines()
                if line.startswith("RESULT ")]
