@@ -28,7 +28,7 @@ import signal
 import socket
 import time
 
-from spmd.backends.mpi import faults
+from spmd.backends.mpi import faults, job
 from spmd.core.context import GroupContext
 from spmd.runtime.group import world_state
 from spmd.runtime.reliability import report, state
@@ -47,11 +47,8 @@ _peers: list[tuple[str, int, int]] = []
 
 def _started(pid: int) -> int:
     """When process ``pid`` started (clock ticks since boot), or -1 if there is none."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return int(f.read().rsplit(")", 1)[1].split()[19])
-    except (OSError, ValueError, IndexError):
-        return -1
+    fields = job.process_stat(pid)
+    return int(fields[19]) if fields is not None and len(fields) > 19 else -1
 
 
 def learn_peers(world_comm) -> None:

@@ -14,7 +14,8 @@ import signal
 
 from mpi4py import MPI
 
-__all__ = ["abort", "app_number", "kill_launched_here", "world_rank", "world_size"]
+__all__ = ["abort", "app_number", "kill_launched_here", "process_stat", "world_rank",
+           "world_size"]
 
 # Open MPI's launcher daemons: every process of a job (and of the jobs MPI_Comm_spawn
 # started from it) on a node is a child of the node's one daemon.
@@ -46,17 +47,21 @@ def abort(code: int) -> None:
     MPI.COMM_WORLD.Abort(code)
 
 
+def process_stat(pid: int) -> list[str] | None:
+    """The fields of ``/proc/PID/stat`` after the command (``[0]`` the state, ``[1]`` the
+    parent's pid, ``[19]`` the start time in clock ticks), or None for no such process."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+
+
 def _children_of(ppid: int) -> list[int]:
     out = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-        except OSError:
-            continue   # gone meanwhile
-        if int(fields[1]) == ppid:
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        fields = process_stat(int(entry))
+        if fields is not None and int(fields[1]) == ppid:
             out.append(int(entry))
     return out
 
