@@ -1,20 +1,33 @@
 #!/usr/bin/env bash
-# Run the whole test suite, each kind of test where its result can differ
-# (tests/conftest.py says what the folders hold):
-#   tests/mpi/ and tests/engines/   under mpiexec at world sizes 1, 2, 3 and 4
-#   tests/gpu/                      the same, on the device double (CuPy, CUDA, NCCL on CPU)
-#   tests/engines/                  again with the shared-memory engine forced on, off,
-#                                   and the compiled call path off
-#   torch's own distributed suite   on the spmd backend, as itself, as gloo and as mpi
-#   tests/unit/ and tests/jobs/     in one process (jobs/ start their own jobs)
+# Run the test suite, each kind of test where its result can differ
+# (tests/conftest.py says what the folders hold), in two parts:
+#
+#   tests/run.sh           the quick part (README's test command, ~7 min on 2 cores):
+#                            tests/mpi/ and tests/engines/  under mpiexec at world sizes
+#                                                           1, 2, 3 and 4
+#                            tests/gpu/   on the device double (CuPy, CUDA, NCCL on CPU)
+#                                         at world size 2
+#                            tests/unit/ and tests/jobs/    in one process (jobs/ start
+#                                         their own jobs), but the jobs marked slow
+#   tests/run.sh rest      what the quick part leaves out:
+#                            tests/gpu/ on the device double at world sizes 1, 3 and 4
+#                            tests/engines/ with the shared-memory engine forced on, off,
+#                                         and the compiled call path off
+#                            torch's own distributed suite on spmd, as itself, as gloo
+#                                         and as mpi
+#                            the MPI part on other MPIs (OTHER_MPIS) and the torch-facing
+#                                         tests on other torch releases (TORCH_VENVS)
+#                            the jobs marked slow (whole-world layouts at 8-16 ranks,
+#                                         training under torch, objects over 2 GiB, ...)
+#   tests/run.sh all       both (CI: .ci/run runs README's command, then the rest)
+#
 # Every job runs under a wall-clock limit; the script fails if any part fails.
 #
-#   tests/run.sh               all of it
-#   SIZES="2 4" tests/run.sh   other world sizes for the MPI part (SHM_SIZES and
-#                              SHM_OFF_SIZES: the engine runs forced on, off;
-#                              PYTHON_PATH_SIZES: with the compiled call path off;
-#                              DOUBLE_SIZES: the GPU tests on the device double)
-#   OTHER_MPIS="VENV..." tests/run.sh
+#   SIZES="2 4" tests/run.sh   other world sizes for the MPI part (DOUBLE_SIZES and
+#                              REST_DOUBLE_SIZES: the GPU tests on the device double;
+#                              SHM_SIZES and SHM_OFF_SIZES: the engine runs forced on,
+#                              off; PYTHON_PATH_SIZES: with the compiled call path off)
+#   OTHER_MPIS="VENV..." tests/run.sh rest
 #                              the MPI part again on other MPI libraries, each from a
 #                              virtual environment with spmd and that MPI's wheel in it
 #                              (OTHER_MPI_SIZES, OTHER_MPI_SHM_SIZES: where it runs); on
@@ -22,7 +35,7 @@
 #   JOB_WORKERS=0 tests/run.sh  the job-launching tests in one process (default: 3
 #                              pytest-xdist workers side by side; also for the jobs run
 #                              on other MPIs and torch releases)
-#   TORCH_VENVS="VENV..." tests/run.sh
+#   TORCH_VENVS="VENV..." tests/run.sh rest
 #                              the torch-facing tests at 2 ranks again with other torch
 #                              releases, each from a virtual environment with spmd[mpich,
 #                              test,trainers] and that torch (TORCH_VENV_SUITE_RUNS: its
@@ -32,10 +45,18 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
+PART=${1:-quick}
+case "$PART" in
+    quick|rest|all) ;;
+    *) echo "usage: tests/run.sh [quick|rest|all] (got '$PART')" >&2; exit 2 ;;
+esac
+quick() { [ "$PART" != rest ]; }
+rest() { [ "$PART" != quick ]; }
+
 PYTHON=${PYTHON:-python}
 MPIEXEC=${SPMD_MPIEXEC:-$(command -v mpiexec || true)}
 SIZES=${SIZES:-"1 2 3 4"}
-SHM_SIZES=${SHM_SIZES:-"1 2 3 4"}    # SPMD_SHM=force
+SHM_SIZES=${SHM_SIZES:-"2 3 4"}    # SPMD_SHM=force (at 1 rank it has no peer to share with)
 SHM_OFF_SIZES=${SHM_OFF_SIZES:-"2 3"}  # SPMD_SHM=0
 PYTHON_PATH_SIZES=${PYTHON_PATH_SIZES:-"2 3"}  # SPMD_FASTCALL=0
 LIMIT=${LIMIT:-900}            # seconds for one mpiexec job
@@ -59,6 +80,11 @@ leftovers() {
 }
 trap leftovers EXIT
 export OMP_NUM_THREADS=1 PYTHONUNBUFFERED=1
+# The suite starts thousands of Python processes: let them write and reuse compiled
+# modules (spmd's, the tests' with pytest's assertion rewriting), where an environment
+# that says PYTHONDONTWRITEBYTECODE would make each compile them from source again
+# (a quarter of a second per process; over a second per rank of each MPI test run).
+unset PYTHONDONTWRITEBYTECODE
 
 if [ -z "$MPIEXEC" ]; then
     echo "tests/run.sh: no mpiexec on PATH; install spmd[mpich] or set SPMD_MPIEXEC" >&2
@@ -91,41 +117,50 @@ mpi_run() {  # mpi_run NAME N [VAR=VALUE...]: the MPI tests of PATHS at world si
     summary+=("$name: exit $rc ($((SECONDS - start)) s)")
 }
 
-PATHS=(tests/mpi tests/engines)
-for n in $SIZES; do
-    mpi_run "mpi n=$n" "$n"
-done
+if quick; then
+    PATHS=(tests/mpi tests/engines)
+    for n in $SIZES; do
+        mpi_run "mpi n=$n" "$n"
+    done
+fi
 # The GPU tests (collectives on cupy arrays through staging and NCCL, the NCCL engine,
 # its watchdog and diagnoses) on spmd.testing.device_double: CuPy, CUDA streams and
 # events and NCCL stood in for on CPU, so their logic is checked where there is no GPU.
 PATHS=(tests/gpu)
-for n in ${DOUBLE_SIZES:-1 2 3 4}; do
+sizes=""
+quick && sizes="$sizes ${DOUBLE_SIZES:-2}"
+rest && sizes="$sizes ${REST_DOUBLE_SIZES:-1 3 4}"
+for n in $sizes; do
     mpi_run "gpu double n=$n" "$n" SPMD_TEST_DEVICE=double
 done
-# The data path again with the shared-memory engine taking every op it can, at every
-# size (small messages included), then with it off.
-PATHS=(tests/engines)
-for n in $SHM_SIZES; do
-    mpi_run "mpi n=$n shm=force" "$n" SPMD_SHM=force
-done
-for n in $SHM_OFF_SIZES; do
-    mpi_run "mpi n=$n shm=off" "$n" SPMD_SHM=0
-done
-# The blocking ops' compiled call path (spmd.backends.mpi._fastcall, where pip built it) off: the
-# Python path it stands in for takes the same calls.
-if "$PYTHON" -c "import spmd.backends.mpi._fastcall" 2>/dev/null; then
-    for n in $PYTHON_PATH_SIZES; do
-        mpi_run "mpi n=$n fastcall=off" "$n" SPMD_FASTCALL=0
+if rest; then
+    # The data path again with the shared-memory engine taking every op it can, at
+    # every size (small messages included), then with it off.
+    PATHS=(tests/engines)
+    for n in $SHM_SIZES; do
+        mpi_run "mpi n=$n shm=force" "$n" SPMD_SHM=force
     done
-else
-    echo "=== spmd.backends.mpi._fastcall is not built: every run above took the Python path ==="
+    for n in $SHM_OFF_SIZES; do
+        mpi_run "mpi n=$n shm=off" "$n" SPMD_SHM=0
+    done
+    # The blocking ops' compiled call path (spmd.backends.mpi._fastcall, where pip built
+    # it) off: the Python path it stands in for takes the same calls.
+    if "$PYTHON" -c "import spmd.backends.mpi._fastcall" 2>/dev/null; then
+        for n in $PYTHON_PATH_SIZES; do
+            mpi_run "mpi n=$n fastcall=off" "$n" SPMD_FASTCALL=0
+        done
+    else
+        echo "=== spmd.backends.mpi._fastcall is not built: every run above took the Python path ==="
+    fi
 fi
 
 # torch's own distributed test suite against the spmd torch backend, when torch is here:
 # as itself, then told its backend is "gloo" and "mpi" (torch's decorators skip a third
 # of the suite by the backend's name; every group stays spmd's, see run_torch_suite.py).
 # NAME:RANKS; torch's suite runs its MPI tests at 3 ranks or more.
-if "$PYTHON" -c "import torch.distributed, expecttest" 2>/dev/null; then
+if ! rest; then
+    :
+elif "$PYTHON" -c "import torch.distributed, expecttest" 2>/dev/null; then
     for run in ${TORCH_SUITE_RUNS:-spmd:2 spmd:3 gloo:2 gloo:3 mpi:3}; do
         name=${run%:*} n=${run#*:}
         as=(); [ "$name" != spmd ] && as=(--as "$name")
@@ -145,6 +180,9 @@ fi
 # environment: at a few sizes, and with the shared-memory engine forced, where an MPI
 # behaves differently (progress, shared-memory windows, persistent collectives, error
 # classes); what cannot differ between MPIs runs once, above.
+if ! rest; then    # other MPIs and torch releases belong to the rest
+    OTHER_MPIS="" TORCH_VENVS=""
+fi
 for venv in ${OTHER_MPIS:-}; do
     saved=("$PYTHON" "$MPIEXEC")
     PYTHON="$venv/bin/python" MPIEXEC="$venv/bin/mpiexec"
@@ -194,15 +232,14 @@ done
 # Other torch releases (CI: 2.14 beside the 2.13 above), each from a virtual environment
 # with spmd, MPICH, that torch and the trainers: the torch-facing tests at 2 ranks, a
 # subset chosen to take about two minutes (the backend's MPI tests; torch's suite told
-# "gloo", whose passes include all of the run as spmd's but test_get_backend; FSDP1/2,
-# DTensor; what import torch makes of the "mpi" name, and a job under it; Lightning and
-# Accelerate, which with that job train with DDP; torch 2.14's reconfigure, planned:
-# reordered, a rank left out, a process spawn_peers started, one of another mpiexec).
+# "gloo", whose passes include all of the run as spmd's but test_get_backend; DDP,
+# FSDP1/2 and DTensor in one job; what import torch makes of the "mpi" name, and a job
+# under it; Lightning and Accelerate, which with that job train with DDP; torch 2.14's
+# reconfigure, planned: reordered, a rank left out, a process spawn_peers started, one
+# of another mpiexec).
 TORCH_VENV_JOBS=(
     tests/jobs/test_torch_backend_jobs.py::test_import_torch_registers_without_starting_mpi
-    "tests/jobs/test_torch_training_jobs.py::test_fsdp1_matches_single_process[2]"
-    "tests/jobs/test_torch_training_jobs.py::test_fsdp2_matches_single_process[2]"
-    "tests/jobs/test_torch_training_jobs.py::test_dtensor_redistribute[2]"
+    "tests/jobs/test_torch_training_jobs.py::test_ddp_fsdp1_fsdp2_and_dtensor_match_their_references[2]"
     "tests/jobs/test_torch_mpi_name.py::test_off_by_default_torch_is_untouched[None]"
     tests/jobs/test_torch_mpi_name.py::test_on_answers_without_starting_mpi
     tests/jobs/test_torch_mpi_name.py::test_a_torch_built_with_mpi_keeps_its_own
@@ -246,13 +283,18 @@ done
 
 # Most of these tests wait on jobs of their own (launches, timeouts, a rank that never
 # comes): JOB_WORKERS pytest-xdist workers run them side by side (0: in this process).
-echo "=== tests that launch their own jobs ==="
-start=$SECONDS
-timeout -k 10 "$LIMIT" "$PYTHON" -m pytest -q -p no:cacheprovider -m "not mpi" -rs \
-    -n "${JOB_WORKERS:-3}" --dist loadgroup tests/unit tests/jobs
-rc=$?
-[ $rc -ne 0 ] && failed+=("plain pytest (exit $rc)")
-summary+=("plain: exit $rc ($((SECONDS - start)) s)")
+# The quick part runs all but those marked slow; the rest runs those.
+jobs_run() {  # jobs_run NAME MARKERS
+    echo "=== tests that launch their own jobs ($1) ==="
+    local start=$SECONDS
+    timeout -k 10 "$LIMIT" "$PYTHON" -m pytest -q -p no:cacheprovider -m "$2" -rs \
+        -n "${JOB_WORKERS:-3}" --dist loadgroup tests/unit tests/jobs
+    local rc=$?
+    [ $rc -ne 0 ] && failed+=("$1 (exit $rc)")
+    summary+=("$1: exit $rc ($((SECONDS - start)) s)")
+}
+quick && jobs_run "jobs" "not mpi and not slow"
+rest && jobs_run "slow jobs" "not mpi and slow"
 
 echo "=== summary ==="
 printf '  %s\n' "${summary[@]}"

@@ -89,6 +89,7 @@ def test_json_to_stdout_table_and_plot(tmp_path):
         assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_torch_gloo_in_the_same_job(tmp_path):
     pytest.importorskip("torch.distributed")
@@ -159,6 +160,7 @@ def test_env_switches_trace_and_comms_log(tmp_path):
         assert mine == ["all_reduce"] * 4 + ["broadcast", "barrier"]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("n", [1, 2])
 def test_gpu_bench_on_the_device_double(n):
@@ -183,6 +185,7 @@ def test_gpu_bench_on_the_device_double(n):
                 if line.startswith("target:") and "spmd-cupy / cupy-nccl = " in line]) == 2, out
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_torch_mode_table_and_json(tmp_path):
     """``spmd bench --torch``: every op of the torch mode on spmd, gloo, the do-nothing

@@ -16,10 +16,14 @@ CASES = [
     (["mesh_setup.py", "--shape", "2", "1", "--repeats", "1"], "ratio new_group/mesh"),
     (["ddp_step.py", "--hidden", "32", "--steps", "2", "--warmup", "1"], "torch-spmd"),
 ]
+SLOW = {"ddp_step.py"}   # imports torch on both ranks: tests/run.sh rest
+PARAMS = [pytest.param(args, expected, id=args[0],
+                       marks=[pytest.mark.slow] if args[0] in SLOW else [])
+          for args, expected in CASES]
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("args, expected", CASES, ids=[c[0][0] for c in CASES])
+@pytest.mark.parametrize("args, expected", PARAMS)
 def test_benchmark_runs_to_its_table(args, expected):
     if args[0] == "ddp_step.py" and importlib.util.find_spec("torch") is None:
         pytest.skip("torch is not installed")

@@ -5,6 +5,8 @@ import sys
 import pytest
 from _launch import mpiexec, run
 
+pytestmark = pytest.mark.slow   # tests/run.sh rest, not README's quick command
+
 
 @pytest.mark.timeout(300)
 def test_objects_over_2_gib():

@@ -14,6 +14,7 @@ def _records(stdout):
     return {row["rank"]: row["record"] for row in rows}
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_same_answers_as_torch_device_mesh():
     """spmd at 8 ranks against torch's DeviceMesh on its fake backend, rank by rank."""

@@ -7,6 +7,8 @@ import sys
 import pytest
 from _launch import mpiexec, run
 
+pytestmark = pytest.mark.slow   # tests/run.sh rest, not README's quick command
+
 # kind -> (world size getter, rank getter, kwargs), where parallel_state has them
 
 

@@ -145,6 +145,7 @@ def test_flight_recorder_dumps_are_private_and_merge(tmp_path):
     assert "rank 2: never started #2" in text, text
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_soak_mixed_ops_over_several_groups_stays_flat():
     proc, _ = job(3, "soak.py", "20000", timeout=150)

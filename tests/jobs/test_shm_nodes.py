@@ -12,6 +12,7 @@ from spmd.backends.shm.engine import shm_mode
 PROGRAM = "tests/programs/shm_nodes.py"
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("ranks,node_size", [(4, 2), (6, 2), (6, 3)])
 def test_hierarchical_all_reduce(ranks, node_size):

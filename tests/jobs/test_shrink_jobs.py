@@ -54,6 +54,7 @@ dist.destroy_process_group()
 """
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("n", [3, 4])
 def test_torch_shrink_group_runs_on_the_spmd_backend(n):

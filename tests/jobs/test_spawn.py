@@ -137,6 +137,7 @@ def test_timeout_bounds_the_job():
     assert checks["after"][0]["results"] == [1.0, 1.0], proc.stdout
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_ten_spawns_leak_no_processes_or_fds():
     proc, checks = run_mode("repeat", timeout=280)

@@ -1,6 +1,7 @@
-"""The spmd torch backend from the outside: autoload without MPI, unmodified DDP
-scripts under mpiexec with no environment variables, and a rank that skips a
-collective.  Every job runs under a wall-clock limit."""
+"""The spmd torch backend from the outside: autoload without MPI, an unmodified DDP
+script under srun with no environment variables (under mpiexec:
+test_torch_training_jobs.py), and a rank that skips a collective.  Every job runs under
+a wall-clock limit."""
 
 from __future__ import annotations
 
@@ -56,19 +57,6 @@ def test_autoload_off_then_explicit_import():
     assert lines[1] == {"registered": True}
 
 
-@pytest.mark.parametrize("n", [1, 2, 3, 4])
-def test_unmodified_ddp_script(n):
-    env = clean_env()
-    for var in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK"):
-        env.pop(var, None)
-    proc = subprocess.run(mpiexec(n, sys.executable, f"{DIR}/ddp_script.py"), cwd=ROOT, env=env,
-                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                          timeout=240, check=False)
-    assert proc.returncode == 0, proc.stdout[-4000:]
-    for r in range(n):
-        assert f"rank {r} of {n}: DDP matches single-process training" in proc.stdout
-
-
 @pytest.mark.slurm
 @pytest.mark.parametrize("nodes, n", [(1, 2), (2, 4)])
 def test_unmodified_ddp_script_under_srun(nodes, n):
@@ -88,6 +76,7 @@ def test_unmodified_ddp_script_under_srun(nodes, n):
             proc.stdout[-4000:]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("n", [2, 3])
 def test_skipped_all_reduce_names_the_rank(n):
     proc = run(mpiexec(n, sys.executable, f"{DIR}/skip_all_reduce.py", "3"), timeout=120)
@@ -100,6 +89,7 @@ def test_skipped_all_reduce_names_the_rank(n):
     assert "time.sleep(600)" in out  # where the straggler is
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_a_timed_out_ddp_all_reduce_raises_in_backward():
     """DDP's reducer waits on the Work's future in C++: past its timeout the future fails

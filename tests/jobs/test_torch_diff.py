@@ -26,6 +26,8 @@ RUN_TIMEOUT = 180  # seconds, per launch
 
 torch = pytest.importorskip("torch", reason="torch is not installed: nothing to compare against")
 
+pytestmark = pytest.mark.slow   # tests/run.sh rest, not README's quick command
+
 
 def _torchrun() -> str | None:
     return next_to_python("torchrun") or shutil.which("torchrun")

@@ -90,6 +90,7 @@ def _script(cmd: list[str], n: int) -> None:
         assert f"rank {r} of {n}: the \"mpi\" backend is spmd's" in proc.stdout, proc.stdout[-4000:]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("n", [1, 2, 3])
 def test_a_script_for_torchs_mpi_backend_runs_on_spmd(n):
     _script(mpiexec(n), n)
