@@ -181,6 +181,9 @@ fi
 # behaves differently (progress, shared-memory windows, persistent collectives, error
 # classes); what cannot differ between MPIs runs once, above.
 if ! rest; then    # other MPIs and torch releases belong to the rest
+    if [ -n "${OTHER_MPIS:-}${TORCH_VENVS:-}" ]; then
+        echo "=== OTHER_MPIS and TORCH_VENVS run with tests/run.sh rest (or all), not in the quick part ==="
+    fi
     OTHER_MPIS="" TORCH_VENVS=""
 fi
 for venv in ${OTHER_MPIS:-}; do
