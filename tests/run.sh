@@ -158,9 +158,7 @@ fi
 # as itself, then told its backend is "gloo" and "mpi" (torch's decorators skip a third
 # of the suite by the backend's name; every group stays spmd's, see run_torch_suite.py).
 # NAME:RANKS; torch's suite runs its MPI tests at 3 ranks or more.
-if ! rest; then
-    :
-elif "$PYTHON" -c "import torch.distributed, expecttest" 2>/dev/null; then
+if rest && "$PYTHON" -c "import torch.distributed, expecttest" 2>/dev/null; then
     for run in ${TORCH_SUITE_RUNS:-spmd:2 spmd:3 gloo:2 gloo:3 mpi:3}; do
         name=${run%:*} n=${run#*:}
         as=(); [ "$name" != spmd ] && as=(--as "$name")
@@ -172,7 +170,7 @@ elif "$PYTHON" -c "import torch.distributed, expecttest" 2>/dev/null; then
         [ $rc -ne 0 ] && failed+=("torch suite as $name n=$n (exit $rc)")
         summary+=("torch suite as $name n=$n: exit $rc ($((SECONDS - start)) s)")
     done
-else
+elif rest; then
     echo "=== torch distributed_test: skipped (torch or expecttest is not installed) ==="
 fi
 
