@@ -79,7 +79,20 @@ def timeout_error(op: str, group: GroupContext, waited: float, *, seq: int | Non
             return found
         return DistTimeoutError(found)
     except Exception as err:  # noqa: BLE001 - a failed diagnosis must not hide the timeout
-        return DistTimeoutError(f"{plain} (diagnosis failed: {type(err).__name__}: {err})")
+        return DistTimeoutError(f"{plain} (diagnosis failed in {_where(err)}: "
+                                f"{type(err).__name__}: {err})")
+
+
+def _where(err: BaseException) -> str:
+    """The innermost frame that raised ``err``: function, file and line (a diagnosis
+    that fails says where, so that its cause can be found from one log)."""
+    tb = err.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    if tb is None:
+        return "?"
+    code = tb.tb_frame.f_code
+    return f"{code.co_name} ({os.path.basename(code.co_filename)}:{tb.tb_lineno})"
 
 
 # How long a wait whose group broke meanwhile still tests its op: a peer that broke it by

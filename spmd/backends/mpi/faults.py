@@ -19,6 +19,7 @@ agreement on WORLD, every group of the rank revoked and marked) is the runtime's
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Callable
 
@@ -28,7 +29,7 @@ from spmd.backends.mpi import finalize
 from spmd.core.context import GroupContext
 
 __all__ = ["ulfm", "ulfm_missing", "is_failure", "failure", "shrink_agreement",
-           "known_failed", "revoke", "on_failure", "threads_may_call"]
+           "known_failed", "revoke", "on_failure", "threads_may_call", "all_succeeded"]
 
 _probed: bool | None = None
 # Error classes of a failure (ULFM's); empty until ulfm() found it working.
@@ -126,14 +127,39 @@ def known_failed(ctx: GroupContext) -> tuple[int, ...]:
     return tuple(sorted(ctx.ranks[r] for r in mine if r >= 0))
 
 
+# Times the survivors try MPI_Comm_shrink again when it failed on one of them.
+SHRINK_TRIES = 3
+
+
 def shrink_agreement(ctx: GroupContext) -> tuple[tuple[int, ...], MPI.Intracomm]:
     """Revoke ``ctx``'s communicator and agree with its other live members on who died:
     ``MPI_Comm_shrink`` is the agreement (every live member calls it once; the result is
     the same on all).  The dead members' global ranks, and the survivors' communicator
-    (ranks in the group's order)."""
+    (ranks in the group's order).
+
+    Open MPI's shrink can fail on some members (MPI_ERR_INTERN after a peer died in one
+    of its internal steps) while it succeeded on others: the members then agree
+    (``MPI_Comm_agree``, uniform by definition) on whether it succeeded everywhere, and
+    all of them shrink again if not, so no member goes on with a communicator another
+    lacks."""
     comm = ctx.comm
     revoke(comm)
-    shrunk = MPI.Intracomm(comm.Shrink())   # an intracommunicator's shrink is one
+    error: MPI.Exception | None = None
+    for _ in range(SHRINK_TRIES):
+        shrunk = None
+        try:
+            shrunk = MPI.Intracomm(comm.Shrink())   # an intracommunicator's shrink is one
+        except MPI.Exception as exc:
+            error = exc
+        if all_succeeded(comm, shrunk is not None):
+            break
+        if shrunk is not None:
+            with contextlib.suppress(MPI.Exception):
+                shrunk.Free()
+    else:
+        assert error is not None   # some member's shrink failed every time
+        raise error
+    assert shrunk is not None      # it succeeded on every member, this one included
     live, everyone = shrunk.Get_group(), comm.Get_group()
     try:
         back = MPI.Group.Translate_ranks(live, list(range(live.Get_size())), everyone)
@@ -145,6 +171,24 @@ def shrink_agreement(ctx: GroupContext) -> tuple[tuple[int, ...], MPI.Intracomm]
     if dead:
         finalize.note_failure()
     return dead, shrunk
+
+
+def all_succeeded(comm: MPI.Comm, ok: bool) -> bool:
+    """Whether ``ok`` on every live member of ``comm`` (``MPI_Comm_agree``, valid on a
+    revoked communicator).  The failures known so far are acknowledged first, so that
+    only a member lost during the agreement fails it; that failure is reported to every
+    member alike, and they agree again among those left (each try past the first
+    follows a death: at most one try per member)."""
+    for _ in range(comm.Get_size()):
+        with contextlib.suppress(MPI.Exception):
+            comm.Ack_failed()
+        try:
+            return bool(comm.Agree(int(ok)))
+        except MPI.Exception as exc:
+            if not is_failure(exc):
+                raise
+            error = exc
+    raise error
 
 
 def failure(exc: BaseException, op: str, ctx: GroupContext) -> BaseException:
