@@ -226,5 +226,5 @@ def _new_world(old: ProcessGroup, comm: MPI.Intracomm) -> ProcessGroup:
     world_state.world = new
     world_state.groups = [new]
     GroupMember.WORLD = new
-    supervision.start(new, state.config)
+    supervision.start(new, state.config, _OP)
     return new

@@ -28,6 +28,7 @@ import atexit
 import dataclasses
 import sys
 
+from spmd.backends.mpi import faults
 from spmd.backends.mpi.control import Channel
 from spmd.core import flight_recorder
 from spmd.core import wait as _wait
@@ -46,8 +47,14 @@ __all__ = ["Config", "config", "reports", "start", "stop"]
 _atexit_registered = False
 
 
-def start(world: ProcessGroup, cfg: Config) -> None:
-    """Called by init_process_group on every rank, after WORLD exists."""
+def start(world: ProcessGroup, cfg: Config, op: str = "init_process_group") -> None:
+    """Called by init_process_group on every rank, after WORLD exists (and by ``op``,
+    shrink_group or heal, on every rank of the world it makes).
+
+    Raises:
+        ProcessFailedError: a member died during its collective steps (under ULFM: the
+            survivors agreed on it; the program shrinks again).
+    """
     global _atexit_registered
     state.config = cfg
     state.rank, state.size = world.context.rank, world.context.size
@@ -65,10 +72,6 @@ def start(world: ProcessGroup, cfg: Config) -> None:
         [pg.context for pg in list(world_state.groups)])
     flight_recorder.recorder.dump_dir = cfg.dump_dir
     debug.set_debug_level(cfg.debug)
-    hangs.learn_peers(world.context.comm)
-    state.channel = Channel(world.context.comm, answer, heartbeat_check)
-    if cfg.watchdog:
-        state.watchdog = Watchdog(cfg.watchdog_interval)
     if sys.excepthook is not excepthook:
         state.prev_hook = sys.excepthook
         sys.excepthook = excepthook
@@ -80,6 +83,18 @@ def start(world: ProcessGroup, cfg: Config) -> None:
         # the control channel is still up.
         atexit.register(exits.announce)
         _atexit_registered = True
+    # The collective steps last: where a member of a shrunk or healed world dies during
+    # them, the failure they raise leaves the rest of the start done.
+    try:
+        hangs.learn_peers(world.context.comm)
+        state.channel = Channel(world.context.comm, answer, heartbeat_check)
+    except Exception as exc:
+        error = faults.failure(exc, op, world.context)
+        if error is exc:   # not MPI's report of a member's death
+            raise
+        raise error from exc
+    if cfg.watchdog:
+        state.watchdog = Watchdog(cfg.watchdog_interval)
     if cfg.debug != "OFF" and world.context.rank == 0:
         write_lines(f"[rank 0] spmd reliability settings: {dataclasses.asdict(cfg)}; MPI thread "
                     f"level {'multiple' if state.channel.threaded else 'below multiple'}",

@@ -219,7 +219,7 @@ def _end_at_exit() -> None:
 
 
 def open_world(comm: MPI.Intracomm, name: str, seconds: float, spec: str, store: Store | None,
-               reliability: Config) -> ProcessGroup:
+               reliability: Config, op: str = "init_process_group") -> ProcessGroup:
     """Make ``comm`` (spmd's own) the default group: every process of it calls this, at
     init or when healing remakes the world.  The collectives in it (the node layout, the
     installation check, the reliability machinery's start) are the same on every process,
@@ -237,7 +237,7 @@ def open_world(comm: MPI.Intracomm, name: str, seconds: float, spec: str, store:
     world_state.world = pg
     world_state.groups = [pg]
     GroupMember.WORLD = pg
-    supervision.start(pg, reliability)
+    supervision.start(pg, reliability, op)
     return pg
 
 
