@@ -27,6 +27,7 @@ from mpi4py import MPI
 
 from spmd.backends.mpi import orphans
 from spmd.core.context import GroupContext
+from spmd.core.errors import DistTimeoutError
 from spmd.core.wait import wait_until
 
 __all__ = ["run_blocking", "set_up"]
@@ -64,14 +65,16 @@ def set_up(group: GroupContext, op: str, what: str, fn: Callable[[], T]) -> T:
 
 def run_blocking(group: GroupContext, op: str, source: str, fn: Callable[[], T],
                  seconds: float, kind: str = "collective",
-                 on_give_up: Callable[[], None] | None = None) -> T:
+                 on_give_up: Callable[[], None] | None = None, patience: int = 0) -> T:
     """Run ``fn`` (blocking MPI calls that cannot be timed out) on a thread of its own
     and wait for it under ``seconds``, with the one wait helper: a member found dead
     meanwhile raises its failure, a member that does not come the diagnosed timeout (for
     ``kind`` "recovery": the members that do not answer are taken for hung, and where
-    the job survives that, ended).  The thread stays blocked in MPI after a timeout;
-    ``on_give_up`` runs then.  Without ``MPI_THREAD_MULTIPLE`` it runs on the caller's
-    thread."""
+    the job survives that, ended).  With ``patience``, a timeout that found every member
+    alive and answering (nobody hung: MPI is slow, as on a loaded machine) waits that
+    many more periods of ``seconds`` before it raises.  The thread stays blocked in MPI
+    after a timeout; ``on_give_up`` runs then.  Without ``MPI_THREAD_MULTIPLE`` it runs
+    on the caller's thread."""
     if MPI.Query_thread() < MPI.THREAD_MULTIPLE:
         return fn()
     outcome: dict = {}
@@ -84,13 +87,21 @@ def run_blocking(group: GroupContext, op: str, source: str, fn: Callable[[], T],
 
     thread = threading.Thread(target=run, name=f"spmd {source}", daemon=True)
     thread.start()
-    try:
-        wait_until(lambda: not thread.is_alive(), seconds, op, group,
-                   nap=lambda: thread.join(0.001), source=source, kind=kind)
-    except BaseException:
-        if on_give_up is not None:
-            on_give_up()
-        raise
+    for waited in range(patience + 1):
+        try:
+            wait_until(lambda: not thread.is_alive(), seconds, op, group,
+                       nap=lambda: thread.join(0.001), source=source, kind=kind)
+            break
+        except DistTimeoutError:
+            if waited < patience:
+                continue   # every member answered: none of them is hung
+            if on_give_up is not None:
+                on_give_up()
+            raise
+        except BaseException:
+            if on_give_up is not None:
+                on_give_up()
+            raise
     if "error" in outcome:
         raise outcome["error"]
     return outcome["value"]

@@ -152,12 +152,19 @@ def _start_recoverable(ctx: GroupContext, count: int, what: str, op: str,
             MPI.Close_port(port)
 
 
+# Periods of the group's timeout a recovery step waits past the first when every member
+# answered and none is hung: on a loaded node, Open MPI's agreement among processes that
+# all wait in it was seen to take longer than a 3-s timeout.
+SLOW_PERIODS = 4
+
+
 def _timed(ctx: GroupContext, what: str, fn, seconds: float | None = None, op: str = _OP):
     """A blocking step of a recovery, under the group's timeout (or ``seconds``): a
     member lost meanwhile raises its failure, a silent one is taken for hung
-    (spmd.backends.setup.run_blocking)."""
+    (spmd.backends.setup.run_blocking); with every member there, it waits on."""
     return setup.run_blocking(ctx, op, f"healing: {what}", fn,
-                              ctx.timeout if seconds is None else seconds, kind=RECOVERY)
+                              ctx.timeout if seconds is None else seconds, kind=RECOVERY,
+                              patience=SLOW_PERIODS)
 
 
 class _Rescue:
@@ -218,7 +225,7 @@ def replace_world(comm: MPI.Intracomm, replaced: tuple[int, ...] = ()) -> Proces
     world_state.replaced = replaced
     world_state.is_replacement = False
     pg = open_world(comm, ctx.name, ctx.timeout, ctx.backend_name, world_state.store,
-                    reliability_state.config)
+                    reliability_state.config, _OP)
     end_healed_world_at_exit()
     return pg
 
