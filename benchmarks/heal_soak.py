@@ -11,8 +11,9 @@ heal; every result is checked against numpy on every rank, every step.  Faults a
 seeded: at a random step (every 150-400), a random rank (rank 0 and processes that
 replaced earlier victims included) kills itself (SIGKILL) or hangs (SIGSTOP, found by
 the group timeout) before a random one of the step's collectives; with ``--recovery``
-some faults have a second one inside the recovery they start (a survivor dies after the
-shrink, as heal begins, or before heal_state, or a new process dies before it joins).  The survivors catch
+some faults have a second one inside the recovery they start (a survivor dies inside
+shrink_group as the shrunk world starts, after the shrink, as heal begins, or before
+heal_state, or a new process dies before it joins).  The survivors catch
 the error, shrink, agree on the last step all of them finished, heal and take the state
 of the lowest survivor, and redo the step at full size.  At the end every rank checks
 the state exactly against a fault-free reference computed from the step count.
@@ -47,7 +48,7 @@ POINTS = 5                   # collectives a step: a fault strikes before one of
 # Where a second fault strikes inside a recovery (random plans); a script may also name
 # "during_heal": a survivor killed while the new processes are accepted, which Open MPI's
 # accept cannot survive (the job ends with the diagnosis: docs/reliability.md).
-RECOVERY_POINTS = ("after_shrink", "in_heal", "before_state", "new_before_join")
+RECOVERY_POINTS = ("in_shrink", "after_shrink", "in_heal", "before_state", "new_before_join")
 
 
 # -- the fault plan (the same on every process: a pure function of the seed) ----------
@@ -119,11 +120,31 @@ def advance(state: dict, got: dict[str, np.ndarray]) -> dict:
             "big": (state["big"] + got["big"]) % 1_000_003}
 
 
-def reference(steps: int) -> dict:
+def reference(steps: int, folder: str | None = None) -> dict:
+    """The fault-free state after ``steps``; the driver's, from ``folder``, where it
+    wrote it for that many steps (four ranks computing it at once on a loaded machine
+    took longer than the run's limit)."""
+    path = os.path.join(folder, REFERENCE) if folder else None
+    if path and os.path.exists(path):
+        with np.load(path) as saved:
+            if int(saved["step"]) == steps:
+                return {"step": steps, "acc": saved["acc"], "big": saved["big"]}
     state = fresh_state()
     for step in range(steps):
         state = advance(state, expected(step, SIZE))
     return state
+
+
+REFERENCE = "reference.npz"
+_references: dict[int, dict] = {}   # the driver's, by step count
+
+
+def save_reference(steps: int, folder: str) -> None:
+    """Write the reference for ``steps`` into the run's ``folder`` (the driver)."""
+    if steps not in _references:
+        _references[steps] = reference(steps)
+    ref = _references[steps]
+    np.savez(os.path.join(folder, REFERENCE), step=steps, acc=ref["acc"], big=ref["big"])
 
 
 def say(line: str) -> None:
@@ -141,6 +162,7 @@ def job(args: argparse.Namespace) -> None:
     # The driver runs without MPI: the job imports spmd here, before mpi4py's MPI (under
     # ULFM spmd must see MPI start: spmd.backends.mpi.finalize).
     import spmd as dist  # noqa: I001
+    from spmd.runtime import hangs
     from spmd.runtime.heal import last_heal
     from mpi4py import MPI
 
@@ -173,21 +195,34 @@ def job(args: argparse.Namespace) -> None:
             return faults[k] if time.time() >= float(args.t0) + period * (k + 1) else None
         return faults[k] if faults[k]["step"] == state["step"] else None
 
-    def recovery_fault(state: dict | None, where: str) -> None:
-        """The second fault of the one that started this recovery, if it strikes here."""
+    def recovery_fault(state: dict | None, where: str, rank: int | None = None) -> None:
+        """The second fault of the one that started this recovery, if it strikes here
+        (``rank``: this process's rank in the shrunk world, where it is not made yet)."""
         k = state["fault"] - 1 if state is not None else -1
         then = faults[k].get("then") if 0 <= k < len(faults) else None
-        if then is not None and then["where"] == where and then["victim"] == dist.get_rank():
+        me = dist.get_rank() if rank is None else rank
+        if then is not None and then["where"] == where and then["victim"] == me:
+            fault = {**faults[k], "where": where}
             if where == "during_heal":   # inside heal(): while the new processes start
-                threading.Timer(0.3, strike, ({**faults[k], "where": where},)).start()
+                threading.Timer(0.3, strike, (fault,)).start()
+            elif where == "in_shrink":
+                # Inside shrink_group, as the shrunk world starts (its first collective,
+                # where the ranks learn where each runs): the others are in it too.
+                def learn_peers_then_die(comm, _learn=hangs.learn_peers):
+                    hangs.learn_peers = _learn
+                    strike(fault)
+                hangs.learn_peers = learn_peers_then_die
             else:
-                strike({**faults[k], "where": where})
+                strike(fault)
 
     def pair_group():
         return dist.new_group([r for r in range(SIZE) if r // 2 == dist.get_rank() // 2])
 
+    last_rank = [dist.get_rank()]   # this process's rank in the last whole world
+
     def step_once(state: dict, pair) -> tuple[dict, bool]:
         step, rank, size = state["step"], dist.get_rank(), dist.get_world_size()
+        last_rank[0] = rank
         want = expected(step, size)
         got: dict[str, np.ndarray] = {}
 
@@ -239,6 +274,9 @@ def job(args: argparse.Namespace) -> None:
                 if not fresh:
                     lost = dist.get_failed_ranks()
                     if lost:
+                        if not struck:   # (the world is whole here: SIZE ranks)
+                            alive = [r for r in range(SIZE) if r not in lost]
+                            recovery_fault(state, "in_shrink", alive.index(last_rank[0]))
                         dist.shrink_group(lost)
                     if not struck:
                         recovery_fault(state, "after_shrink")
@@ -295,7 +333,7 @@ def job(args: argparse.Namespace) -> None:
         before, state = state, state_next
         if stop:
             break
-    ref = reference(state["step"])
+    ref = reference(state["step"], args.dir)
     exact = bool(np.array_equal(state["acc"], ref["acc"]) and
                  np.array_equal(state["big"], ref["big"]))
     say("RESULT " + json.dumps({"rank": dist.get_rank(), "size": dist.get_world_size(),
@@ -340,6 +378,8 @@ def one_run(args: argparse.Namespace, seed: int, seconds: float = 0.0,
             fault_every_s: float = 0.0, faults: int | None = None) -> dict:
     """One job; what it printed, judged."""
     work = tempfile.mkdtemp(prefix="heal-soak-")
+    if args.steps and not seconds:
+        save_reference(args.steps, work)
     t0 = time.time()
     nfaults = args.faults if faults is None else faults
     if args.script:

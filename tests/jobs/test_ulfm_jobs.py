@@ -267,11 +267,12 @@ def test_a_replacement_is_never_reported_dead():
 
 
 @pytest.mark.timeout(150)
-@pytest.mark.parametrize("where", ["after_shrink:1", "in_heal:0", "before_state:2",
+@pytest.mark.parametrize("where", ["in_shrink:1", "after_shrink:1", "in_heal:0", "before_state:2",
                                    "new_before_join:0"])
 def test_a_fault_inside_the_recovery_is_survived(where):
-    """Rank 3 dies; inside the recovery another rank dies (after shrink_group, while heal()
-    runs, before heal_state, or the new process before it joins): the recovery starts
+    """Rank 3 dies; inside the recovery another rank dies (inside shrink_group as the
+    shrunk world starts, after shrink_group, while heal() runs, before heal_state, or the
+    new process before it joins): the recovery starts
     again with whoever is left and ends at full size, and a later fault heals too."""
     out = soak("--script", f"kill:3@100+{where};kill:1@300")
     assert re.search(r"^run 1/1 seed \d+: healed 2 heal\(s\) of 2 fault\(s\), 500 steps "
