@@ -55,7 +55,7 @@ SETTINGS: dict[str, Setting] = _settings(
     Setting("SPMD_DUMP_DIR", "text", None, "where each rank writes its flight recorder on a "
             "timeout or an uncaught exception", option="dump_dir"),
     Setting("SPMD_FLIGHT_RECORDER_SIZE", "count", DEFAULT_SIZE, "operations the flight recorder "
-            "keeps (0: off)", option="flight_recorder_size"),
+            "keeps (at least 16; 0: off)", option="flight_recorder_size"),
     Setting("SPMD_WATCHDOG", "bool", True, "a thread reports ops past their timeout that nobody "
             "waits for", option="watchdog"),
     Setting("SPMD_WATCHDOG_INTERVAL", "seconds", 1.0, "seconds between the watchdog's checks",

@@ -23,8 +23,8 @@ DETECT = ("watchdog", "wait", "next")
 READS = ("get", "item", "stream synchronize", "device synchronize")
 
 
-def nccl_timeout(n: int, *args: str):
-    return run(mpiexec(n, sys.executable, PROGRAM, *args), timeout=90)
+def nccl_timeout(n: int, *args: str, **env: str):
+    return run(mpiexec(n, sys.executable, PROGRAM, *args), timeout=90, **env)
 
 
 def said(out: str, pattern: str) -> list[str]:
@@ -72,7 +72,8 @@ def test_a_timed_out_nccl_op_raises_on_every_read_through_spmd_when_asked(n, det
     """device_timeout="raise": the process stays up; synchronize, wait, is_completed and
     the group's next op raise; the raw reads stay blocked until the program destroys the
     group, and the job ends normally."""
-    proc = nccl_timeout(n, "--policy", "raise", "--detect", detect)
+    # The policy from the environment (SPMD_DEVICE_TIMEOUT), as a job script sets it.
+    proc = nccl_timeout(n, "--detect", detect, SPMD_DEVICE_TIMEOUT="raise")
     out = proc.stdout
     assert proc.returncode == 0, out
     assert len(said(out, "nccl_timeout OK")) == n, out

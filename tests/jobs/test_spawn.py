@@ -6,6 +6,7 @@ MPI, Intel MPI): spawn starts that library's own mpiexec."""
 import json
 import os
 import re
+import socket
 import subprocess
 import sys
 
@@ -34,6 +35,14 @@ def run_mode(mode: str, timeout: float = 150, prefix: tuple[str, ...] = (), **en
             row = json.loads(line)
             checks.setdefault(row["check"], []).append(row)
     return proc, checks
+
+
+def _nodes_on_loopback() -> bool:
+    """Whether every node of the SLURM cluster is this host (their addresses loopback)."""
+    out = subprocess.run(["sinfo", "-h", "-N", "-o", "%o"], capture_output=True, text=True,
+                         timeout=30, check=False)
+    addresses = out.stdout.split()
+    return bool(addresses) and all(a.startswith("127.") for a in addresses)
 
 
 def run_with(pickler: str, mode: str):
@@ -222,10 +231,15 @@ def test_inside_a_slurm_allocation_srun_runs_the_ranks_on_its_nodes():
         assert "srun runs the ranks in this SLURM allocation" in proc.stdout, proc.stdout
         assert f"--mpi={srun_mpi()}" in proc.stdout and "SPMD_MPIEXEC" in proc.stdout, proc.stdout
         return
-    proc, checks = run_mode("slurm", timeout=240, prefix=salloc)
+    # SPMD_SPAWN_HOST names the address the caller listens on: a loopback address of
+    # this host that the default choice never takes, so that the ranks reaching it show
+    # the setting took effect (the local cluster's nodes are this host).
+    host = "127.0.0.2" if _nodes_on_loopback() else socket.gethostname()
+    proc, checks = run_mode("slurm", timeout=240, prefix=salloc, SPMD_SPAWN_HOST=host)
     assert proc.returncode == 0, proc.stdout
     row = checks["slurm"][0]
     assert row["ok"] is True, row
+    assert row["callers"] == [socket.gethostbyname(host)], row
     assert len(set(row["nodes"])) == 2, row    # both nodes of the allocation
     assert len(row["steps"]) == 1, row    # one job step, all four ranks
     kill = checks["slurm_kill"][0]

@@ -12,7 +12,7 @@ stream synchronize and a device synchronize.  Every such read waits for the op.
 
 - ``--policy abort`` (the default policy): the job ends with the diagnosis while every
   read still waits: no line ``USED`` or ``RETURNED`` appears.
-- ``--policy raise``: the process stays up; every read through spmd (``synchronize``,
+- ``--policy raise`` (or ``SPMD_DEVICE_TIMEOUT=raise``): the process stays up; every read through spmd (``synchronize``,
   ``wait``, ``is_completed``, the next op) raises, and the raw reads stay blocked until
   the program destroys the group (``READS BLOCKED``); only then do they return
   (``RETURNED after the group was given up``).  The ranks meet on the host and end
@@ -115,7 +115,7 @@ if rank < n - 1:
     elif args.detect == "next":        # a host op on the group times out first
         spmd_read("host barrier", lambda: dist.barrier(group=g))
         spmd_read("next op", lambda: dist.all_reduce(cp.ones(1, cp.float32), group=g))
-    if args.policy != "raise":
+    if reliability.config().device_timeout != "raise":   # --policy, or SPMD_DEVICE_TIMEOUT
         say(f"USED {cp.asnumpy(x)}")   # blocks: the job ends before this returns
     else:
         if args.detect == "watchdog":

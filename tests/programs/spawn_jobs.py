@@ -287,8 +287,10 @@ def mode_nested():
 
 
 def where(rank):
-    """The SLURM node and job step a rank runs in, and its collectives."""
+    """The SLURM node and job step a rank runs in, the caller's address it reached, and
+    its collectives."""
     return {"node": os.environ.get("SLURMD_NODENAME"),
+            "caller": os.environ.get("SPMD_SPAWN_ADDRESS", "").rpartition(":")[0],
             "step": f"{os.environ.get('SLURM_JOB_ID')}.{os.environ.get('SLURM_STEP_ID')}",
             **collectives(rank, 3)}
 
@@ -333,6 +335,7 @@ def mode_slurm():
     xs = [np.random.default_rng(3 + r).standard_normal(5) for r in range(4)]
     out = spmd.spawn(where, nprocs=4)
     emit(check="slurm", nodes=[o["node"] for o in out], steps=sorted({o["step"] for o in out}),
+         callers=sorted({o["caller"] for o in out}),
          ok=all(np.allclose(o["sum"], np.sum(xs, axis=0), rtol=0, atol=1e-12)
                 and np.array_equal(o["gathered"], np.concatenate(xs)) for o in out))
     t0 = time.monotonic()
