@@ -184,6 +184,11 @@ _ALONE = {
 # The kind of wait of a recovery's own steps (healing's spawn, joins and hand-over): the
 # members are in no recorded op, and a silent one is taken for hung.
 RECOVERY = "recovery"
+# Periods of the group's timeout a recovery step waits past the first when every member
+# answered and none is hung (spmd.backends.setup.run_blocking's patience): on a loaded
+# node, Open MPI's agreement among processes that all wait in it was seen to take longer
+# than a 3-s timeout.
+RECOVERY_PATIENCE = 4
 
 
 def diagnose(op: str, g: GroupContext, seq: int | None, kind: str, waited: float, source: str,
@@ -219,8 +224,14 @@ def _diagnosis(op: str, g: GroupContext, seq: int | None, kind: str, waited: flo
                                                "can never complete"))
         return "\n".join(lines), found
     if ch is None or not ch.threaded:
-        lines.append("  where the other ranks are is unknown: the control channel needs "
-                     "MPI_THREAD_MULTIPLE")
+        lines.append("  where the other ranks are is unknown: " +
+                     ("no control channel runs yet (the world is starting)" if ch is None
+                      else "the control channel needs MPI_THREAD_MULTIPLE"))
+        if kind == RECOVERY and faults.ulfm():
+            # Without answers, a member whose process is stopped on this node is hung.
+            found.culprits = [r for r in peers if hangs.stopped_here(r)]
+            if found.culprits:
+                lines.append(f"  stopped on this node: rank(s) {found.culprits}")
         return "\n".join(lines), found
     request = {"q": "state", "group": group_key(g), "seq": seq, "from": me,
                "dump": bool(state.config.dump_dir), "reason": f"{op} #{seq} timed out on rank {me}"}

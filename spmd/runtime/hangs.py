@@ -34,7 +34,7 @@ from spmd.runtime.group import world_state
 from spmd.runtime.reliability import report, state
 
 __all__ = ["QUERY_SECONDS", "await_failure", "culprits", "end", "end_excluded", "excluded",
-           "learn_peers", "pids_on_this_node"]
+           "learn_peers", "pids_on_this_node", "renumber", "stopped_here"]
 
 # How long the diagnosis of a job that survives hangs waits for a member's answer: a
 # stopped one never answers, and the time to heal counts from the timeout.
@@ -60,6 +60,26 @@ def learn_peers(world_comm) -> None:
         _peers = [tuple(p) for p in world_comm.allgather(me)]
     else:
         _peers = []
+
+
+def renumber(old_ranks: list[int]) -> None:
+    """The world was shrunk to the processes of ``old_ranks`` (their ranks before, in
+    their new order): where they run is known without asking them again, so that a
+    member that hangs while the shrunk world starts can be found."""
+    global _peers
+    if _peers:
+        _peers = [_peers[g] for g in old_ranks]
+
+
+def stopped_here(rank: int) -> bool:
+    """Whether ``rank``'s process runs on this node and is stopped (SIGSTOP or traced):
+    a hang found without asking it, where no control channel runs yet."""
+    if rank >= len(_peers) or _peers[rank][0] != socket.gethostname():
+        return False
+    _, pid, started = _peers[rank]
+    fields = job.process_stat(pid)
+    return (fields is not None and len(fields) > 19 and int(fields[19]) == started
+            and fields[0] in ("T", "t"))
 
 
 def pids_on_this_node() -> list[int]:

@@ -58,7 +58,7 @@ from spmd.core.context import GroupContext
 from spmd.core.errors import located
 from spmd.runtime import exits, failures, supervision
 from spmd.runtime.abort import abort_job
-from spmd.runtime.diagnosis import RECOVERY
+from spmd.runtime.diagnosis import RECOVERY, RECOVERY_PATIENCE
 from spmd.runtime.group import ProcessGroup, default_group, world_state
 from spmd.runtime.reliability import report
 from spmd.runtime.reliability import state as reliability_state
@@ -152,19 +152,13 @@ def _start_recoverable(ctx: GroupContext, count: int, what: str, op: str,
             MPI.Close_port(port)
 
 
-# Periods of the group's timeout a recovery step waits past the first when every member
-# answered and none is hung: on a loaded node, Open MPI's agreement among processes that
-# all wait in it was seen to take longer than a 3-s timeout.
-SLOW_PERIODS = 4
-
-
 def _timed(ctx: GroupContext, what: str, fn, seconds: float | None = None, op: str = _OP):
     """A blocking step of a recovery, under the group's timeout (or ``seconds``): a
     member lost meanwhile raises its failure, a silent one is taken for hung
     (spmd.backends.setup.run_blocking); with every member there, it waits on."""
     return setup.run_blocking(ctx, op, f"healing: {what}", fn,
                               ctx.timeout if seconds is None else seconds, kind=RECOVERY,
-                              patience=SLOW_PERIODS)
+                              patience=RECOVERY_PATIENCE)
 
 
 class _Rescue:

@@ -32,7 +32,7 @@ from mpi4py import MPI
 
 from spmd.backends.mpi import faults
 from spmd.core.errors import located
-from spmd.runtime import exits, failures, supervision
+from spmd.runtime import exits, failures, hangs, supervision
 from spmd.runtime.group import (
     GroupMember,
     ProcessGroup,
@@ -202,7 +202,7 @@ def shrink_group(ranks_to_exclude: list[int], group: ProcessGroup | None = None,
     comm = _stayers_comm(pg, excluded)
     stay = [g for i, g in enumerate(ctx.ranks) if i not in excluded]
     if pg is world_state.world:
-        return _new_world(pg, comm)
+        return _new_world(pg, comm, stay)
     new = register_group(comm, stay, f"{ctx.name}:shrunk", ctx.timeout, ctx.backend_name,
                          f"{ctx.desc}:shrunk")
     pg.abort()
@@ -211,11 +211,13 @@ def shrink_group(ranks_to_exclude: list[int], group: ProcessGroup | None = None,
     return new
 
 
-def _new_world(old: ProcessGroup, comm: MPI.Intracomm) -> ProcessGroup:
-    """The default group becomes ``comm``'s: every group ends, the ranks are renumbered,
-    the watchdog and control channel start again on the new world."""
+def _new_world(old: ProcessGroup, comm: MPI.Intracomm, stay: list[int]) -> ProcessGroup:
+    """The default group becomes ``comm``'s (the processes of ranks ``stay``, in order):
+    every group ends, the ranks are renumbered, the watchdog and control channel start
+    again on the new world."""
     ctx = old.context
     supervision.stop()
+    hangs.renumber(stay)
     for pg in reversed(world_state.groups):
         pg.abort()
     failures.reset()   # the dead ranks' numbers mean nothing in the new numbering

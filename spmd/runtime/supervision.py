@@ -30,6 +30,7 @@ import sys
 
 from spmd.backends.mpi import faults
 from spmd.backends.mpi.control import Channel
+from spmd.backends.setup import run_blocking
 from spmd.core import flight_recorder
 from spmd.core import wait as _wait
 from spmd.core import work as _work
@@ -37,7 +38,13 @@ from spmd.core.context import set_broken_notice
 from spmd.core.lines import write_lines
 from spmd.runtime import debug, exits, failures, hangs
 from spmd.runtime.abort import excepthook
-from spmd.runtime.diagnosis import answer, diagnose_timeout, tell_broken
+from spmd.runtime.diagnosis import (
+    RECOVERY,
+    RECOVERY_PATIENCE,
+    answer,
+    diagnose_timeout,
+    tell_broken,
+)
 from spmd.runtime.group import ProcessGroup, world_state
 from spmd.runtime.reliability import Config, config, reports, state
 from spmd.runtime.watchdog import Watchdog, heartbeat_check
@@ -85,9 +92,19 @@ def start(world: ProcessGroup, cfg: Config, op: str = "init_process_group") -> N
         _atexit_registered = True
     # The collective steps last: where a member of a shrunk or healed world dies during
     # them, the failure they raise leaves the rest of the start done.
-    try:
+    def collective_steps() -> None:
         hangs.learn_peers(world.context.comm)
         state.channel = Channel(world.context.comm, answer, heartbeat_check)
+
+    try:
+        if op == "init_process_group":
+            collective_steps()
+        else:
+            # A world that shrink_group or heal makes: a member that hangs here (no
+            # control channel runs yet) is found by the group's timeout, stopped on this
+            # node (spmd.runtime.diagnosis), and ended, as in any recovery step.
+            run_blocking(world.context, op, "starting the new world", collective_steps,
+                         world.context.timeout, kind=RECOVERY, patience=RECOVERY_PATIENCE)
     except Exception as exc:
         error = faults.failure(exc, op, world.context)
         if error is exc:   # not MPI's report of a member's death
@@ -97,7 +114,7 @@ def start(world: ProcessGroup, cfg: Config, op: str = "init_process_group") -> N
         state.watchdog = Watchdog(cfg.watchdog_interval)
     if cfg.debug != "OFF" and world.context.rank == 0:
         write_lines(f"[rank 0] spmd reliability settings: {dataclasses.asdict(cfg)}; MPI thread "
-                    f"level {'multiple' if state.channel.threaded else 'below multiple'}",
+                    f"level {'multiple' if faults.threads_may_call() else 'below multiple'}",
                     sys.stderr)
 
 
