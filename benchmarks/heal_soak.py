@@ -462,6 +462,10 @@ def driver(args: argparse.Namespace) -> int:
         print(f"run {i + 1}/{args.runs} seed {r['seed']}: {'healed' if r['ok'] else 'FAILED'} "
               f"{r['heals']} heal(s) of {r['faults']} fault(s), {r['steps']} steps exact, "
               f"launcher {r['rc']}, {r['wall']:.1f} s", flush=True)
+        if args.events:   # what struck and what the survivors said of it
+            print("\n".join(line for line in r["out"].splitlines()
+                            if line.startswith(("FAULT ", "RETRY ")) or "stopped on" in line),
+                  flush=True)
         if not r["ok"]:
             print(r["out"][-6000:], flush=True)
             if args.logs:
@@ -497,6 +501,8 @@ def main() -> int:
                    help="S: steps/s of S s fault-free against S s with a fault every 20 s")
     p.add_argument("--fault-every", type=float, default=20.0)
     p.add_argument("--logs", help="folder for the whole output of each failed run")
+    p.add_argument("--events", action="store_true",
+                   help="print each run's faults and the retries they caused")
     p.add_argument("--limit", type=float, default=0.0, help="seconds a run may take")
     p.add_argument("--job", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--dir", help=argparse.SUPPRESS)

@@ -274,7 +274,8 @@ def test_a_fault_inside_the_recovery_is_survived(where):
     shrunk world starts, after shrink_group, while heal() runs, before heal_state, or the
     new process before it joins): the recovery starts
     again with whoever is left and ends at full size, and a later fault heals too."""
-    out = soak("--script", f"kill:3@100+{where};kill:1@300")
+    out = soak("--script", f"kill:3@100+{where};kill:1@300", "--events")
+    assert f'"where": "{where.split(":")[0]}"' in out, out   # the second fault struck
     assert re.search(r"^run 1/1 seed \d+: healed 2 heal\(s\) of 2 fault\(s\), 500 steps "
                      r"exact, launcher 0", out, re.M), out
 
@@ -286,6 +287,17 @@ def test_a_hang_inside_the_recovery_is_survived():
     a recovery is found by the group timeout in heal's own exchanges, ended, and the
     recovery starts again; every run ends at full size with exact state."""
     out = soak("--script", "stop:3@100+in_heal:1;stop:0@300+before_state:1")
+    assert re.search(r"^run 1/1 seed \d+: healed 2 heal\(s\) of 2 fault\(s\), 500 steps "
+                     r"exact, launcher 0", out, re.M), out
+
+
+@pytest.mark.timeout(150)
+def test_a_hang_inside_shrink_group_is_survived():
+    """Rank 3 hangs; rank 1 then stops inside shrink_group, in the shrunk world's first
+    exchange, before any control channel runs: the survivors' timeout finds it stopped on
+    their node, ends it, and the recovery starts again; a later kill heals too."""
+    out = soak("--script", "stop:3@100+in_shrink:1;kill:1@300", "--events")
+    assert '"where": "in_shrink"' in out and "stopped on this node: rank(s) [1]" in out, out
     assert re.search(r"^run 1/1 seed \d+: healed 2 heal\(s\) of 2 fault\(s\), 500 steps "
                      r"exact, launcher 0", out, re.M), out
 
