@@ -286,11 +286,21 @@ def mode_nested():
     emit(check="nested", ok=collectives_match_numpy(2, 5), workers=workers())
 
 
+def caller_address() -> str:
+    """The host this rank reached its caller at: SPMD_SPAWN_ADDRESS as the rank started
+    (spmd.spawn.child takes it out of os.environ; /proc keeps the environment of exec)."""
+    with open("/proc/self/environ", "rb") as f:
+        for item in f.read().split(b"\0"):
+            if item.startswith(b"SPMD_SPAWN_ADDRESS="):
+                return item.split(b"=", 1)[1].decode().rpartition(":")[0]
+    return ""
+
+
 def where(rank):
     """The SLURM node and job step a rank runs in, the caller's address it reached, and
     its collectives."""
     return {"node": os.environ.get("SLURMD_NODENAME"),
-            "caller": os.environ.get("SPMD_SPAWN_ADDRESS", "").rpartition(":")[0],
+            "caller": caller_address(),
             "step": f"{os.environ.get('SLURM_JOB_ID')}.{os.environ.get('SLURM_STEP_ID')}",
             **collectives(rank, 3)}
 
