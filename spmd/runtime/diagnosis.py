@@ -228,10 +228,15 @@ def _diagnosis(op: str, g: GroupContext, seq: int | None, kind: str, waited: flo
                      ("no control channel runs yet (the world is starting)" if ch is None
                       else "the control channel needs MPI_THREAD_MULTIPLE"))
         if kind == RECOVERY and faults.ulfm():
-            # Without answers, a member whose process is stopped on this node is hung.
-            found.culprits = [r for r in peers if hangs.stopped_here(r)]
-            if found.culprits:
-                lines.append(f"  stopped on this node: rank(s) {found.culprits}")
+            # Without answers: a member MPI knows to be dead (whose death the op did not
+            # report: nobody revoked it yet), or whose process is stopped on this node.
+            dead = [r for r in faults.known_failed(g) if r != me]
+            stopped = [r for r in peers if r not in dead and hangs.stopped_here(r)]
+            found.culprits = dead + stopped
+            if dead:
+                lines.append(f"  dead (MPI reports them failed): rank(s) {dead}")
+            if stopped:
+                lines.append(f"  stopped on this node: rank(s) {stopped}")
         return "\n".join(lines), found
     request = {"q": "state", "group": group_key(g), "seq": seq, "from": me,
                "dump": bool(state.config.dump_dir), "reason": f"{op} #{seq} timed out on rank {me}"}
