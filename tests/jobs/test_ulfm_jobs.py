@@ -92,6 +92,24 @@ def example_output(script: str, timeout: float, heals: int = 1) -> str:
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.parametrize("n", [3, 4])
+def test_a_rank_lost_while_the_others_destroy_the_group_lets_them_finish(n):
+    """The last rank dies while the others wait for it inside destroy_process_group
+    (freeing the shared-memory engine's window, which every rank of the node meets for):
+    their teardown ends without an error and the job finishes with status 0."""
+    exe, *flags = mpiexec_prefix()
+    proc = run([exe, "--with-ft", "ulfm", *flags, "-n", str(n), sys.executable,
+                "tests/programs/ulfm_destroy.py"], timeout=90)
+    out = proc.stdout
+    assert proc.returncode == 0, out
+    assert "Traceback" not in out, out
+    results = sorted((json.loads(line.split("RESULT ", 1)[1]) for line in out.splitlines()
+                      if line.startswith("RESULT ")), key=lambda r: r["rank"])
+    assert [r["rank"] for r in results] == list(range(n - 1)), out
+    assert all(r["destroy_s"] < 10 for r in results), out   # ended by the death, not a timer
+
+
+@pytest.mark.timeout(120)
 def test_the_example_trains_on_after_a_rank_dies():
     out = example_output("fault_tolerant_training.py", 90)
     for r in range(3):

@@ -40,6 +40,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import numpy as np
+from mpi4py import MPI
 
 from spmd.backends.setup import set_up
 from spmd.backends.shm.algorithms import SlotRing
@@ -226,7 +227,14 @@ class ShmEngine:
         wait = self._group.timeout
         if self._group.error is not None:  # peers may be gone
             wait = min(wait, 10.0)
-        if win.meet(wait):
+        try:
+            met = win.meet(wait)
+        except MPI.Exception:
+            # A member died while the others met (MPI's fault tolerance reports it
+            # here): as above, the window stays unfreed, and the teardown goes on.
+            abandoned_windows.append(win)
+            return
+        if met:
             win.free()
 
     def describe(self) -> str:
