@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from spmd.backends.mpi.fastcall import host_arrays
+from spmd.backends.mpi.fastcall import direct, host_arrays
 from spmd.core.arrays import (
     array_in,
     array_list,
@@ -140,6 +140,8 @@ def _one_per_rank(xs, ref, op: str, arg: str, ref_arg: str, out: bool,
 def broadcast(tensor: Array, src: int | None = None, group: GroupArg = None,
               async_op: bool = False, group_src: int | None = None) -> Work | None:
     """Copy ``tensor`` from rank ``src`` into ``tensor`` on every rank of the group."""
+    if not async_op and direct.broadcast(tensor, src, group, group_src):
+        return None   # the compiled path ran it (see spmd.backends.mpi.fastcall.direct)
     pg = resolve(group, "broadcast")
     if pg is None:
         return None
@@ -151,6 +153,8 @@ def broadcast(tensor: Array, src: int | None = None, group: GroupArg = None,
 def all_reduce(tensor: Array, op: ReduceOp = _SUM, group: GroupArg = None,
                async_op: bool = False) -> Work | None:
     """Reduce ``tensor`` across the group with ``op``; every rank gets the result in place."""
+    if not async_op and direct.all_reduce(tensor, op, group):
+        return None
     pg = resolve(group, "all_reduce")
     if pg is None:
         return None
@@ -183,6 +187,8 @@ def all_reduce_coalesced(tensors: Sequence[Array], op: ReduceOp = _SUM, group: G
 def reduce(tensor: Array, dst: int | None = None, op: ReduceOp = _SUM, group: GroupArg = None,
            async_op: bool = False, group_dst: int | None = None) -> Work | None:
     """Reduce ``tensor`` across the group into ``tensor`` on rank ``dst`` only."""
+    if not async_op and direct.reduce(tensor, dst, op, group, group_dst):
+        return None
     pg = resolve(group, "reduce")
     if pg is None:
         return None
@@ -214,6 +220,8 @@ def all_gather_into_tensor(output_tensor: Array, input_tensor: Array, group: Gro
     The output is the inputs concatenated along dimension 0 (shape ``[n*d0, ...]``) or
     stacked (``[n, d0, ...]``); any shape with ``n`` times the input's elements works.
     """
+    if not async_op and direct.all_gather_into_tensor(output_tensor, input_tensor, group):
+        return None
     pg = resolve(group, "all_gather_into_tensor")
     if pg is None:
         return None
@@ -326,6 +334,8 @@ def reduce_scatter_tensor(output: Array, input: Array, op: ReduceOp = _SUM,  # n
                           group: GroupArg = None, async_op: bool = False) -> Work | None:
     """Reduce ``input`` across the group and scatter it: group rank i gets the i-th of
     ``n`` equal chunks (along dimension 0) in ``output``."""
+    if not async_op and direct.reduce_scatter_tensor(output, input, op, group):
+        return None
     pg = resolve(group, "reduce_scatter_tensor")
     if pg is None:
         return None
@@ -374,6 +384,9 @@ def all_to_all_single(output: Array, input: Array,  # noqa: A002
     divisible by the group size); with them, ``input_split_sizes[i]`` rows go to rank i
     and ``output_split_sizes[i]`` rows come from it.
     """
+    if not async_op and direct.all_to_all_single(output, input, output_split_sizes,
+                                                 input_split_sizes, group):
+        return None
     op = "all_to_all_single"
     pg = resolve(group, op)
     if pg is None:
@@ -446,6 +459,8 @@ def barrier(group: GroupArg = None, async_op: bool = False,
     Args:
         timeout: how long to wait (the group's timeout if None).
     """
+    if not async_op and device_ids is None and timeout is None and direct.barrier(group):
+        return None
     pg = resolve(group, "barrier")
     if pg is None:
         return None

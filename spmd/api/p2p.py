@@ -8,6 +8,7 @@ from typing import Literal, overload
 from spmd.api.collectives import group_rank_of
 from spmd.backends.base import P2PItem
 from spmd.backends.mpi.engine import check_tag
+from spmd.backends.mpi.fastcall import direct
 from spmd.core.arrays import array_in, array_out
 from spmd.core.errors import located
 from spmd.core.typing import Array
@@ -66,6 +67,8 @@ def irecv(tensor: Array, src: int | None = None, group: GroupArg = None, tag: in
 def send(tensor: Array, dst: int | None = None, group: GroupArg = None, tag: int = 0,
          group_dst: int | None = None) -> None:
     """Send ``tensor`` to rank ``dst`` and wait until the buffer can be reused."""
+    if direct.send(tensor, dst, group, tag, group_dst):
+        return None   # the compiled path ran it (see spmd.backends.mpi.fastcall.direct)
     pg = resolve(group, "send")
     if pg is None:
         return None
@@ -82,6 +85,8 @@ def recv(tensor: Array, src: int | None = None, group: GroupArg = None, tag: int
     Returns:
         The global rank of the sender (-1 on a rank outside ``group``).
     """
+    if src is not None and direct.recv(tensor, src, group, tag, group_src):
+        return src     # the compiled path ran it (from any source, the Work says who sent)
     pg = resolve(group, "recv")
     if pg is None:
         return -1

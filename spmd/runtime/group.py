@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import warnings
+import weakref
 from collections.abc import Sequence
 from datetime import timedelta
 from typing import Any, TypeAlias
@@ -10,7 +11,9 @@ from typing import Any, TypeAlias
 from mpi4py import MPI
 
 from spmd.backends.checked import free_check_comm
-from spmd.backends.mpi import faults
+from spmd.backends.host import HostEngine
+from spmd.backends.mpi import fastcall, faults
+from spmd.backends.mpi.fastcall import GroupSlots, WorldSlots
 from spmd.backends.registry import Backend, make_engine
 from spmd.core.context import GroupContext
 from spmd.core.timeouts import to_seconds
@@ -33,20 +36,39 @@ __all__ = [
 class Engines(dict):
     """A group's engines by device ("cpu", "cuda"), each made at the group's first array of
     its device (``backends/registry.py``).  Debug mode and ``coalescing_manager`` put
-    theirs in an engine's place for a while."""
+    theirs in an engine's place for a while.
 
-    __slots__ = ("context",)
+    Whatever holds "cpu" sets the group's ``compiled`` (a field the public ops' compiled
+    entry reads): the FastComm of the host engine itself, None for any other engine (a
+    recorder or checker in its place takes its calls) and once the engines are cleared."""
 
-    def __init__(self, context: GroupContext):
+    __slots__ = ("context", "_group")
+
+    def __init__(self, context: GroupContext, group: ProcessGroup):
         super().__init__()
         self.context = context
+        self._group = weakref.ref(group)   # (the group holds this table)
 
     def __missing__(self, device: str) -> Any:
         engine = self[device] = make_engine(self.context, device)
         return engine
 
+    def __setitem__(self, device: str, engine: Any) -> None:
+        super().__setitem__(device, engine)
+        if device == "cpu":
+            self._compiled(engine.fast if type(engine) is HostEngine else None)
 
-class ProcessGroup:
+    def clear(self) -> None:
+        super().clear()
+        self._compiled(None)
+
+    def _compiled(self, fast: Any) -> None:
+        group = self._group()
+        if group is not None:
+            group.compiled = fast
+
+
+class ProcessGroup(GroupSlots):
     """A set of ranks that communicate together, backed by one MPI communicator.
 
     Groups are made by :func:`spmd.init_process_group` (the default group, WORLD),
@@ -64,7 +86,7 @@ class ProcessGroup:
         self.context = GroupContext(comm, ranks, name, timeout, backend, desc, store)
         # device -> engine, made at the first array of that device: the public ops look
         # their engine up here (a dict subscript, no call, once the engine exists).
-        self.engines = self.context.engines = Engines(self.context)
+        self.engines = self.context.engines = Engines(self.context, self)
 
     def rank(self) -> int:
         """This process's rank in the group."""
@@ -165,7 +187,7 @@ class GroupMember:
     NON_GROUP_MEMBER = _NonGroupMember()
 
 
-class WorldState:
+class WorldState(WorldSlots):
     """The groups init_process_group and the group constructors made, in one place."""
 
     def __init__(self) -> None:
@@ -187,6 +209,8 @@ class WorldState:
 
 
 world_state = WorldState()
+# The public ops' compiled entry finds the default group here (WorldSlots' field).
+fastcall.set_world(world_state)
 # Communicators of aborted groups: never freed, kept referenced so nothing frees them.
 aborted: list = []
 NON_GROUP_MEMBER = GroupMember.NON_GROUP_MEMBER

@@ -245,9 +245,10 @@ def test_coalescing_manager_takes_the_python_path(dist):
 
 @pytest.mark.mpi
 def test_group_state_is_pushed_to_the_compiled_path(dist, fresh):
-    """The compiled path reads no attribute of spmd's objects: what it needs is pushed.
-    A group's host engine makes its FastComm; its timeout, ranks and sequence counters
-    are the context's; breaking or destroying the group closes it at once."""
+    """What a FastComm needs of its group is pushed, not read (the public ops' entry
+    only finds it: test_call_frames.py).  A group's host engine makes its FastComm; its
+    timeout, ranks and sequence counters are the context's; breaking or destroying the
+    group closes it at once."""
     from spmd.core import flight_recorder as fr
     from spmd.core.errors import GroupBrokenError
 

@@ -16,10 +16,13 @@
  *
  * The path is the host engine's: the engine (spmd/backends/host.py) calls a FastComm's
  * method for a blocking op on its group, with the arguments its own method gets (group
- * ranks, validated arrays).  State crosses into C as arguments, never by looking up
- * attribute names: the engine makes the FastComm with what this path needs of the group
- * and pushes every change to it (thresholds, the group broken or destroyed); the
- * recorder hands over its ring's columns.
+ * ranks, validated arrays).  State crosses into C as arguments: the engine makes the
+ * FastComm with what this path needs of the group and pushes every change to it
+ * (thresholds, the group broken or destroyed); the recorder hands over its ring's
+ * columns.  The public ops enter here before any Python of theirs (the module's
+ * all_reduce, broadcast, ...: one C call per op): those find the group's FastComm in
+ * fields of objects this module defines (WorldSlots, GroupSlots: Python sets them) and
+ * decline whatever that FastComm would.
  *
  * This file: the module, FastComm and its op methods, each a call's whole data path
  * (checks, the MPI call, record, wait, finish) with the hot parts of the other files
@@ -28,6 +31,8 @@
 #include "_fastcall_pieces.h"
 #include "_fastcall_recorder.h"
 #include "_fastcall_wait.h"
+#include <stddef.h>
+#include <structmember.h>
 
 PyObject *s_mpi_engine;
 PyObject *s_ops[N_OPS];
@@ -409,6 +414,185 @@ done:
     return end_call(&c, res);
 }
 
+/* -- the public ops' entry: the group's FastComm found from the group -------------- *
+ *
+ * spmd's public blocking ops call these first, with their own arguments: the group
+ * (None: the default one) leads to its FastComm through fields of objects this module
+ * defines (WorldSlots, the base of the world's state, holds the default group;
+ * GroupSlots, the base of ProcessGroup, holds the FastComm of its engine for host
+ * arrays while that engine is the host engine itself: not coalescing's recorder or
+ * debug mode's checker in its place).  The call runs there when the FastComm is alive
+ * (a group broken, destroyed, shrunk or healed away closed it).  Anything else returns
+ * False having done nothing: the op's Python path, which holds every check and error,
+ * takes it. */
+typedef struct {
+    PyObject_HEAD
+    PyObject *world;        /* the default ProcessGroup, or NULL/None */
+} WorldSlots;
+
+typedef struct {
+    PyObject_HEAD
+    PyObject *compiled;     /* the FastComm of the group's host engine, or NULL/None */
+} GroupSlots;
+
+static PyTypeObject WorldSlotsType, GroupSlotsType, FastCommType;   /* (defined below) */
+static WorldSlots *world_state;     /* the process's world state (set_world()) */
+
+/* set_world(world_state): the world's state, whose ``world`` the entry reads. */
+static PyObject *fc_set_world(PyObject *m, PyObject *w) {
+    if (!PyObject_TypeCheck(w, &WorldSlotsType)) {
+        PyErr_SetString(PyExc_TypeError, "set_world(world_state): a WorldSlots");
+        return NULL;
+    }
+    Py_XSETREF(world_state, (WorldSlots *)Py_NewRef(w));
+    Py_RETURN_NONE;
+}
+
+/* The live FastComm of ``group`` (borrowed: the group holds it for the call), or NULL:
+ * decline. */
+static FastComm *fast_of(PyObject *group) {
+    PyObject *pg = group;
+    if (pg == Py_None) {
+        if (world_state == NULL) return NULL;
+        pg = world_state->world;
+    }
+    if (pg == NULL || !PyObject_TypeCheck(pg, &GroupSlotsType)) return NULL;
+    PyObject *f = ((GroupSlots *)pg)->compiled;
+    if (f == NULL || Py_TYPE(f) != &FastCommType || !((FastComm *)f)->alive) return NULL;
+    return (FastComm *)f;
+}
+
+/* The group rank of global rank ``r`` in fc's group, as a borrowed int; NULL (no error)
+ * for anything but an exact int of a member. */
+static PyObject *group_rank(FastComm *fc, PyObject *r) {
+    if (!PyLong_CheckExact(r)) return NULL;
+    PyObject *g = PyDict_GetItemWithError(fc->index, r);
+    PyErr_Clear();
+    return g;
+}
+
+/* What the group makes of the error the call raised (spmd.backends.mpi.faults.failure:
+ * MPI's report of a dead rank becomes the group's ProcessFailedError), raised as the
+ * host engine's Python path raises it. */
+static void group_error(FastComm *fc, int op) {
+    PyObject *type, *value, *tb;
+    PyErr_Fetch(&type, &value, &tb);
+    PyErr_NormalizeException(&type, &value, &tb);
+    if (tb != NULL) PyException_SetTraceback(value, tb);
+    PyObject *args[3] = {value, s_ops[op], fc->ctx};
+    PyObject *err = PyObject_Vectorcall(failure_of, args, 3, NULL);
+    if (err == NULL) {   /* the translation's own error stands */
+        Py_XDECREF(type); Py_XDECREF(value); Py_XDECREF(tb);
+        return;
+    }
+    if (err == value) {
+        Py_DECREF(err);
+        PyErr_Restore(type, value, tb);
+        return;
+    }
+    PyException_SetCause(err, NULL);     /* raise err from None */
+    PyException_SetContext(err, value);  /* (steals value) */
+    PyErr_SetObject((PyObject *)Py_TYPE(err), err);
+    Py_DECREF(err);
+    Py_XDECREF(type);
+    Py_XDECREF(tb);
+}
+
+typedef PyObject *(*OpMethod)(FastComm *, PyObject *const *, Py_ssize_t);
+
+/* Run ``method`` of group's FastComm with ``args``; False if the group's path declines. */
+static PyObject *on_group(PyObject *group, int op, OpMethod method, PyObject *const *args,
+                          Py_ssize_t n) {
+    FastComm *fc = fast_of(group);
+    if (fc == NULL) Py_RETURN_FALSE;
+    Py_INCREF(fc);
+    PyObject *res = method(fc, args, n);
+    if (res == NULL) group_error(fc, op);
+    Py_DECREF(fc);
+    return res;
+}
+
+/* The ops whose root or peer is a global rank (args[root_at]): made a group rank first;
+ * a group rank given instead (group_root) is the Python path's. */
+static PyObject *on_group_rooted(PyObject *group, int op, OpMethod method, PyObject **args,
+                                 Py_ssize_t n, int root_at, PyObject *group_root) {
+    FastComm *fc = group_root == Py_None ? fast_of(group) : NULL;
+    if (fc == NULL) Py_RETURN_FALSE;
+    PyObject *g = group_rank(fc, args[root_at]);
+    if (g == NULL) Py_RETURN_FALSE;
+    args[root_at] = g;
+    Py_INCREF(fc);
+    PyObject *res = method(fc, args, n);
+    if (res == NULL) group_error(fc, op);
+    Py_DECREF(fc);
+    return res;
+}
+
+#define ARGS(want, sig)                                                               \
+    if (n != want) {                                                                  \
+        PyErr_Format(PyExc_TypeError, sig ": expected %d arguments, got %zd", want, n);  \
+        return NULL;                                                                  \
+    }
+
+/* all_reduce(tensor, op, group) */
+static PyObject *d_all_reduce(PyObject *m, PyObject *const *a, Py_ssize_t n) {
+    ARGS(3, "all_reduce(tensor, op, group)");
+    return on_group(a[2], O_ALL_REDUCE, fc_all_reduce, a, 2);
+}
+
+/* broadcast(tensor, src, group, group_src) */
+static PyObject *d_broadcast(PyObject *m, PyObject *const *a, Py_ssize_t n) {
+    ARGS(4, "broadcast(tensor, src, group, group_src)");
+    PyObject *args[2] = {a[0], a[1]};
+    return on_group_rooted(a[2], O_BROADCAST, fc_broadcast, args, 2, 1, a[3]);
+}
+
+/* reduce(tensor, dst, op, group, group_dst) */
+static PyObject *d_reduce(PyObject *m, PyObject *const *a, Py_ssize_t n) {
+    ARGS(5, "reduce(tensor, dst, op, group, group_dst)");
+    PyObject *args[3] = {a[0], a[1], a[2]};
+    return on_group_rooted(a[3], O_REDUCE, fc_reduce, args, 3, 1, a[4]);
+}
+
+/* all_gather_into_tensor(output_tensor, input_tensor, group) */
+static PyObject *d_all_gather(PyObject *m, PyObject *const *a, Py_ssize_t n) {
+    ARGS(3, "all_gather_into_tensor(output_tensor, input_tensor, group)");
+    return on_group(a[2], O_ALL_GATHER, fc_all_gather, a, 2);
+}
+
+/* reduce_scatter_tensor(output, input, op, group) */
+static PyObject *d_reduce_scatter(PyObject *m, PyObject *const *a, Py_ssize_t n) {
+    ARGS(4, "reduce_scatter_tensor(output, input, op, group)");
+    return on_group(a[3], O_REDUCE_SCATTER, fc_reduce_scatter, a, 3);
+}
+
+/* all_to_all_single(output, input, output_split_sizes, input_split_sizes, group) */
+static PyObject *d_all_to_all(PyObject *m, PyObject *const *a, Py_ssize_t n) {
+    ARGS(5, "all_to_all_single(output, input, output_split_sizes, input_split_sizes, group)");
+    return on_group(a[4], O_ALL_TO_ALL, fc_all_to_all, a, 4);
+}
+
+/* barrier(group) */
+static PyObject *d_barrier(PyObject *m, PyObject *const *a, Py_ssize_t n) {
+    ARGS(1, "barrier(group)");
+    return on_group(a[0], O_BARRIER, fc_barrier, a, 0);
+}
+
+/* send(tensor, dst, group, tag, group_dst) */
+static PyObject *d_send(PyObject *m, PyObject *const *a, Py_ssize_t n) {
+    ARGS(5, "send(tensor, dst, group, tag, group_dst)");
+    PyObject *args[3] = {a[0], a[1], a[3]};
+    return on_group_rooted(a[2], O_SEND, fc_send, args, 3, 1, a[4]);
+}
+
+/* recv(tensor, src, group, tag, group_src): a given src only (from any rank, the Work
+ * says who sent) */
+static PyObject *d_recv(PyObject *m, PyObject *const *a, Py_ssize_t n) {
+    ARGS(5, "recv(tensor, src, group, tag, group_src)");
+    PyObject *args[3] = {a[0], a[1], a[3]};
+    return on_group_rooted(a[2], O_RECV, fc_recv, args, 3, 1, a[4]);
+}
+
 /* -- the FastComm type and the module ---------------------------------------------- */
 
 static PyObject *fastcomm_alive(FastComm *self, void *unused) {
@@ -466,6 +650,36 @@ static PyTypeObject FastCommType = {
     .tp_getset = fastcomm_getset,
 };
 
+/* A base type of one object field, for a Python class to derive from (its field is
+ * an attribute there; C reads it directly).  Name: the C struct; field: its one field. */
+#define ONE_FIELD_BASE(Name, field, type_doc, field_doc)                                \
+    static void Name##_dealloc(Name *self) {                                            \
+        Py_CLEAR(self->field);                                                          \
+        Py_TYPE(self)->tp_free((PyObject *)self);                                       \
+    }                                                                                   \
+    static PyMemberDef Name##_members[] = {                                             \
+        {#field, T_OBJECT, offsetof(Name, field), 0, field_doc},                        \
+        {NULL, 0, 0, 0, NULL},                                                          \
+    };                                                                                  \
+    static PyTypeObject Name##Type = {                                                  \
+        PyVarObject_HEAD_INIT(NULL, 0)                                                  \
+        .tp_name = "spmd.backends.mpi._fastcall." #Name,                               \
+        .tp_doc = type_doc,                                                             \
+        .tp_basicsize = sizeof(Name),                                                   \
+        .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_BASETYPE,                           \
+        .tp_new = PyType_GenericNew,                                                    \
+        .tp_dealloc = (destructor)Name##_dealloc,                                       \
+        .tp_members = Name##_members,                                                   \
+    };
+
+ONE_FIELD_BASE(WorldSlots, world,
+               "The base of the world's state: its field the public ops' entry reads.",
+               "The default group (None before init_process_group and after its destroy).")
+ONE_FIELD_BASE(GroupSlots, compiled,
+               "The base of ProcessGroup: its field the public ops' entry reads.",
+               "The FastComm of the group's host engine while that engine is the group's "
+               "engine for host arrays (None otherwise).")
+
 /* host_arrays(items, dtypes): whether every item is an exact, writable numpy array
  * whose dtype is a key of the dict ``dtypes`` (what spmd.core.arrays.array_list accepts
  * for an output list, checked without a Python call per array; False: let it check). */
@@ -501,6 +715,22 @@ static PyMethodDef methods[] = {
     {"stream", (PyCFunction)(void (*)(void))fc_stream, METH_FASTCALL,
      "stream(dst, src): copy src's bytes to the start of dst past the cache (into the "
      "shared window, which other processes read next)."},
+    {"set_world", (PyCFunction)fc_set_world, METH_O,
+     "set_world(world_state): the world's state (a WorldSlots) whose default group the "
+     "public ops' entry reads."},
+    FASTCALL("all_reduce", d_all_reduce, "all_reduce(tensor, op, group) -> bool"),
+    FASTCALL("broadcast", d_broadcast, "broadcast(tensor, src, group, group_src) -> bool"),
+    FASTCALL("reduce", d_reduce, "reduce(tensor, dst, op, group, group_dst) -> bool"),
+    FASTCALL("all_gather_into_tensor", d_all_gather,
+             "all_gather_into_tensor(output_tensor, input_tensor, group) -> bool"),
+    FASTCALL("reduce_scatter_tensor", d_reduce_scatter,
+             "reduce_scatter_tensor(output, input, op, group) -> bool"),
+    FASTCALL("all_to_all_single", d_all_to_all,
+             "all_to_all_single(output, input, output_split_sizes, input_split_sizes, group) "
+             "-> bool"),
+    FASTCALL("barrier", d_barrier, "barrier(group) -> bool"),
+    FASTCALL("send", d_send, "send(tensor, dst, group, tag, group_dst) -> bool"),
+    FASTCALL("recv", d_recv, "recv(tensor, src, group, tag, group_src) -> bool"),
     {"pieces", (PyCFunction)fc_pieces, METH_O,
      "pieces(arrays) -> Pieces or None: the arrays of a fused all-reduce, if they are two "
      "or more exact, C-contiguous, writable ndarrays of one dtype (needs bind())."},
@@ -516,13 +746,17 @@ static struct PyModuleDef module = {
 #define INTERN(var, text) if ((var = PyUnicode_InternFromString(text)) == NULL) return NULL
 
 PyMODINIT_FUNC PyInit__fastcall(void) {
-    if (PyType_Ready(&FastCommType) < 0 || PyType_Ready(&PiecesType) < 0) return NULL;
+    if (PyType_Ready(&FastCommType) < 0 || PyType_Ready(&PiecesType) < 0
+            || PyType_Ready(&WorldSlotsType) < 0 || PyType_Ready(&GroupSlotsType) < 0)
+        return NULL;
     INTERN(s_mpi_engine, "MPI");
     for (int i = 0; i < N_OPS; i++) INTERN(s_ops[i], OP_NAMES[i]);
     PyObject *m = PyModule_Create(&module);
     if (m == NULL) return NULL;
     if (PyModule_AddObjectRef(m, "FastComm", (PyObject *)&FastCommType) < 0
-            || PyModule_AddObjectRef(m, "Pieces", (PyObject *)&PiecesType) < 0) {
+            || PyModule_AddObjectRef(m, "Pieces", (PyObject *)&PiecesType) < 0
+            || PyModule_AddObjectRef(m, "WorldSlots", (PyObject *)&WorldSlotsType) < 0
+            || PyModule_AddObjectRef(m, "GroupSlots", (PyObject *)&GroupSlotsType) < 0) {
         Py_DECREF(m);
         return NULL;
     }

@@ -16,7 +16,7 @@ Reduced reduced[MAX_OPS];
 int n_reduced;
 PyTypeObject *ndarray_type;
 PyObject *observers, *recorder, *push_out, *end_op, *given_up, *mpi_error, *bucket_bytes,
-    *shm_all_reduce, *summed;
+    *shm_all_reduce, *failure_of, *summed;
 long tag_ub;
 int bound;
 
@@ -44,7 +44,7 @@ static int kernel_code(PyObject *name) {
 
 /* bind(*, functions, handle_size, in_place, moved, reduced_types, reduced_ops, summed,
  *      tag_ub, ndarray, observers, recorder, push_out, end, given_up, mpi_error,
- *      bucket_bytes, shm_all_reduce): keywords only.  Called once, by
+ *      bucket_bytes, shm_all_reduce, failure): keywords only.  Called once, by
  *      spmd.backends.mpi.fastcall, with the tables of spmd.backends.mpi.routes.
  *
  * functions: {MPI function name: address}; moved: {dtype: datatype handle};
@@ -54,15 +54,17 @@ PyObject *fc_bind(PyObject *m, PyObject *args, PyObject *kw) {
     static char *names[] = {"functions", "handle_size", "in_place", "moved", "reduced_types",
                             "reduced_ops", "summed", "tag_ub", "ndarray", "observers", "recorder",
                             "push_out", "end", "given_up", "mpi_error", "bucket_bytes",
-                            "shm_all_reduce", NULL};
-    PyObject *functions, *mv, *rd, *ro, *sm, *nd, *obs, *rec, *po, *eo, *exp, *me, *bb, *sa;
+                            "shm_all_reduce", "failure", NULL};
+    PyObject *functions, *mv, *rd, *ro, *sm, *nd, *obs, *rec, *po, *eo, *exp, *me, *bb, *sa,
+        *fo;
     int hsize;
     long long ip;
     long ub;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "|$O!iLO!O!O!O!lO!O!OOOOOOO", names, &PyDict_Type,
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "|$O!iLO!O!O!O!lO!O!OOOOOOOO", names, &PyDict_Type,
                                      &functions, &hsize, &ip, &PyDict_Type, &mv, &PyDict_Type, &rd,
                                      &PyDict_Type, &ro, &PyDict_Type, &sm, &ub, &PyType_Type, &nd,
-                                     &PyList_Type, &obs, &rec, &po, &eo, &exp, &me, &bb, &sa))
+                                     &PyList_Type, &obs, &rec, &po, &eo, &exp, &me, &bb, &sa,
+                                     &fo))
         return NULL;
     if (kw == NULL || PyDict_GET_SIZE(kw) != (Py_ssize_t)(sizeof names / sizeof *names) - 1) {
         PyErr_SetString(PyExc_TypeError, "bind: every argument is required, by keyword");
@@ -165,6 +167,7 @@ PyObject *fc_bind(PyObject *m, PyObject *args, PyObject *kw) {
     set_ref(&mpi_error, me);
     set_ref(&bucket_bytes, bb);
     set_ref(&shm_all_reduce, sa);
+    set_ref(&failure_of, fo);
     Py_XSETREF(summed, codes);
     tag_ub = ub;
     bound = 1;

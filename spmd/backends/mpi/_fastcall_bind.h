@@ -102,6 +102,8 @@ extern INTERNAL PyObject *mpi_error;
 extern INTERNAL PyObject *bucket_bytes;
 /* (engine, pieces, op): its fused all_reduce, waited */
 extern INTERNAL PyObject *shm_all_reduce;
+/* (exc, op, context): the error to raise for exc (spmd.backends.mpi.faults.failure) */
+extern INTERNAL PyObject *failure_of;
 /* {dtype: kernel code}: the dtypes Pieces.sum_from adds (made by bind() from the names
  * spmd.backends.mpi.routes.SUMMED gives, _fastcall_bind.c's KERNEL_NAMES) */
 extern INTERNAL PyObject *summed;

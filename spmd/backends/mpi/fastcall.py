@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 from mpi4py import MPI
 
-from spmd.backends.mpi import orphans, packing
+from spmd.backends.mpi import faults, orphans, packing
 from spmd.backends.mpi.routes import MOVED, SUMMED, handle, reduced_by_op
 from spmd.core import settings
 from spmd.core import wait as _wait
@@ -38,7 +38,8 @@ from spmd.core.flight_recorder import Ring, recorder
 from spmd.core.launch import loaded_libmpi
 from spmd.core.work import observers
 
-__all__ = ["COMPILED_OPS", "compiled", "reason", "bind", "comm_of", "host_arrays"]
+__all__ = ["COMPILED_OPS", "compiled", "reason", "bind", "comm_of", "direct", "host_arrays",
+           "set_world", "WorldSlots", "GroupSlots"]
 
 # The ops a FastComm runs (its methods of the same names and arguments as the engine's).
 COMPILED_OPS = ("all_reduce", "all_reduce_coalesced", "reduce", "broadcast",
@@ -183,7 +184,7 @@ def bind() -> None:
             ndarray=np.ndarray, observers=observers, recorder=recorder,
             push_out=recorder.push_out, end=recorder.end, given_up=_given_up,
             mpi_error=_mpi_error, bucket_bytes=packing.get_bucket_bytes,
-            shm_all_reduce=_shm_all_reduce)
+            shm_all_reduce=_shm_all_reduce, failure=faults.failure)
     except TypeError as err:  # an extension built from another version of this module
         reason = f"the built extension does not match spmd ({err}); reinstall spmd"
         return
@@ -215,6 +216,35 @@ def streamer() -> Any:
     """The extension's ``stream(dst, src)`` (a copy into the shared window past the
     cache), or None where it is off."""
     return None if compiled is None else compiled.stream
+
+
+class _Declines:
+    """The public ops' entry where the extension is not built: it takes no call."""
+
+    def __getattr__(self, op: str) -> Any:
+        return _declined
+
+
+def _declined(*args: Any) -> bool:
+    return False
+
+
+# The public ops' entry (spmd.api.collectives and p2p call ``direct.all_reduce(...)`` and
+# the others with their own arguments before any Python of theirs): the extension's. It
+# finds a group's FastComm in fields of WorldSlots and GroupSlots (the bases of the
+# world's state and of ProcessGroup), which the group module keeps, and declines wherever
+# there is none (the extension not bound, or turned off).  Where it is not built: a
+# stand-in that declines every call, and plain bases.
+direct: Any = _module if _module is not None else _Declines()
+WorldSlots: Any = _module.WorldSlots if _module is not None else object
+GroupSlots: Any = _module.GroupSlots if _module is not None else object
+
+
+def set_world(world_state: Any) -> None:
+    """The world's state whose ``world`` (the default group) :data:`direct` reads; the
+    group module calls it once."""
+    if _module is not None:
+        _module.set_world(world_state)
 
 
 def comm_of(context: GroupContext, comm: MPI.Intracomm, shm: Any) -> Any:

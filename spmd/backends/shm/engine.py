@@ -40,7 +40,6 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import numpy as np
-from mpi4py import MPI
 
 from spmd.backends.setup import set_up
 from spmd.backends.shm.algorithms import SlotRing
@@ -212,8 +211,9 @@ class ShmEngine:
         """Free the window (every rank of the group calls it, when the group is destroyed).
 
         MPI_Win_free waits for every rank of the node.  Where not every rank comes within
-        the group's timeout (10 s at most once the group broke on a timeout), the window
-        is left to MPI_Finalize instead of hanging the caller.
+        the group's timeout (10 s at most once the group broke on a timeout), or MPI
+        reports one dead meanwhile (ULFM), the window is left unfreed instead of hanging
+        the caller or failing the teardown.
         """
         win, self._win = self._win, None
         self._scheduler.clear()
@@ -227,15 +227,10 @@ class ShmEngine:
         wait = self._group.timeout
         if self._group.error is not None:  # peers may be gone
             wait = min(wait, 10.0)
-        try:
-            met = win.meet(wait)
-        except MPI.Exception:
-            # A member died while the others met (MPI's fault tolerance reports it
-            # here): as above, the window stays unfreed, and the teardown goes on.
-            abandoned_windows.append(win)
-            return
-        if met:
+        if win.meet(wait):
             win.free()
+        else:   # a member late past the wait, or dead meanwhile: as above
+            abandoned_windows.append(win)
 
     def describe(self) -> str:
         """One line for ``spmd info``: on/off, layout, thresholds, or why it is unavailable.

@@ -133,13 +133,16 @@ class NodeWindow:
 
     def meet(self, timeout: float) -> bool:
         """True once every rank of the node has called ``meet``; False after ``timeout``
-        seconds without them."""
-        req = self.node.Ibarrier()
-        deadline = time.monotonic() + timeout
-        while not req.Test():
-            if time.monotonic() > deadline:
-                return False
-            nap()
+        seconds without them, or when MPI reports one of them dead (ULFM)."""
+        try:
+            req = self.node.Ibarrier()
+            deadline = time.monotonic() + timeout
+            while not req.Test():
+                if time.monotonic() > deadline:
+                    return False
+                nap()
+        except MPI.Exception:
+            return False
         return True
 
     def free(self) -> None:
