@@ -241,7 +241,7 @@ GroupSlots: Any = _module.GroupSlots if _module is not None else object
 
 
 def set_world(world_state: Any) -> None:
-    """The world's state whose ``world`` (the default group) :data:`direct` reads; the
+    """The world's state whose ``world`` (the default group) ``direct`` reads; the
     group module calls it once."""
     if _module is not None:
         _module.set_world(world_state)
