@@ -71,8 +71,9 @@ SETTINGS: dict[str, Setting] = _settings(
             ("", "1", "auto", "on", "true", "yes", "0", "off", "false", "no", "force",
              "always")),
     Setting("SPMD_WAIT", "choice", "auto", "how a waiting rank uses its core: auto (spins, "
-            "giving the core away between polls where the node runs more ranks than it has "
-            "cores), spin, yield (always gives it away: cores shared with other jobs)",
+            "napping between polls where the node runs more ranks than it has cores and "
+            "once a wait has lasted 20 ms), spin (never naps), yield (naps between polls "
+            "from the start: cores shared with other jobs)",
             ("auto", "spin", "yield")),
     Setting("SPMD_FASTCALL", "bool", True, "the compiled call path of the common blocking ops"),
     Setting("SPMD_PERSISTENT", "bool", True, "MPI's persistent collectives for persistent "

@@ -1,7 +1,7 @@
 """The one wait loop: every place that waits for other ranks polls through here.
 
-``wait_until`` polls a test until it passes, gives the core away between polls when
-ranks outnumber cores, and past the deadline raises the DistTimeoutError that the
+``wait_until`` polls a test until it passes, naps between polls when ranks outnumber
+cores or once the wait has lasted :data:`NAP_AFTER_SECONDS`, and past the deadline raises the DistTimeoutError that the
 reliability layer (``spmd.runtime.diagnosis``) composes: where the other ranks are, the group
 marked broken for a collective, the flight recorder dumped.  Without that layer (before
 init, or in a bare engine test) the error says what timed out and where.
@@ -20,18 +20,31 @@ from spmd.core.errors import DistError, DistTimeoutError
 from spmd.core.optable import is_p2p
 
 __all__ = ["wait_until", "timeout_error", "set_oversubscribed", "set_diagnosis",
-           "set_failure_check"]
+           "set_failure_check", "NAP_SECONDS", "NAP_AFTER_SECONDS"]
 
 _monotonic = time.monotonic
 _yield = os.sched_yield
+_sleep = time.sleep
+
+# A napping wait sleeps this long between polls: long enough for the scheduler to run
+# another process on the core (a sched_yield hardly hands it over), short beside a wait
+# that naps (spmd.backends.mpi._fastcall's waits nap as long).
+NAP_SECONDS = 20e-6
+# A wait that has lasted this long is for a late peer, not for the transfer: it naps
+# from then on (SPMD_WAIT=auto and yield), so that ranks waiting for a straggler, a
+# checkpoint or a rank being debugged leave the node's cores to the processes that work.
+# A completion then takes a nap longer to be seen: ~0.1 ms on a wait of 20 ms or more.
+NAP_AFTER_SECONDS = 0.02
 
 # True when this node runs more ranks than it has cores (the shared-memory engine sizes
 # its slots and thresholds for it).
 oversubscribed = False
-# True when waiting ranks give their core away between polls instead of spinning on it:
-# on an oversubscribed node (SPMD_WAIT=auto), or always (SPMD_WAIT=yield: cores shared
-# with other jobs or threads, which a spinning wait would starve).
+# True when waiting ranks nap between polls from the start instead of spinning: on an
+# oversubscribed node (SPMD_WAIT=auto), or always (SPMD_WAIT=yield: cores shared with
+# other jobs or threads, which a spinning wait would starve).
 yields = False
+# Seconds after which a wait naps between polls; -1: never (SPMD_WAIT=spin).
+nap_after = NAP_AFTER_SECONDS
 
 # diagnose(op, group, seq, kind, waited, source, work) -> message, or the error that
 # replaces the timeout (a hung rank ended, the job healing); set at init.
@@ -51,10 +64,11 @@ def set_failure_check(fn: Callable[[str, GroupContext], BaseException | None] | 
 def set_oversubscribed(flag: bool) -> None:
     """Say whether this node runs more ranks than it has cores; whether waits yield
     follows from it and SPMD_WAIT."""
-    global oversubscribed, yields
+    global oversubscribed, yields, nap_after
     oversubscribed = bool(flag)
     mode = settings.read("SPMD_WAIT")
     yields = mode == "yield" or (mode == "auto" and oversubscribed)
+    nap_after = -1.0 if mode == "spin" else NAP_AFTER_SECONDS
 
 
 def set_diagnosis(fn: Callable[..., str | BaseException] | None) -> None:
@@ -124,7 +138,8 @@ def wait_until(test: Callable[[], Any], seconds: float, op: str, group: GroupCon
         op, group: what is waited for, for the message.
         seq, kind, source, work: what the diagnosis reports (the op's sequence number,
             "collective" or "p2p", which wait timed out, the Work if there is one).
-        nap: what to do between polls (default: yield the core where waits yield).
+        nap: what to do between polls (default: a nap where waits yield, and once the
+            wait has lasted ``nap_after``).
         on_timeout: called past the deadline, before the error is raised (NCCL aborts
             its communicator; an MPI Work gives its op up); if it returns True the op
             completed after all (a cancelled receive whose message had matched) and the
@@ -137,14 +152,17 @@ def wait_until(test: Callable[[], Any], seconds: float, op: str, group: GroupCon
     """
     start = _monotonic()
     deadline = start + seconds
+    nap_from = start + nap_after if nap_after >= 0 else float("inf")
+    napping = yields
     spins = 0
     while not test():
         spins += 1
         if nap is not None:
             nap()
-        elif yields:
-            _yield()
-        if spins & 255:
+        elif napping:
+            _sleep(NAP_SECONDS)
+        # A nap lasts tens of microseconds: look at the clock more often then.
+        if spins & (7 if napping else 255):
             continue
         if _failure_check is not None:
             failed = _failure_check(op, group)
@@ -156,10 +174,12 @@ def wait_until(test: Callable[[], Any], seconds: float, op: str, group: GroupCon
             if error is not None:
                 _last_look(test, error, group)
                 return
-        if _monotonic() > deadline:
+        now = _monotonic()
+        if now > deadline:
             if on_timeout is not None and on_timeout():
                 return
             # "did not complete within" the limit: the limit, not the time measured past
             # it (which on a loaded machine runs over by a poll interval or more).
             raise timeout_error(op, group, seconds, seq=seq, kind=kind, source=source,
                                 work=work)
+        napping = napping or now >= nap_from

@@ -5,6 +5,8 @@ did not arrive, and leave the group broken."""
 from __future__ import annotations
 
 import os
+import resource
+import time
 from datetime import timedelta
 
 import numpy as np
@@ -78,3 +80,35 @@ def test_stalled_debug_check_times_out_with_diagnosis(dist):
         return pg
 
     _straggler_case(dist, make, "in debug mode")
+
+
+@pytest.mark.parametrize("blocking", [True, False], ids=["blocking", "work"])
+def test_a_wait_for_a_late_peer_naps_between_polls(dist, blocking):
+    """Past NAP_AFTER_SECONDS a waiting rank naps between polls, on the compiled path
+    (a blocking op) and in wait_until (a Work's wait): its thread gives its core up
+    hundreds of times in a wait of 0.4 s (voluntary context switches: a count that a
+    loaded machine does not turn into spinning), where a spinning wait gives it up only
+    when the scheduler takes it."""
+    from spmd.core import wait
+
+    n = dist.get_world_size()
+    if n < 2:
+        pytest.skip("needs a peer to wait for")
+    if wait.nap_after < 0:
+        pytest.skip("SPMD_WAIT=spin: waits never nap")
+    late = n - 1
+    a = np.full(4, dist.get_rank() + 1.0)
+    dist.barrier()
+    if dist.get_rank() == late:
+        time.sleep(0.4)
+    before = resource.getrusage(resource.RUSAGE_THREAD).ru_nvcsw
+    if blocking:
+        dist.all_reduce(a)
+    else:
+        dist.all_reduce(a, async_op=True).wait()
+    switches = resource.getrusage(resource.RUSAGE_THREAD).ru_nvcsw - before
+    np.testing.assert_array_equal(a, np.full(4, n * (n + 1) / 2))
+    if dist.get_rank() != late:
+        # 0.38 s of naps of 20 us (some 70 us with the kernel's timer slack): thousands;
+        # a loaded machine lengthens each, but not past a few milliseconds.
+        assert switches >= 50, f"rank {dist.get_rank()}: {switches} voluntary switches"

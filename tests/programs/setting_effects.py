@@ -80,6 +80,7 @@ if setting("SPMD_PSEUDO_NODE_SIZE") == "1":
 
 if setting("SPMD_WAIT") is not None:
     assert wait.yields is (setting("SPMD_WAIT") == "yield"), wait.yields
+    assert (wait.nap_after < 0) is (setting("SPMD_WAIT") == "spin"), wait.nap_after
     seen("SPMD_WAIT")
 
 if setting("SPMD_CUDA_AWARE_MPI") is not None:

@@ -82,17 +82,20 @@ def test_the_table_lists_every_setting_once():
     assert all(s.doc for s in settings.SETTINGS.values())
 
 
-@pytest.mark.parametrize("mode, oversubscribed, yields", [
-    ("auto", False, False), ("auto", True, True), ("spin", True, False),
-    ("yield", False, True), ("yield", True, True)])
+@pytest.mark.parametrize("mode, oversubscribed, yields, naps_later", [
+    ("auto", False, False, True), ("auto", True, True, True), ("spin", True, False, False),
+    ("yield", False, True, True), ("yield", True, True, True)])
 def test_spmd_wait_says_whether_waits_give_the_core_away(monkeypatch, mode, oversubscribed,
-                                                         yields):
-    """SPMD_WAIT=auto yields only on an oversubscribed node; spin never, yield always
-    (cores shared with other jobs); the node's oversubscription stays a fact of its own."""
+                                                         yields, naps_later):
+    """SPMD_WAIT=auto naps from the start only on an oversubscribed node, and on any node
+    once a wait has lasted NAP_AFTER_SECONDS; spin never naps, yield always (cores shared
+    with other jobs); the node's oversubscription stays a fact of its own."""
     from spmd.core import wait
 
     monkeypatch.setenv("SPMD_WAIT", mode)
     monkeypatch.setattr(wait, "oversubscribed", wait.oversubscribed)
     monkeypatch.setattr(wait, "yields", wait.yields)
+    monkeypatch.setattr(wait, "nap_after", wait.nap_after)
     wait.set_oversubscribed(oversubscribed)
     assert (wait.oversubscribed, wait.yields) == (oversubscribed, yields)
+    assert wait.nap_after == (wait.NAP_AFTER_SECONDS if naps_later else -1.0)

@@ -46,14 +46,15 @@ static int fastcomm_init(FastComm *self, PyObject *args, PyObject *kw) {
     long long comm;
     PyObject *ctx, *index, *counters, *shm;
     static char *names[] = {"comm", "rank", "size", "context", "index", "op_counters",
-                            "timeout", "yields", "shm", NULL};
+                            "timeout", "yields", "shm", "nap_after", NULL};
     if (self->ctx != NULL) {
         PyErr_SetString(PyExc_RuntimeError, "FastComm: initialised once");
         return -1;
     }
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "LiiOO!OdpO", names, &comm, &self->rank,
+    self->nap_after = -1.0;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "LiiOO!OdpO|d", names, &comm, &self->rank,
                                      &self->size, &ctx, &PyDict_Type, &index, &counters,
-                                     &self->timeout, &self->yield, &shm))
+                                     &self->timeout, &self->yield, &shm, &self->nap_after))
         return -1;
     if (PyObject_GetBuffer(counters, &self->counters_view, PyBUF_WRITABLE | PyBUF_FORMAT) < 0)
         return -1;
@@ -638,7 +639,7 @@ static PyTypeObject FastCommType = {
     PyVarObject_HEAD_INIT(NULL, 0)
     .tp_name = "spmd.backends.mpi._fastcall.FastComm",
     .tp_doc = "FastComm(comm, rank, size, context, index, op_counters, timeout, "
-              "yields, shm): one group's engine ops on the compiled call path.  "
+              "yields, shm, nap_after=-1): one group's engine ops on the compiled call path.  "
               "Each op method runs a blocking op and returns True, or returns False having "
               "done nothing for a call outside its case (the engine's Python path runs it).",
     .tp_basicsize = sizeof(FastComm),

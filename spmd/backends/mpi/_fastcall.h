@@ -42,7 +42,8 @@ typedef struct {
     int rank, size;
     int alive;              /* 0 once the group is broken or destroyed (close()) */
     unsigned long long taken;   /* calls run here (tests read it: which path ran) */
-    int yield;              /* give the core away while waiting (spmd.core.wait.yields) */
+    int yield;              /* nap between polls from the start (spmd.core.wait.yields) */
+    double nap_after;       /* seconds of waiting after which polls nap (< 0: never) */
     double timeout;         /* seconds */
     PyObject *ctx;          /* the group's context: what Works, the recorder, errors name */
     PyObject *index;        /* global rank -> group rank */

@@ -6,7 +6,7 @@
 
 #include "_fastcall_bind.h"
 
-#include <sched.h>
+#include <time.h>
 
 /* Why a wait ended without its op (spmd.backends.mpi.fastcall's names). */
 enum { GAVE_UP_TIMEOUT, GAVE_UP_ENDED, GAVE_UP_SIGNAL };
@@ -21,10 +21,24 @@ INTERNAL int give_up(Handle *req, int op, Call *c, int64_t number, double waited
 /* Raise mpi4py's error for an MPI error code; -1. */
 INTERNAL int raise_mpi_error(int code);
 
+/* How long a poll of a napping wait sleeps: long enough for the scheduler to run another
+ * process on this core (a sched_yield hardly hands it over), short beside a wait that
+ * already lasted nap_after.  As spmd.core.wait.NAP_SECONDS. */
+#define NAP_NANOSECONDS 20000L
+
+static inline void nap(void) {
+    struct timespec ts = {0, NAP_NANOSECONDS};
+    Py_BEGIN_ALLOW_THREADS
+    nanosleep(&ts, NULL);
+    Py_END_ALLOW_THREADS
+}
+
 /* Test the request until it completes: the group's timeout, the group's end (broken or
- * destroyed meanwhile: a peer gave the op up), signals, the GIL handed over, the core
- * given away when ranks outnumber cores, as spmd.core.wait.wait_until.  A wait that ends
- * without the op gives it up (give_up). */
+ * destroyed meanwhile: a peer gave the op up), signals, the GIL handed over, naps between
+ * polls (from the start when ranks outnumber cores, past nap_after otherwise: a wait
+ * that long is for a late peer, and a core spinning for it is one another process of
+ * the node lacks), as spmd.core.wait.wait_until.  A wait that ends without the op gives
+ * it up (give_up). */
 static inline int wait_for(Handle *req, int op, Call *c, int64_t number) {
     FastComm *fc = c->fc;
     int flag = 0;
@@ -32,13 +46,15 @@ static inline int wait_for(Handle *req, int op, Call *c, int64_t number) {
     int rc = ((test_fn)fn[FN_TEST])(req, &flag, status);
     if (rc) return raise_mpi_error(rc);
     if (flag) return 0;
-    int yield = fc->yield;
+    int napping = fc->yield;
     double start = now(), deadline = start + fc->timeout;
+    double nap_from = fc->nap_after < 0 ? 1e300 : start + fc->nap_after;
     /* Past the first millisecond each test runs without the GIL, as mpi4py's Test does
      * on the Python path: other Python threads of this rank (spmd's control thread,
      * which answers the diagnosis of a peer's timeout; the user's) get the GIL at every
      * poll instead of once in 256, which in a full test process was too rare for them
-     * to make progress (a Python thread ticked 3 times in a 0.5 s receive). */
+     * to make progress (a Python thread ticked 3 times in a 0.5 s receive).  A napping
+     * wait hands the GIL over in each nap. */
     int released = 0;
     for (unsigned long spins = 1;; spins++) {
         if (released) {
@@ -50,20 +66,20 @@ static inline int wait_for(Handle *req, int op, Call *c, int64_t number) {
         }
         if (rc) return raise_mpi_error(rc);
         if (flag) return 0;
-        if (yield) {    /* waits yield (spmd.core.wait.yields): give the core and the GIL away */
-            Py_BEGIN_ALLOW_THREADS
-            sched_yield();
-            Py_END_ALLOW_THREADS
-        }
-        /* A yield can take a scheduler tick: look at the clock more often then. */
-        if (spins & (yield ? 7 : 255)) continue;
+        if (napping) nap();
+        /* A nap lasts tens of microseconds: look at the clock more often then. */
+        if (spins & (napping ? 7 : 255)) continue;
         double t = now();
         if (t > deadline) return give_up(req, op, c, number, t - start, GAVE_UP_TIMEOUT);
         if (!fc->alive) return give_up(req, op, c, number, t - start, GAVE_UP_ENDED);
         if (PyErr_CheckSignals() < 0)
             return give_up(req, op, c, number, t - start, GAVE_UP_SIGNAL);
-        if (!yield && t - start > 1e-3)
+        if (t >= nap_from) {
+            napping = 1;
+            released = 0;
+        } else if (!napping && t - start > 1e-3) {
             released = 1;
+        }
     }
 }
 

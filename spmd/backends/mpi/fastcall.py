@@ -255,7 +255,7 @@ def comm_of(context: GroupContext, comm: MPI.Intracomm, shm: Any) -> Any:
         return None
     fast = compiled.FastComm(handle(comm), context.rank, context.size, context,
                              context.index, context.op_counters, context.timeout,
-                             _wait.yields, shm)
+                             _wait.yields, shm, _wait.nap_after)
     if shm is not None:
         shm.on_thresholds.append(lambda sizes: fast.set_thresholds(**sizes.by_name()))
         fast.set_thresholds(**shm.thresholds().by_name())
