@@ -14,6 +14,16 @@ tensors get what numpy arrays get (shared memory, diagnosed timeouts, the flight
 debug mode, the comms log).  A call torch waits for at once (``opts.asyncOp`` False) is
 spmd's blocking call, on the compiled path where it takes it, and torch gets no Work (its
 API then skips the wait); any other call starts the op and returns an SpmdWork.
+
+The hot collectives (allreduce, broadcast, all_gather_single, reduce_scatter_single,
+barrier) first try their common case in their own frame: torch waits at once with no
+timeout of the op's own and no coalescing block, a SUM, tensors whose numpy views are
+kept (:data:`spmd.torch._tensors.views`: small contiguous CPU tensors seen before).  Then
+the kept views go straight to the compiled path's entry (``fastcall.direct``), which
+runs the op or declines having done nothing; anything else, and every decline, takes the
+op's full path below, which checks everything and makes the views.  The condition is
+written out in each method, not in a helper: each helper is one more Python frame on
+the hottest calls.
 """
 
 from __future__ import annotations
@@ -25,65 +35,45 @@ from typing import TYPE_CHECKING, cast
 import torch
 import torch.distributed as dist
 from torch._C._distributed_c10d import (
+    AllgatherOptions,
     AllreduceOptions,
     AllToAllOptions,
+    BarrierOptions,
     BroadcastOptions,
     GatherOptions,
     ReduceOptions,
+    ReduceScatterOptions,
     ScatterOptions,
 )
 
 import spmd
-from spmd.core.context import GroupContext
+from spmd.backends.mpi.fastcall import direct
 from spmd.core.cuda import cupy_or_none
 from spmd.core.errors import located
 from spmd.torch._errors import raising_torch_errors
+from spmd.torch._options import (
+    SPMD_SUM,
+    SUM,
+    TORCH_SUM,
+    UNSET_TIMEOUT,
+    one_tensor,
+    reduce_of,
+    timeout_of,
+)
 from spmd.torch._reconfigure import enable as enable_reconfigure
 from spmd.torch._reconfigure import handle as reconfigure_handle
 from spmd.torch._reconfigure import reconfigure as reconfigure_default
 from spmd.torch._sharded_tensor import answer_device_without_shards
 from spmd.torch._store import ensure_spmd, owns_world, release_world
-from spmd.torch._tensors import host_in, host_out, reduce_op, same_storage
-from spmd.torch._work import SpmdWork
+from spmd.torch._tensors import host_in, host_out, reduce_op, same_storage, views
+from spmd.torch._work import FutureWork, SpmdWork
 
 if TYPE_CHECKING:
     from torch.distributed.distributed_c10d import GroupName  # for the annotation only
 
 __all__ = ["SpmdProcessGroup", "create"]
 
-_SUM = dist.ReduceOp.SUM
 _CPU, _CUDA = torch.device("cpu"), torch.device("cuda")
-_UNSET_TIMEOUT = AllreduceOptions().timeout   # c10d's kUnsetTimeout: the group's
-
-
-def _timeout(opts) -> float | None:
-    t = getattr(opts, "timeout", None)
-    if isinstance(t, timedelta) and t.total_seconds() > 0:
-        return t.total_seconds()
-    return None  # kUnsetTimeout (-1 ms): the group's
-
-
-def _one(tensors, op: str, arg: str, group: GroupContext) -> torch.Tensor:
-    """The single tensor of torch's one-element tensor lists (or a bare tensor)."""
-    if type(tensors) is list and len(tensors) == 1:   # (what torch passes)
-        return tensors[0]
-    if isinstance(tensors, torch.Tensor):
-        return tensors
-    if not isinstance(tensors, (list, tuple)) or len(tensors) != 1:
-        got = len(tensors) if isinstance(tensors, (list, tuple)) else type(tensors).__name__
-        raise located(ValueError, op, f"{arg} must hold exactly one tensor (one per "
-                      f"process), got {got}", group)
-    return tensors[0]
-
-
-def _reduce_of(opts, default=_SUM):
-    if type(opts) is AllreduceOptions:   # torch's all_reduce: the common case first
-        return reduce_op(opts.reduceOp)
-    if opts is None:
-        return reduce_op(default)
-    if isinstance(opts, (dist.ReduceOp, dist.ReduceOp.RedOpType)):
-        return reduce_op(opts)
-    return reduce_op(opts.reduceOp)
 
 
 class SpmdProcessGroup(dist.ProcessGroup):
@@ -170,7 +160,7 @@ class SpmdProcessGroup(dist.ProcessGroup):
         to collect its Work: then it is spmd's blocking call, and torch gets no Work."""
         if getattr(opts, "asyncOp", True) or self._coalescing is not None:
             return False
-        return opts.timeout == _UNSET_TIMEOUT or _timeout(opts) is None
+        return opts.timeout == UNSET_TIMEOUT or timeout_of(opts) is None
 
     def _issue(self, opts, outputs, name: str, call, /, *args, **kwargs) -> SpmdWork | None:
         """Run ``call`` (spmd's op ``name``) on this group: blocking where torch waits at
@@ -182,7 +172,7 @@ class SpmdProcessGroup(dist.ProcessGroup):
                           name, opts)
 
     def _work(self, works, outputs, op, opts=None, finish=None) -> SpmdWork:
-        work = SpmdWork(works, outputs, op, self._spmd, finish, _timeout(opts))
+        work = SpmdWork(works, outputs, op, self._spmd, finish, timeout_of(opts))
         if self._coalescing is not None:
             self._coalescing.append(work)
         return work
@@ -191,9 +181,15 @@ class SpmdProcessGroup(dist.ProcessGroup):
 
     def allreduce(self, tensors, opts=None, op=None, timeout=None):
         """All-reduce one tensor in place (``opts``: AllreduceOptions or a ReduceOp)."""
+        if type(opts) is AllreduceOptions and not opts.asyncOp and op is None and \
+                opts.timeout == UNSET_TIMEOUT and self._coalescing is None and \
+                type(tensors) is list and len(tensors) == 1 and opts.reduceOp == TORCH_SUM:
+            a = views.get(tensors[0])
+            if a is not None and direct.all_reduce(a, SPMD_SUM, self._spmd):
+                return None
         ctx = self._spmd.context
-        t = _one(tensors, "allreduce", "tensors", ctx)
-        red = _reduce_of(op if op is not None else opts)
+        t = one_tensor(tensors, "allreduce", "tensors", ctx)
+        red = reduce_of(op if op is not None else opts)
         a = host_out(t, "all_reduce", "tensor", ctx, True)
         if self._waited(opts):   # (the hottest call: _issue's steps, inline)
             spmd.all_reduce(a, red, group=self._spmd)
@@ -203,7 +199,7 @@ class SpmdProcessGroup(dist.ProcessGroup):
 
     def allreduce_coalesced(self, tensors, opts=None):
         """All-reduce a list of tensors, fused into one collective per dtype bucket."""
-        red = _reduce_of(opts)
+        red = reduce_of(opts)
         arrays = [host_out(t, "all_reduce_coalesced", f"tensors[{i}]", self._spmd.context, True)
                   for i, t in enumerate(tensors)]
         with spmd.coalescing_manager(group=self._spmd, async_ops=True) as cm:
@@ -213,7 +209,13 @@ class SpmdProcessGroup(dist.ProcessGroup):
 
     def broadcast(self, tensors, opts=None):
         """Broadcast from group rank ``opts.rootRank`` (or ``broadcast(tensor, root)``)."""
-        t = _one(tensors, "broadcast", "tensors", self._spmd.context)
+        if type(opts) is BroadcastOptions and not opts.asyncOp and opts.rootTensor == 0 and \
+                opts.timeout == UNSET_TIMEOUT and self._coalescing is None and \
+                type(tensors) is list and len(tensors) == 1:
+            a = views.get(tensors[0])
+            if a is not None and direct.broadcast(a, None, self._spmd, opts.rootRank):
+                return None
+        t = one_tensor(tensors, "broadcast", "tensors", self._spmd.context)
         if isinstance(opts, int):
             root = opts
         else:
@@ -227,9 +229,9 @@ class SpmdProcessGroup(dist.ProcessGroup):
 
     def reduce(self, tensors, opts=None, op=None):
         """Reduce into group rank ``opts.rootRank`` (or ``reduce(tensor, root, op)``)."""
-        t = _one(tensors, "reduce", "tensors", self._spmd.context)
+        t = one_tensor(tensors, "reduce", "tensors", self._spmd.context)
         if isinstance(opts, int):
-            root, red, opts = opts, reduce_op(op if op is not None else _SUM), None
+            root, red, opts = opts, reduce_op(op if op is not None else SUM), None
         else:
             opts = opts or ReduceOptions()
             root, red = opts.rootRank, reduce_op(opts.reduceOp)
@@ -239,7 +241,7 @@ class SpmdProcessGroup(dist.ProcessGroup):
 
     def allgather(self, output_tensors, input_tensors, opts=None):
         """All-gather (list form; sizes may differ per rank)."""
-        t = _one(input_tensors, "allgather", "input_tensors", self._spmd.context)
+        t = one_tensor(input_tensors, "allgather", "input_tensors", self._spmd.context)
         outs = output_tensors[0] if output_tensors and isinstance(output_tensors[0], (list, tuple)) \
             else output_tensors
         if len(output_tensors) != 1 and outs is not output_tensors:
@@ -253,6 +255,11 @@ class SpmdProcessGroup(dist.ProcessGroup):
 
     def all_gather_single(self, output, input, opts=None):
         """All-gather into one tensor (``all_gather_into_tensor``)."""
+        if type(opts) is AllgatherOptions and not opts.asyncOp and \
+                opts.timeout == UNSET_TIMEOUT and self._coalescing is None:
+            pair = views.get_pair(output, input)
+            if pair is not None and direct.all_gather_into_tensor(*pair, self._spmd):
+                return None
         if same_storage(output, input):
             input = input.clone()
         a = host_in(input, "all_gather_into_tensor", "input_tensor", self._spmd.context)
@@ -283,13 +290,13 @@ class SpmdProcessGroup(dist.ProcessGroup):
         outs = [[host_out(o, "all_gather_coalesced", f"output_tensor_lists[{r}][{j}]", self._spmd.context)
                  for j, o in enumerate(row)] for r, row in enumerate(output_lists)]
         fut = spmd.all_gather_coalesced(outs, ins, group=self._spmd, async_op=True)
-        return self._work([_FutureWork(fut)], output_lists, "all_gather_coalesced", opts)
+        return self._work([FutureWork(fut)], output_lists, "all_gather_coalesced", opts)
 
     def gather(self, output_tensors, input_tensors, opts=None):
         """Gather into group rank ``opts.rootRank``: ``output_tensors`` is
         ``[gather_list]`` there and ``[]`` elsewhere."""
         opts = opts or GatherOptions()
-        t = _one(input_tensors, "gather", "input_tensors", self._spmd.context)
+        t = one_tensor(input_tensors, "gather", "input_tensors", self._spmd.context)
         root = opts.rootRank
         outs = None
         if self._spmd.rank() == root:
@@ -304,7 +311,7 @@ class SpmdProcessGroup(dist.ProcessGroup):
         """Scatter from group rank ``opts.rootRank``: ``input_tensors`` is
         ``[scatter_list]`` there and ``[]`` elsewhere."""
         opts = opts or ScatterOptions()
-        t = _one(output_tensors, "scatter", "output_tensors", self._spmd.context)
+        t = one_tensor(output_tensors, "scatter", "output_tensors", self._spmd.context)
         root = opts.rootRank
         ins = None
         if self._spmd.rank() == root:
@@ -316,10 +323,10 @@ class SpmdProcessGroup(dist.ProcessGroup):
 
     def reduce_scatter(self, output_tensors, input_tensors, opts=None):
         """Reduce-scatter, list form (sizes may differ per destination)."""
-        t = _one(output_tensors, "reduce_scatter", "output_tensors", self._spmd.context)
+        t = one_tensor(output_tensors, "reduce_scatter", "output_tensors", self._spmd.context)
         lst = input_tensors[0] if input_tensors and isinstance(input_tensors[0], (list, tuple)) \
             else input_tensors
-        red = _reduce_of(opts)
+        red = reduce_of(opts)
         ins = [host_in(x.clone() if same_storage(x, t) else x, "reduce_scatter",
                        f"input_list[{i}]", self._spmd.context, True) for i, x in enumerate(lst)]
         out = host_out(t, "reduce_scatter", "output", self._spmd.context, True)
@@ -327,9 +334,15 @@ class SpmdProcessGroup(dist.ProcessGroup):
 
     def reduce_scatter_single(self, output, input, opts=None):
         """Reduce-scatter one tensor into equal chunks (``reduce_scatter_tensor``)."""
+        if type(opts) is ReduceScatterOptions and not opts.asyncOp and \
+                opts.timeout == UNSET_TIMEOUT and self._coalescing is None and \
+                opts.reduceOp == TORCH_SUM:
+            pair = views.get_pair(output, input)
+            if pair is not None and direct.reduce_scatter_tensor(*pair, SPMD_SUM, self._spmd):
+                return None
         if same_storage(output, input):
             input = input.clone()
-        red = _reduce_of(opts)
+        red = reduce_of(opts)
         a = host_in(input, "reduce_scatter_tensor", "input", self._spmd.context, True)
         out = host_out(output, "reduce_scatter_tensor", "output", self._spmd.context, True)
         return self._issue(opts, [output], "reduce_scatter_tensor", spmd.reduce_scatter_tensor, out, a, red)
@@ -338,7 +351,7 @@ class SpmdProcessGroup(dist.ProcessGroup):
 
     def reduce_scatter_single_coalesced(self, outputs, inputs, opts=None):
         """Several reduce_scatter_tensor calls, fused per dtype."""
-        red = _reduce_of(opts)
+        red = reduce_of(opts)
         pairs = []
         for i, (o, x) in enumerate(zip(outputs, inputs)):
             if same_storage(o, x):
@@ -378,27 +391,31 @@ class SpmdProcessGroup(dist.ProcessGroup):
 
     def barrier(self, opts=None):
         """Every rank of the group enters before any leaves."""
+        if type(opts) is BarrierOptions and not opts.asyncOp and not opts.device_ids and \
+                opts.timeout == UNSET_TIMEOUT and self._coalescing is None and \
+                direct.barrier(self._spmd):
+            return None
         return self._issue(opts, [], "barrier", spmd.barrier)
 
     # -- point to point ---------------------------------------------------------------
 
     def send(self, tensors, dst_rank: int, tag: int = 0):
         """Start sending to group rank ``dst_rank`` (nonblocking: batches cannot deadlock)."""
-        t = _one(tensors, "send", "tensors", self._spmd.context)
+        t = one_tensor(tensors, "send", "tensors", self._spmd.context)
         a = host_in(t, "send", "tensor", self._spmd.context)
         w = spmd.isend(a, group_dst=dst_rank, group=self._spmd, tag=tag)
         return self._work([w], [t], "send")
 
     def recv(self, tensors, src_rank: int, tag: int = 0):
         """Start receiving from group rank ``src_rank``."""
-        t = _one(tensors, "recv", "tensors", self._spmd.context)
+        t = one_tensor(tensors, "recv", "tensors", self._spmd.context)
         a = host_out(t, "recv", "tensor", self._spmd.context)
         w = spmd.irecv(a, group_src=src_rank, group=self._spmd, tag=tag)
         return self._work([w], [t], "recv")
 
     def recv_anysource(self, tensors, tag: int = 0):
         """Start receiving from any rank; ``_source_rank()`` tells which (group rank)."""
-        t = _one(tensors, "recv", "tensors", self._spmd.context)
+        t = one_tensor(tensors, "recv", "tensors", self._spmd.context)
         a = host_out(t, "recv", "tensor", self._spmd.context)
         w = spmd.irecv(a, group=self._spmd, tag=tag)
         work = self._work([w], [t], "recv")
@@ -488,24 +505,6 @@ TORCH_OPS = ("allreduce", "allreduce_coalesced", "broadcast", "reduce", "allgath
              "recv_anysource", "end_coalescing", "_end_coalescing", "shrink")
 for _name in TORCH_OPS:
     setattr(SpmdProcessGroup, _name, raising_torch_errors(vars(SpmdProcessGroup)[_name]))
-
-
-class _FutureWork:
-    """An spmd Future (what spmd's coalesced all-gather returns) seen as a Work."""
-
-    def __init__(self, fut):
-        self._fut = fut
-
-    def wait(self, timeout=None) -> bool:
-        self._fut.wait()
-        return True
-
-    def is_completed(self) -> bool:
-        return self._fut.done()
-
-    def exception(self):
-        # the spmd Future's error, without polling its producer (done() would)
-        return self._fut._exc if self._fut._done else None
 
 
 def _keep_excepthook_output() -> None:

@@ -32,7 +32,7 @@ from spmd.core.arrays import tensor_as_numpy, tensor_without_dense_memory
 from spmd.core.context import GroupContext
 from spmd.core.errors import located
 
-__all__ = ["host_in", "host_out", "reduce_op", "same_storage"]
+__all__ = ["host_in", "host_out", "reduce_op", "same_storage", "views"]
 
 # Dtypes numpy cannot hold: moved as unsigned integers of the same width.
 _AS_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -86,6 +86,31 @@ class _Views:
         except (RuntimeError, NotImplementedError):  # now without dense memory
             pass
         return None
+
+    def get_pair(self, t, u) -> tuple[np.ndarray, np.ndarray] | None:
+        """The kept views of tensors ``t`` and ``u`` (an op's output and input), if both
+        still describe their tensors' memory and the two do not overlap (MPI forbids
+        that between one call's buffers: the op's own path copies the input then); else
+        None.  :meth:`get` for two tensors in one call (the ops that take the compiled
+        path straight from torch count their Python frames)."""
+        by_id = self._by_id
+        found = []
+        for x in (t, u):
+            entry = by_id.get(id(x))
+            if entry is None:
+                return None
+            ref, ptr, shape, dtype, view = entry
+            try:
+                if not (ref() is x and x.data_ptr() == ptr and x.dtype is dtype and
+                        x.shape == shape and x.is_contiguous()):
+                    return None
+            except (RuntimeError, NotImplementedError):  # now without dense memory
+                return None
+            found.append((ptr, view))
+        (p, a), (q, b) = found
+        if p < q + b.nbytes and q < p + a.nbytes:
+            return None
+        return a, b
 
     def keeps(self, t) -> bool:
         """Whether a view of CPU tensor ``t`` is kept: ``t`` is small and contiguous, of

@@ -25,7 +25,7 @@ from spmd.core.timeouts import to_seconds
 from spmd.core.wait import timeout_error
 from spmd.torch._errors import as_torch_error
 
-__all__ = ["SpmdWork"]
+__all__ = ["FutureWork", "SpmdWork"]
 
 _monotonic = time.monotonic
 
@@ -296,3 +296,21 @@ class _Poller:
 
 _poller = _Poller()
 atexit.register(_poller.stop)  # before mpi4py finalises MPI (atexit runs in reverse)
+
+
+class FutureWork:
+    """An spmd Future (what spmd's coalesced all-gather returns) seen as a Work."""
+
+    def __init__(self, fut):
+        self._fut = fut
+
+    def wait(self, timeout=None) -> bool:
+        self._fut.wait()
+        return True
+
+    def is_completed(self) -> bool:
+        return self._fut.done()
+
+    def exception(self):
+        # the spmd Future's error, without polling its producer (done() would)
+        return self._fut._exc if self._fut._done else None

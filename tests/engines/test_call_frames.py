@@ -148,26 +148,55 @@ def test_send_and_recv_are_one_frame_and_one_call_into_c(dist):
 
 
 def test_calls_the_entry_declines_take_the_python_path(dist, fresh):
-    """An async call, a root given as a group rank, a timeout of the call's own, a
-    non-contiguous view: the entry declines them and the op's Python path (which finds
+    """An async call, a reduce op MPI does not apply itself (AVG), a timeout of the
+    call's own, a non-contiguous view: the entry declines them and the op's Python path (which finds
     the group with ``resolve``) runs them, with the same results; a group destroyed
     since raises that path's error."""
     n, r = dist.get_world_size(), dist.get_rank()
     g, h = fresh(), fresh()
     dist.barrier(group=g)          # the group's host engine exists from here on
     x = np.full(4, r + 1.0)
+    y = np.full(4, r + 1.0)
     wide = np.full((4, 2), r + 1.0)
     calls = {"async": lambda: dist.all_reduce(x, group=g, async_op=True).wait(),
-             "group_src": lambda: dist.broadcast(x, group=g, group_src=n - 1),
+             "avg": lambda: dist.all_reduce(y, op=dist.ReduceOp.AVG, group=g),
              "timeout": lambda: dist.barrier(group=g, timeout=30),
              "view": lambda: dist.all_reduce(wide[:, 0], group=g)}
     for name, call in calls.items():
         frames, _ = calls_in(call)
         assert "runtime/group.py:resolve" in frames, (name, frames)
     np.testing.assert_array_equal(x, np.full(4, n * (n + 1) / 2))
+    np.testing.assert_array_equal(y, np.full(4, (n + 1) / 2))
     np.testing.assert_array_equal(wide[:, 0], np.full(4, n * (n + 1) / 2))
     np.testing.assert_array_equal(wide[:, 1], np.full(4, r + 1.0))
     dist.barrier(group=h)
     dist.destroy_process_group(h)
     with pytest.raises(RuntimeError, match="destroyed"):
         dist.all_reduce(x, group=h)
+
+
+def test_a_root_given_as_a_group_rank_takes_the_compiled_path(dist, fresh):
+    """broadcast, reduce, send and recv with group_src/group_dst (how torch's ops name
+    roots) run on the compiled path too; a group rank out of range, or given beside a
+    global one, is declined to the Python path, which says what is wrong."""
+    n, r = dist.get_world_size(), dist.get_rank()
+    g = fresh()
+    dist.barrier(group=g)
+    x = np.full(3, r + 1.0)
+    frames, c_calls = calls_in(lambda: dist.broadcast(x, group=g, group_src=n - 1))
+    np.testing.assert_array_equal(x, np.full(3, float(n)))
+    y = np.full(3, r + 1.0)
+    rframes, rc_calls = calls_in(lambda: dist.reduce(y, group=g, group_dst=0))
+    if r == 0:
+        np.testing.assert_array_equal(y, np.full(3, n * (n + 1) / 2))
+    with pytest.raises(ValueError, match="group_src"):
+        dist.broadcast(x, group=g, group_src=n)
+    with pytest.raises(ValueError):
+        dist.broadcast(x, src=0, group=g, group_src=0)
+    _compiled_or_skip()
+    if not _shm_takes(dist, "broadcast", x.nbytes):
+        assert frames == ["api/collectives.py:broadcast"], frames
+        assert c_calls == ["broadcast"], c_calls
+    if not _shm_takes(dist, "reduce", y.nbytes):
+        assert rframes == ["api/collectives.py:reduce"], rframes
+        assert rc_calls == ["reduce"], rc_calls

@@ -120,3 +120,87 @@ def test_timeouts_coalescing_and_async_keep_their_work(td):  # noqa: F811
     assert w is not None and w.wait()
     assert torch.equal(y, torch.full((2,), float(sum(range(n)))))
     np.testing.assert_array_equal(y.numpy(), np.full(2, float(sum(range(n)))))
+
+
+def _spmd_frames(call) -> tuple[list[str], list[str]]:
+    """The Python frames of spmd's package that ``call`` runs (``file:function``), and
+    the C functions called from them (``sys.setprofile``: a count that holds on every
+    machine)."""
+    import os
+    import sys
+
+    import spmd
+
+    root = os.path.dirname(os.path.abspath(spmd.__file__)) + os.sep
+    frames: list[str] = []
+    c_calls: list[str] = []
+
+    def profile(frame, event, arg):
+        path = frame.f_code.co_filename
+        if not path.startswith(root):
+            return
+        if event == "call":
+            frames.append(f"{path[len(root):]}:{frame.f_code.co_name}")
+        elif event == "c_call":
+            c_calls.append(arg.__name__)
+
+    sys.setprofile(profile)
+    try:
+        call()
+    finally:
+        sys.setprofile(None)
+    return frames, c_calls
+
+
+def test_torch_hot_ops_take_at_most_three_spmd_frames(td):  # noqa: F811
+    """torch's blocking all_reduce, broadcast, all_gather_into_tensor,
+    reduce_scatter_tensor and barrier on small CPU tensors seen before: at most three
+    of spmd's Python frames (the error translation, the backend's method, the kept
+    views' lookup) and one call of the compiled path's entry; the results as numpy
+    computes them."""
+    if fastcall.compiled is None:
+        pytest.skip(f"the compiled path is off ({fastcall.reason}): the counts are its")
+    import spmd
+
+    me, n = td.get_rank(), td.get_world_size()
+    shm = spmd.GroupMember.WORLD.engines["cpu"].shm if "cpu" in spmd.GroupMember.WORLD.engines \
+        else None
+    x = torch.zeros(4)
+    b = torch.zeros(3, dtype=torch.int64)
+    small, big = torch.zeros(2), torch.zeros(2 * n)
+    src, out = torch.zeros(2 * n), torch.zeros(2)
+    ops = {
+        "all_reduce": (lambda: x.copy_(torch.arange(4.0) + me),
+                       lambda: td.all_reduce(x),
+                       lambda: np.testing.assert_array_equal(
+                           x.numpy(), sum(np.arange(4.0) + r for r in range(n)))),
+        "broadcast": (lambda: b.fill_(7 if me == n - 1 else -1),
+                      lambda: td.broadcast(b, src=n - 1),
+                      lambda: np.testing.assert_array_equal(b.numpy(), np.full(3, 7))),
+        "all_gather_into_tensor": (
+            lambda: small.copy_(torch.tensor([me, 10.0 * me])),
+            lambda: td.all_gather_into_tensor(big, small),
+            lambda: np.testing.assert_array_equal(
+                big.numpy(), np.array([[r, 10.0 * r] for r in range(n)]).ravel())),
+        "reduce_scatter_tensor": (
+            lambda: src.copy_(torch.arange(2.0 * n) * (me + 1)),
+            lambda: td.reduce_scatter_tensor(out, src),
+            lambda: np.testing.assert_array_equal(
+                out.numpy(), np.arange(2.0 * n)[2 * me:2 * me + 2] * n * (n + 1) / 2)),
+        "barrier": (lambda: None, lambda: td.barrier(), lambda: None),
+    }
+    for op, (fill, call, check) in ops.items():
+        fill()
+        call()        # the views are made and kept here
+        check()
+        fill()
+        frames, c_calls = _spmd_frames(call)
+        check()
+        takes_shm = shm is not None and op != "barrier" and (
+            shm.gathers(8 * n * 2) if op == "all_gather_into_tensor" else
+            4 * 8 >= getattr(shm, {"all_reduce": "all_reduce_from", "broadcast": "broadcast_from",
+                                   "reduce_scatter_tensor": "reduce_scatter_from"}[op]))
+        if takes_shm:
+            continue   # SPMD_SHM=force: the shared-memory engine takes it on its own path
+        assert len(frames) <= 3, (op, frames)
+        assert c_calls.count(op) == 1, (op, c_calls)

@@ -472,6 +472,18 @@ static PyObject *group_rank(FastComm *fc, PyObject *r) {
     return g;
 }
 
+/* ``g`` if it is an exact int naming a rank of fc's group (borrowed); NULL (no error)
+ * otherwise. */
+static PyObject *member(FastComm *fc, PyObject *g) {
+    if (!PyLong_CheckExact(g)) return NULL;
+    long v = PyLong_AsLong(g);
+    if (v == -1 && PyErr_Occurred()) {
+        PyErr_Clear();
+        return NULL;
+    }
+    return v >= 0 && v < fc->size ? g : NULL;
+}
+
 /* What the group makes of the error the call raised (spmd.backends.mpi.faults.failure:
  * MPI's report of a dead rank becomes the group's ProcessFailedError), raised as the
  * host engine's Python path raises it. */
@@ -514,12 +526,19 @@ static PyObject *on_group(PyObject *group, int op, OpMethod method, PyObject *co
 }
 
 /* The ops whose root or peer is a global rank (args[root_at]): made a group rank first;
- * a group rank given instead (group_root) is the Python path's. */
+ * or a group rank given instead (group_root: torch's ops name roots so), taken as it is
+ * where it names a member and no global rank is given beside it (else the Python path
+ * says what is wrong). */
 static PyObject *on_group_rooted(PyObject *group, int op, OpMethod method, PyObject **args,
                                  Py_ssize_t n, int root_at, PyObject *group_root) {
-    FastComm *fc = group_root == Py_None ? fast_of(group) : NULL;
+    FastComm *fc = fast_of(group);
     if (fc == NULL) Py_RETURN_FALSE;
-    PyObject *g = group_rank(fc, args[root_at]);
+    PyObject *g;
+    if (group_root == Py_None) {
+        g = group_rank(fc, args[root_at]);
+    } else {   /* the root as a group rank: a member's, and no global one beside it */
+        g = args[root_at] == Py_None ? member(fc, group_root) : NULL;
+    }
     if (g == NULL) Py_RETURN_FALSE;
     args[root_at] = g;
     Py_INCREF(fc);
