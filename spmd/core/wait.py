@@ -1,7 +1,8 @@
 """The one wait loop: every place that waits for other ranks polls through here.
 
-``wait_until`` polls a test until it passes, naps between polls when ranks outnumber
-cores or once the wait has lasted :data:`NAP_AFTER_SECONDS`, and past the deadline raises the DistTimeoutError that the
+``wait_until`` polls a test until it passes, gives the core away between polls when
+ranks outnumber cores, naps between them once the wait has lasted
+:data:`NAP_AFTER_SECONDS`, and past the deadline raises the DistTimeoutError that the
 reliability layer (``spmd.runtime.diagnosis``) composes: where the other ranks are, the group
 marked broken for a collective, the flight recorder dumped.  Without that layer (before
 init, or in a bare engine test) the error says what timed out and where.
@@ -26,9 +27,9 @@ _monotonic = time.monotonic
 _yield = os.sched_yield
 _sleep = time.sleep
 
-# A napping wait sleeps this long between polls: long enough for the scheduler to run
-# another process on the core (a sched_yield hardly hands it over), short beside a wait
-# that naps (spmd.backends.mpi._fastcall's waits nap as long).
+# A napping wait sleeps this long between polls (spmd.backends.mpi._fastcall's waits nap
+# as long): its core goes to other processes, and a completion is seen within about
+# this long (plus the kernel's timer slack, some 50 us).
 NAP_SECONDS = 20e-6
 # A wait that has lasted this long is for a late peer, not for the transfer: it naps
 # from then on (SPMD_WAIT=auto and yield), so that ranks waiting for a straggler, a
@@ -39,9 +40,10 @@ NAP_AFTER_SECONDS = 0.02
 # True when this node runs more ranks than it has cores (the shared-memory engine sizes
 # its slots and thresholds for it).
 oversubscribed = False
-# True when waiting ranks nap between polls from the start instead of spinning: on an
-# oversubscribed node (SPMD_WAIT=auto), or always (SPMD_WAIT=yield: cores shared with
-# other jobs or threads, which a spinning wait would starve).
+# True when waiting ranks give their core away between polls (sched_yield: the peer on
+# the core runs at once) instead of spinning on it: on an oversubscribed node
+# (SPMD_WAIT=auto), or always (SPMD_WAIT=yield: cores shared with other jobs or
+# threads, which a spinning wait would starve).
 yields = False
 # Seconds after which a wait naps between polls; -1: never (SPMD_WAIT=spin).
 nap_after = NAP_AFTER_SECONDS
@@ -138,8 +140,8 @@ def wait_until(test: Callable[[], Any], seconds: float, op: str, group: GroupCon
         op, group: what is waited for, for the message.
         seq, kind, source, work: what the diagnosis reports (the op's sequence number,
             "collective" or "p2p", which wait timed out, the Work if there is one).
-        nap: what to do between polls (default: a nap where waits yield, and once the
-            wait has lasted ``nap_after``).
+        nap: what to do between polls (default: yield the core where waits yield, and
+            nap once the wait has lasted ``nap_after``).
         on_timeout: called past the deadline, before the error is raised (NCCL aborts
             its communicator; an MPI Work gives its op up); if it returns True the op
             completed after all (a cancelled receive whose message had matched) and the
@@ -153,7 +155,7 @@ def wait_until(test: Callable[[], Any], seconds: float, op: str, group: GroupCon
     start = _monotonic()
     deadline = start + seconds
     nap_from = start + nap_after if nap_after >= 0 else float("inf")
-    napping = yields
+    napping = False
     spins = 0
     while not test():
         spins += 1
@@ -161,8 +163,9 @@ def wait_until(test: Callable[[], Any], seconds: float, op: str, group: GroupCon
             nap()
         elif napping:
             _sleep(NAP_SECONDS)
-        # A nap lasts tens of microseconds: look at the clock more often then.
-        if spins & (7 if napping else 255):
+        elif yields:
+            _yield()
+        if spins & 255:
             continue
         if _failure_check is not None:
             failed = _failure_check(op, group)

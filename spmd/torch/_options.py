@@ -14,13 +14,13 @@ from spmd.core.context import GroupContext
 from spmd.core.errors import located
 from spmd.torch._tensors import reduce_op
 
-__all__ = ["SPMD_SUM", "SUM", "TORCH_SUM", "UNSET_TIMEOUT", "one_tensor", "reduce_of",
+__all__ = ["SUM_SPMD", "SUM", "SUM_TORCH", "UNSET_TIMEOUT", "one_tensor", "reduce_of",
            "timeout_of"]
 
 SUM = dist.ReduceOp.SUM
 # The SUM of torch's reduce-op enum (what option objects hold) and spmd's, for the hot
 # ops' test of their common case.
-TORCH_SUM, SPMD_SUM = dist.ReduceOp.RedOpType.SUM, spmd.ReduceOp.SUM  # type: ignore[attr-defined]
+SUM_TORCH, SUM_SPMD = dist.ReduceOp.RedOpType.SUM, spmd.ReduceOp.SUM  # type: ignore[attr-defined]
 UNSET_TIMEOUT = AllreduceOptions().timeout   # c10d's kUnsetTimeout: the group's
 
 

@@ -52,9 +52,9 @@ from spmd.core.cuda import cupy_or_none
 from spmd.core.errors import located
 from spmd.torch._errors import raising_torch_errors
 from spmd.torch._options import (
-    SPMD_SUM,
     SUM,
-    TORCH_SUM,
+    SUM_SPMD,
+    SUM_TORCH,
     UNSET_TIMEOUT,
     one_tensor,
     reduce_of,
@@ -183,9 +183,9 @@ class SpmdProcessGroup(dist.ProcessGroup):
         """All-reduce one tensor in place (``opts``: AllreduceOptions or a ReduceOp)."""
         if type(opts) is AllreduceOptions and not opts.asyncOp and op is None and \
                 opts.timeout == UNSET_TIMEOUT and self._coalescing is None and \
-                type(tensors) is list and len(tensors) == 1 and opts.reduceOp == TORCH_SUM:
+                type(tensors) is list and len(tensors) == 1 and opts.reduceOp == SUM_TORCH:
             a = views.get(tensors[0])
-            if a is not None and direct.all_reduce(a, SPMD_SUM, self._spmd):
+            if a is not None and direct.all_reduce(a, SUM_SPMD, self._spmd):
                 return None
         ctx = self._spmd.context
         t = one_tensor(tensors, "allreduce", "tensors", ctx)
@@ -336,9 +336,9 @@ class SpmdProcessGroup(dist.ProcessGroup):
         """Reduce-scatter one tensor into equal chunks (``reduce_scatter_tensor``)."""
         if type(opts) is ReduceScatterOptions and not opts.asyncOp and \
                 opts.timeout == UNSET_TIMEOUT and self._coalescing is None and \
-                opts.reduceOp == TORCH_SUM:
+                opts.reduceOp == SUM_TORCH:
             pair = views.get_pair(output, input)
-            if pair is not None and direct.reduce_scatter_tensor(*pair, SPMD_SUM, self._spmd):
+            if pair is not None and direct.reduce_scatter_tensor(*pair, SUM_SPMD, self._spmd):
                 return None
         if same_storage(output, input):
             input = input.clone()

@@ -6,6 +6,7 @@
 
 #include "_fastcall_bind.h"
 
+#include <sched.h>
 #include <time.h>
 
 /* Why a wait ended without its op (spmd.backends.mpi.fastcall's names). */
@@ -21,9 +22,9 @@ INTERNAL int give_up(Handle *req, int op, Call *c, int64_t number, double waited
 /* Raise mpi4py's error for an MPI error code; -1. */
 INTERNAL int raise_mpi_error(int code);
 
-/* How long a poll of a napping wait sleeps: long enough for the scheduler to run another
- * process on this core (a sched_yield hardly hands it over), short beside a wait that
- * already lasted nap_after.  As spmd.core.wait.NAP_SECONDS. */
+/* How long a napping wait sleeps between polls: its core goes to other processes, and a
+ * completion is seen within about this long (plus the kernel's timer slack), short beside
+ * a wait that already lasted nap_after.  As spmd.core.wait.NAP_SECONDS. */
 #define NAP_NANOSECONDS 20000L
 
 static inline void nap(void) {
@@ -34,11 +35,12 @@ static inline void nap(void) {
 }
 
 /* Test the request until it completes: the group's timeout, the group's end (broken or
- * destroyed meanwhile: a peer gave the op up), signals, the GIL handed over, naps between
- * polls (from the start when ranks outnumber cores, past nap_after otherwise: a wait
- * that long is for a late peer, and a core spinning for it is one another process of
- * the node lacks), as spmd.core.wait.wait_until.  A wait that ends without the op gives
- * it up (give_up). */
+ * destroyed meanwhile: a peer gave the op up), signals, the GIL handed over, the core
+ * given away between polls where ranks outnumber cores (a sched_yield: the peer on this
+ * core runs at once), and naps between polls past nap_after (a wait that long is for a
+ * late peer, and a core spinning or yielding for it is one another process of the node
+ * lacks), as spmd.core.wait.wait_until.  A wait that ends without the op gives it up
+ * (give_up). */
 static inline int wait_for(Handle *req, int op, Call *c, int64_t number) {
     FastComm *fc = c->fc;
     int flag = 0;
@@ -46,15 +48,15 @@ static inline int wait_for(Handle *req, int op, Call *c, int64_t number) {
     int rc = ((test_fn)fn[FN_TEST])(req, &flag, status);
     if (rc) return raise_mpi_error(rc);
     if (flag) return 0;
-    int napping = fc->yield;
+    int yield = fc->yield, napping = 0;
     double start = now(), deadline = start + fc->timeout;
     double nap_from = fc->nap_after < 0 ? 1e300 : start + fc->nap_after;
     /* Past the first millisecond each test runs without the GIL, as mpi4py's Test does
      * on the Python path: other Python threads of this rank (spmd's control thread,
      * which answers the diagnosis of a peer's timeout; the user's) get the GIL at every
      * poll instead of once in 256, which in a full test process was too rare for them
-     * to make progress (a Python thread ticked 3 times in a 0.5 s receive).  A napping
-     * wait hands the GIL over in each nap. */
+     * to make progress (a Python thread ticked 3 times in a 0.5 s receive).  A yielding
+     * or napping wait hands the GIL over in each yield or nap. */
     int released = 0;
     for (unsigned long spins = 1;; spins++) {
         if (released) {
@@ -66,9 +68,16 @@ static inline int wait_for(Handle *req, int op, Call *c, int64_t number) {
         }
         if (rc) return raise_mpi_error(rc);
         if (flag) return 0;
-        if (napping) nap();
-        /* A nap lasts tens of microseconds: look at the clock more often then. */
-        if (spins & (napping ? 7 : 255)) continue;
+        if (napping) {
+            nap();
+        } else if (yield) {
+            Py_BEGIN_ALLOW_THREADS
+            sched_yield();
+            Py_END_ALLOW_THREADS
+        }
+        /* A yield can take a scheduler tick, a nap tens of microseconds: look at the
+         * clock more often then. */
+        if (spins & ((yield || napping) ? 7 : 255)) continue;
         double t = now();
         if (t > deadline) return give_up(req, op, c, number, t - start, GAVE_UP_TIMEOUT);
         if (!fc->alive) return give_up(req, op, c, number, t - start, GAVE_UP_ENDED);
@@ -77,7 +86,7 @@ static inline int wait_for(Handle *req, int op, Call *c, int64_t number) {
         if (t >= nap_from) {
             napping = 1;
             released = 0;
-        } else if (!napping && t - start > 1e-3) {
+        } else if (!napping && !yield && t - start > 1e-3) {
             released = 1;
         }
     }
