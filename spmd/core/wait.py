@@ -2,7 +2,7 @@
 
 ``wait_until`` polls a test until it passes, gives the core away between polls when
 ranks outnumber cores, naps between them once the wait has lasted
-:data:`NAP_AFTER_SECONDS`, and past the deadline raises the DistTimeoutError that the
+``NAP_AFTER_SECONDS``, and past the deadline raises the DistTimeoutError that the
 reliability layer (``spmd.runtime.diagnosis``) composes: where the other ranks are, the group
 marked broken for a collective, the flight recorder dumped.  Without that layer (before
 init, or in a bare engine test) the error says what timed out and where.

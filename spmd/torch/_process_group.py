@@ -18,7 +18,7 @@ API then skips the wait); any other call starts the op and returns an SpmdWork.
 The hot collectives (allreduce, broadcast, all_gather_single, reduce_scatter_single,
 barrier) first try their common case in their own frame: torch waits at once with no
 timeout of the op's own and no coalescing block, a SUM, tensors whose numpy views are
-kept (:data:`spmd.torch._tensors.views`: small contiguous CPU tensors seen before).  Then
+kept (``spmd.torch._tensors.views``: small contiguous CPU tensors seen before).  Then
 the kept views go straight to the compiled path's entry (``fastcall.direct``), which
 runs the op or declines having done nothing; anything else, and every decline, takes the
 op's full path below, which checks everything and makes the views.  The condition is
