@@ -29,6 +29,7 @@ import time
 import numpy as np
 from mpi4py import MPI
 
+from spmd.backends.mpi import faults, finalize
 from spmd.backends.mpi.nodes import split_node
 from spmd.core import wait as _wait
 
@@ -141,7 +142,11 @@ class NodeWindow:
                 if time.monotonic() > deadline:
                     return False
                 nap()
-        except MPI.Exception:
+        except MPI.Exception as exc:
+            if faults.is_failure(exc):
+                # A rank of the node died: this process ends without MPI_Finalize, as
+                # where any other op met the death (Finalize would wait for the dead).
+                finalize.note_failure()
             return False
         return True
 
