@@ -73,3 +73,29 @@ def cycle(edges: set[tuple[str, str]]) -> list[str] | None:
             if found:
                 return found
     return None
+
+
+def calls_in(call) -> tuple[list[str], list[str]]:
+    """The Python frames of spmd's package that ``call()`` runs (``file:function``,
+    relative to the package) and the C functions called from them, in order
+    (``sys.setprofile`` sees every frame and C call: a count that holds on every
+    machine)."""
+    root = ROOT + os.sep
+    frames: list[str] = []
+    c_calls: list[str] = []
+
+    def profile(frame, event, arg):
+        path = frame.f_code.co_filename
+        if not path.startswith(root):
+            return
+        if event == "call":
+            frames.append(f"{path[len(root):]}:{frame.f_code.co_name}")
+        elif event == "c_call":
+            c_calls.append(arg.__name__)
+
+    sys.setprofile(profile)
+    try:
+        call()
+    finally:
+        sys.setprofile(None)
+    return frames, c_calls

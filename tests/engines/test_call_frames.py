@@ -8,38 +8,15 @@ apply and the tests say so; the results are checked either way.
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Callable
 
 import numpy as np
 import pytest
+from _call_graph import calls_in
 
 from spmd.backends.mpi import fastcall
 
 pytestmark = pytest.mark.mpi
-
-
-def calls_in(call: Callable[[], object]) -> tuple[list[str], list[str]]:
-    """The Python frames of spmd's files that ``call`` runs (``file:function``) and the C
-    functions called from them, in order."""
-    frames: list[str] = []
-    c_calls: list[str] = []
-
-    def profile(frame, event, arg):
-        path = frame.f_code.co_filename
-        if "/spmd/" not in path:
-            return
-        if event == "call":
-            frames.append(f"{path.rsplit('/spmd/', 1)[1]}:{frame.f_code.co_name}")
-        elif event == "c_call":
-            c_calls.append(arg.__name__)
-
-    sys.setprofile(profile)
-    try:
-        call()
-    finally:
-        sys.setprofile(None)
-    return frames, c_calls
 
 
 def _compiled_or_skip() -> None:

@@ -9,6 +9,7 @@ from datetime import timedelta
 
 import numpy as np
 import pytest
+from _call_graph import calls_in
 from test_torch_backend import td  # noqa: F401 - the fixture: torch.distributed on spmd
 
 from spmd.backends.mpi import fastcall
@@ -122,36 +123,6 @@ def test_timeouts_coalescing_and_async_keep_their_work(td):  # noqa: F811
     np.testing.assert_array_equal(y.numpy(), np.full(2, float(sum(range(n)))))
 
 
-def _spmd_frames(call) -> tuple[list[str], list[str]]:
-    """The Python frames of spmd's package that ``call`` runs (``file:function``), and
-    the C functions called from them (``sys.setprofile``: a count that holds on every
-    machine)."""
-    import os
-    import sys
-
-    import spmd
-
-    root = os.path.dirname(os.path.abspath(spmd.__file__)) + os.sep
-    frames: list[str] = []
-    c_calls: list[str] = []
-
-    def profile(frame, event, arg):
-        path = frame.f_code.co_filename
-        if not path.startswith(root):
-            return
-        if event == "call":
-            frames.append(f"{path[len(root):]}:{frame.f_code.co_name}")
-        elif event == "c_call":
-            c_calls.append(arg.__name__)
-
-    sys.setprofile(profile)
-    try:
-        call()
-    finally:
-        sys.setprofile(None)
-    return frames, c_calls
-
-
 def test_torch_hot_ops_take_at_most_three_spmd_frames(td):  # noqa: F811
     """torch's blocking all_reduce, broadcast, all_gather_into_tensor,
     reduce_scatter_tensor and barrier on small CPU tensors seen before: at most three
@@ -194,7 +165,7 @@ def test_torch_hot_ops_take_at_most_three_spmd_frames(td):  # noqa: F811
         call()        # the views are made and kept here
         check()
         fill()
-        frames, c_calls = _spmd_frames(call)
+        frames, c_calls = calls_in(call)
         check()
         takes_shm = shm is not None and op != "barrier" and (
             shm.gathers(8 * n * 2) if op == "all_gather_into_tensor" else
